@@ -1,0 +1,1050 @@
+"""The Mesh: the notebook kernel as single controller of persistent ranks.
+
+Threads
+-------
+- The caller's thread (the kernel's main thread in a notebook) submits work and waits for it. Its waits are
+  short, interruptible condition waits, so SIGINT (the notebook's interrupt) always reaches it; it never joins
+  a collective.
+- The I/O thread (``monarch-io``) owns the ZeroMQ ROUTER socket and the Signer: it receives, verifies and
+  dispatches every rank message, drives the rendezvous handshake, sends what the outbox holds and pings ranks.
+- The launcher's reader thread delivers rank output bytes and exit statuses (``on_output``, ``on_exit``).
+All shared state is guarded by ``self._cond``'s lock.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextvars
+import enum
+import inspect
+import itertools
+import linecache
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from monarch_worker import protocol as P
+from monarch_worker.channel import Outbox
+from monarch_worker.serialize import dumps, loads
+
+from ..errors import (
+    MeshError,
+    MeshNotRunningError,
+    MeshStartError,
+    MeshTimeoutError,
+    MonarchError,
+    RankDiedError,
+    RemoteError,
+    describe_returncode,
+)
+from .launcher import Launcher, LocalLauncher
+from .output import StreamSplitter, write_lines
+from .ranks import RankMap, format_ranks, parse_ranks
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Mesh", "RankState", "CellHandle", "current_mesh"]
+
+_current: Mesh | None = None
+
+LAST_LINES = 20  # lines of output kept per rank for death reports
+
+
+def current_mesh() -> Mesh:
+    """The mesh started last in this process (by ``%mesh start`` or ``Mesh(...)``).
+
+    Raises
+    ------
+    MeshNotRunningError
+        No mesh was started.
+    """
+    if _current is None:
+        raise MeshNotRunningError("no mesh is running: start one with  %mesh start -n 4  (or Mesh(nproc=4))")
+    return _current
+
+
+class RankState(str, enum.Enum):
+    """Lifecycle of a rank as the controller sees it."""
+
+    STARTING = "starting"
+    IDLE = "idle"
+    RUNNING = "running"
+    DEAD = "dead"
+    STOPPED = "stopped"
+
+
+@dataclass
+class RankInfo:
+    """Live handle of one rank (mutable; guarded by the mesh lock)."""
+
+    rank: int
+    state: RankState = RankState.STARTING
+    pid: int | None = None
+    host: str = ""
+    device: str = ""
+    backend: str = ""
+    identity: bytes | None = None
+    returncode: int | None = None
+    start_error: str = ""
+    rss: int = 0
+    last_heard: float = 0.0
+    cells: deque = field(default_factory=deque)  # cells submitted to this rank, not yet finished on it
+    last_lines: deque = field(default_factory=lambda: deque(maxlen=LAST_LINES))
+    splitters: dict = field(default_factory=lambda: {"stdout": StreamSplitter(), "stderr": StreamSplitter()})
+    progress: tuple | None = None
+
+
+class CellHandle:
+    """One cell (or call) submitted to some ranks; what ``Mesh.run(..., block=False)`` returns.
+
+    Output lines arrive in ``_lines`` and are written by whoever waits (``wait``/``result``) or, when nobody
+    waits, by the thread that receives them, inside the submitter's context.
+    """
+
+    def __init__(self, mesh: Mesh, cell_id: int, ranks: list[int], what: str, order: str) -> None:
+        self.mesh = mesh
+        self.cell_id = cell_id
+        self.ranks = ranks
+        self.what = what
+        self.order = order
+        self.ctx = contextvars.copy_context()
+        self.submitted = time.monotonic()
+        self.values: dict[int, Any] = {}
+        self.has_value: dict[int, bool] = {}
+        self.errors: dict[int, MonarchError] = {}
+        self.results_in: set[int] = set()
+        self.synced: dict[int, set[str]] = {r: set() for r in ranks}
+        self.finished: set[int] = set()
+        self.durations: dict[int, float] = {}
+        self._lines: list[tuple[int, str, str]] = []
+        self._held: dict[int, list] = {r: [] for r in ranks}  # order == "rank": lines not yet released
+        self._waiting = False
+        self._result_seen_at: dict[int, float] = {}
+
+    # All methods below with a leading underscore run under the mesh lock.
+
+    def _emit(self, rank: int, stream: str, text: str) -> None:
+        if self.order == "rank" and not self._released(rank):
+            self._held[rank].append((rank, stream, text))
+        else:
+            self._lines.append((rank, stream, text))
+        if not self._waiting:
+            self._deliver_now()
+
+    def _released(self, rank: int) -> bool:
+        for r in self.ranks:
+            if r == rank:
+                return True
+            if r not in self.finished:
+                return False
+        return True
+
+    def _release_held(self) -> None:
+        for r in self.ranks:
+            if self._held[r] and self._released(r):
+                self._lines.extend(self._held[r])
+                self._held[r] = []
+
+    def _deliver_now(self) -> None:
+        lines, self._lines = self._lines, []
+        write_lines(lines, self.ctx)
+
+    def _finish_rank(self, rank: int) -> None:
+        if rank in self.finished:
+            return
+        self.finished.add(rank)
+        if self.order == "rank":
+            self._release_held()
+            if not self._waiting:
+                self._deliver_now()
+
+    def _check_rank(self, rank: int) -> None:
+        if rank in self.results_in and (not self.mesh._launcher.relays_output
+                                        or self.synced[rank] >= {"stdout", "stderr"}):
+            self._finish_rank(rank)
+
+    @property
+    def _all_done(self) -> bool:
+        return len(self.finished) == len(self.ranks)
+
+    # Public API.
+
+    def done(self) -> bool:
+        """True when every rank has finished this cell (or died)."""
+        with self.mesh._cond:
+            return self._all_done
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds (None: forever) for the cell to finish; True when it has."""
+        return self.mesh._wait(self, timeout, raise_on_timeout=False)
+
+    def result(self, timeout: float | None = None) -> RankMap | None:
+        """Wait for the cell and return rank -> value of its last expression (None when no rank had one).
+
+        Raises
+        ------
+        MeshError
+            The cell raised on some ranks, or some ranks died; ``.results`` holds the others' values.
+        MeshTimeoutError
+            The cell did not finish within ``timeout`` seconds (the report says where each rank was).
+        """
+        self.mesh._wait(self, timeout, raise_on_timeout=True)
+        return self.mesh._outcome(self)
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "running"
+        return f"<CellHandle {self.what} on ranks {format_ranks(self.ranks)}: {state}>"
+
+
+class Mesh:
+    """A mesh of persistent worker processes, one per rank, each with torch.distributed initialized.
+
+    Parameters
+    ----------
+    nproc:
+        Number of ranks (world size), started on this host.
+    backend:
+        "gloo", "nccl" or "auto" (nccl when CUDA is available with at least ``nproc`` GPUs, else gloo).
+    start_timeout:
+        Seconds for every rank to start and join the process group before ``start`` fails.
+    timeout:
+        Default seconds a cell may run (None: no limit); a cell over it is interrupted and its stacks reported.
+    heartbeat_timeout:
+        Seconds a rank waits without hearing from the controller before it exits (no orphans).
+    pg_timeout:
+        Seconds a collective may block in torch.distributed before it fails (its own timeout).
+    env:
+        Extra environment variables for the ranks.
+    start:
+        Start at once (default). Otherwise call ``start()``.
+
+    Ranks see RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT as torchrun sets them,
+    and names ``rank``, ``world_size``, ``local_rank``, ``device``, ``dist`` and ``torch`` in their namespace.
+
+    Raises
+    ------
+    MeshStartError
+        A rank failed to start or to join within ``start_timeout`` (its error and output are in the message);
+        every process started is gone when it is raised.
+    """
+
+    def __init__(
+        self,
+        nproc: int = 4,
+        *,
+        backend: str = "auto",
+        start_timeout: float = 60.0,
+        timeout: float | None = None,
+        heartbeat_timeout: float = 30.0,
+        heartbeat_interval: float = 1.0,
+        pg_timeout: float = 1800.0,
+        interrupt_grace: float = 5.0,
+        env: dict[str, str] | None = None,
+        start: bool = True,
+    ) -> None:
+        if not isinstance(nproc, int) or nproc < 1:
+            raise ValueError(f"nproc must be a positive number of ranks, got {nproc!r}")
+        if backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo', 'nccl' or 'auto', got {backend!r}")
+        if backend == "nccl":
+            _check_gpus(nproc)
+        self.nproc = nproc
+        self.backend = backend
+        self.start_timeout = float(start_timeout)
+        self.timeout = timeout
+        self.heartbeat_timeout = float(heartbeat_timeout)
+        self.heartbeat_interval = float(heartbeat_interval)
+        self.pg_timeout = float(pg_timeout)
+        self.interrupt_grace = float(interrupt_grace)
+        self.env = dict(env or {})
+        self._cond = threading.Condition(threading.RLock())
+        self._ranks: dict[int, RankInfo] = {}
+        self._cells: dict[int, CellHandle] = {}
+        self._cell_ids = itertools.count(1)
+        self._last_cell: CellHandle | None = None
+        self._listeners: list[Callable[[str, dict], None]] = []
+        self._running = False
+        self._stopping = False
+        self._launcher: Launcher = Launcher()
+        self._ctx: zmq.Context | None = None
+        self._io: threading.Thread | None = None
+        self.address = ""
+        self.started_at = 0.0
+        self.ready_seconds = 0.0
+        if start:
+            self.start()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc
+
+    @property
+    def running(self) -> bool:
+        return self._running
+
+    def start(self) -> Mesh:
+        """Start every rank and wait until each has joined the process group (``start_timeout`` seconds).
+
+        Raises
+        ------
+        MeshStartError
+            A rank failed to start or to join in time; nothing is left running.
+        """
+        global _current
+        if self._running:
+            raise MonarchError("this mesh is already running; use restart() for fresh processes")
+        t0 = time.monotonic()
+        self._stopping = False
+        self._secret = os.urandom(32)
+        self._signer = P.Signer(self._secret)
+        self._outbox = Outbox()
+        self._ctx = zmq.Context()
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        port = self._router.bind_to_random_port("tcp://127.0.0.1")
+        self.address = f"tcp://127.0.0.1:{port}"
+        self._ranks = {r: RankInfo(r) for r in range(self.nproc)}
+        self._store_port: int | None = None
+        self._io_stop = threading.Event()
+        self._io = threading.Thread(target=self._io_loop, name="monarch-io", daemon=True)
+        self._io.start()
+        deadline = t0 + self.start_timeout
+        try:
+            self._launcher = LocalLauncher(self.start_timeout)
+            env = self._rank_env()
+            for r in range(self.nproc):
+                cfg = {
+                    "controller": self.address,
+                    "secret": self._secret.hex(),
+                    "rank": r,
+                    "world_size": self.nproc,
+                    "local_rank": r,
+                    "local_world_size": self.nproc,
+                    "backend": self.backend,
+                    "join_timeout": self.start_timeout,
+                    "pg_timeout": self.pg_timeout,
+                    "heartbeat_interval": self.heartbeat_interval,
+                    "heartbeat_timeout": self.heartbeat_timeout,
+                    "env": {},
+                }
+                self._launcher.start(r, env, cfg, self)
+            self._wait_started(deadline)
+        except BaseException:
+            self._teardown(graceful=False)
+            raise
+        self._running = True
+        self.ready_seconds = time.monotonic() - t0
+        self.started_at = time.time()
+        _current = self
+        self._event("started", ready_seconds=self.ready_seconds)
+        return self
+
+    def _rank_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(self.env)
+        # As torchrun: one OpenMP thread per rank unless the user chose, so N ranks do not oversubscribe cores.
+        env.setdefault("OMP_NUM_THREADS", "1")
+        # Local ranks talk over loopback; this also silences gloo's hostname-resolution warning.
+        env.setdefault("GLOO_SOCKET_IFNAME", _loopback_ifname())
+        env["MASTER_ADDR"] = "127.0.0.1"
+        for key in ("JPY_PARENT_PID", "MPLBACKEND"):
+            env.pop(key, None)
+        return env
+
+    def _wait_started(self, deadline: float) -> None:
+        with self._cond:
+            while True:
+                failed = [i for i in self._ranks.values() if i.start_error or i.state is RankState.DEAD]
+                if failed:
+                    info = failed[0]
+                    self._cond.release()
+                    try:
+                        time.sleep(0.2)  # let its last output arrive
+                    finally:
+                        self._cond.acquire()
+                    detail = info.start_error or ""
+                    if info.last_lines:
+                        detail += "\nits last output:\n" + "\n".join(f"  {line}" for line in info.last_lines)
+                    why = "failed to join" if info.start_error else f"died ({describe_returncode(info.returncode)})"
+                    raise MeshStartError(f"rank {info.rank} {why} while the mesh was starting", info.rank,
+                                         detail.strip("\n"))
+                if all(i.state is RankState.IDLE for i in self._ranks.values()):
+                    return
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    waiting = [i.rank for i in self._ranks.values() if i.state is not RankState.IDLE]
+                    raise MeshStartError(
+                        f"rank(s) {format_ranks(waiting)} did not join within {self.start_timeout:g} s; "
+                        "raise the start timeout (--timeout) or look at their output above", waiting[0])
+                self._cond.wait(min(remaining, 0.1))
+
+    def stop(self) -> None:
+        """Stop every rank (Shutdown, then SIGKILL after 3 s) and release the controller's socket."""
+        global _current
+        self._teardown(graceful=True)
+        if _current is self:
+            _current = None
+        self._event("stopped")
+
+    def restart(self) -> Mesh:
+        """Stop and start again: fresh processes, fresh namespaces, a fresh process group."""
+        self._teardown(graceful=True)
+        return self.start()
+
+    def _teardown(self, graceful: bool) -> None:
+        self._stopping = True
+        was_running = self._running
+        self._running = False
+        if self._io is not None and self._io.is_alive():
+            if graceful and was_running:
+                with self._cond:
+                    targets = [i for i in self._ranks.values() if i.identity and i.state is not RankState.DEAD]
+                for info in targets:
+                    self._post(info, P.Shutdown())
+                self._launcher.wait(3.0)
+            self._launcher.kill()
+            self._launcher.wait(5.0)
+            self._io_stop.set()
+            self._outbox.put(None)
+            self._io.join(5.0)
+        else:
+            self._launcher.kill()
+            self._launcher.wait(5.0)
+        with self._cond:
+            for info in self._ranks.values():
+                if info.state is not RankState.DEAD:
+                    info.state = RankState.STOPPED
+            for cell in list(self._cells.values()):
+                for r in cell.ranks:
+                    if r not in cell.finished:
+                        cell.errors.setdefault(r, RankDiedError(r, None, "the mesh was stopped"))
+                        cell._finish_rank(r)
+            self._cells.clear()
+            self._cond.notify_all()
+        if self._ctx is not None:
+            self._router.close(0)
+            self._ctx.term()
+            self._ctx = None
+            self._outbox.close()
+
+    def __enter__(self) -> Mesh:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ running code
+
+    def run(
+        self,
+        code: str,
+        ranks: str | int | Iterable[int] | None = None,
+        *,
+        timeout: float | None = None,
+        block: bool = True,
+        namespace: dict[str, Any] | None = None,
+        filename: str | None = None,
+        order: str = "arrival",
+    ) -> RankMap | None | CellHandle:
+        """Run ``code`` (a cell) on ``ranks`` (default: all) in their persistent namespaces.
+
+        Parameters
+        ----------
+        code:
+            Python source. Its last expression's value on each rank comes back, as in IPython's Out.
+        ranks:
+            Rank selection: None/"all", an int, a list, or a spec like "0,2", "1-3", "::2".
+        timeout:
+            Seconds before the cell is interrupted and reported with each rank's stack (default: the mesh's).
+        block:
+            False returns a CellHandle at once (``done()``, ``wait(timeout)``, ``result()``).
+        namespace:
+            The notebook's namespace: functions and classes defined there that the cell refers to are sent
+            with it (by value, with their source for tracebacks) unless a rank defined that name itself.
+        filename:
+            Name of the cell in tracebacks (default ``<mesh cell N>``).
+        order:
+            "arrival" writes output lines as they arrive; "rank" writes rank r's lines only after every lower
+            rank of the cell finished it, so the output is the same every run (rank 0 still streams live).
+
+        Returns
+        -------
+        RankMap (rank -> value) when any rank's last expression had a value, else None; a CellHandle when
+        ``block`` is False.
+
+        Raises
+        ------
+        SyntaxError
+            The code does not compile (reported once, nothing runs).
+        MeshError
+            It raised on some ranks or some ranks died; the other ranks' results are in ``.results``.
+        MeshTimeoutError
+            It ran past ``timeout``.
+        KeyboardInterrupt
+            Interrupted (the ranks were interrupted too and keep their state).
+        """
+        self._check_running()
+        if order not in ("arrival", "rank"):
+            raise ValueError(f"order must be 'arrival' or 'rank', got {order!r}")
+        chosen = parse_ranks(ranks, self.nproc)
+        cell_id = next(self._cell_ids)
+        filename = filename or f"<mesh cell {cell_id}>"
+        linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+        compile(code, filename, "exec", dont_inherit=True)  # SyntaxError here, once, before anything runs
+        refs, sources = _notebook_refs(code, namespace) if namespace is not None else ({}, {})
+        msg = P.Exec(cell_id, code, filename, sources)
+        handle = self._submit(cell_id, chosen, msg, refs if refs else None, bool(refs), "the cell", order)
+        if not block:
+            return handle
+        return handle.result(timeout if timeout is not None else self.timeout)
+
+    def call(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        ranks: str | int | Iterable[int] | None = None,
+        timeout: float | None = None,
+        block: bool = True,
+        **kwargs: Any,
+    ) -> RankMap | None | CellHandle:
+        """Call ``fn(*args, **kwargs)`` on each chosen rank; returns rank -> return value.
+
+        ``fn`` may be defined in the notebook (sent by value with cloudpickle). Raises as ``run`` does.
+        """
+        self._check_running()
+        chosen = parse_ranks(ranks, self.nproc)
+        cell_id = next(self._cell_ids)
+        sources = _sources_of([fn])
+        handle = self._submit(cell_id, chosen, P.Call(cell_id, sources), (fn, args, kwargs), True,
+                              f"call of {getattr(fn, '__qualname__', fn)!s}", "arrival")
+        if not block:
+            return handle
+        return handle.result(timeout if timeout is not None else self.timeout)
+
+    def _submit(self, cell_id: int, ranks: list[int], msg: P.Message, value: Any, with_value: bool,
+                what: str, order: str) -> CellHandle:
+        payload, buffers = dumps(value) if with_value else (b"", [])
+        handle = CellHandle(self, cell_id, ranks, what, order)
+        with self._cond:
+            dead = [r for r in ranks if self._ranks[r].state is RankState.DEAD]
+            if dead:
+                raise MeshError({r: RankDiedError(r, self._ranks[r].returncode, "\n".join(self._ranks[r].last_lines))
+                                 for r in dead}, what=what + " (not run: restart the mesh with  %mesh restart)")
+            self._cells[cell_id] = handle
+            self._last_cell = handle
+            for r in ranks:
+                info = self._ranks[r]
+                info.cells.append(handle)
+                info.state = RankState.RUNNING
+                self._outbox.put((info.identity, msg, payload, buffers))
+        self._event("cell_started", cell_id=cell_id, ranks=ranks)
+        return handle
+
+    def _wait(self, cell: CellHandle, timeout: float | None, raise_on_timeout: bool) -> bool:
+        """Wait for ``cell`` and write its output from this thread; returns True when it finished."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            cell._waiting = True
+        try:
+            while True:
+                with self._cond:
+                    if not cell._lines and not cell._all_done:
+                        self._cond.wait(0.05)
+                    self._check_stragglers(cell)
+                    lines, cell._lines = cell._lines, []
+                    done = cell._all_done
+                write_lines(lines)
+                if done:
+                    return True
+                if deadline is not None and time.monotonic() > deadline:
+                    if raise_on_timeout:
+                        self._on_timeout(cell, timeout or 0.0)
+                    return False
+        except KeyboardInterrupt:
+            self._on_interrupt(cell)
+            raise
+        finally:
+            with self._cond:
+                cell._waiting = False
+                cell._deliver_now()
+
+    def _check_stragglers(self, cell: CellHandle) -> None:
+        """Under the lock: finish ranks whose result came but whose output marker is late (1 s), and end the
+        cell promptly when a rank died (interrupting the others, which may be blocked in a collective with it)."""
+        now = time.monotonic()
+        for r, seen in cell._result_seen_at.items():
+            if r not in cell.finished and now - seen > 1.0:
+                log.debug("rank %d: output marker of cell %d late; finishing without it", r, cell.cell_id)
+                cell._finish_rank(r)
+        died = [r for r in cell.ranks if isinstance(cell.errors.get(r), RankDiedError)]
+        if died and not cell._all_done:
+            if not getattr(cell, "_death_seen", None):
+                cell._death_seen = now
+                for r in cell.ranks:
+                    if r not in cell.finished:
+                        self._post(self._ranks[r], P.Interrupt(cell.cell_id))
+            elif now - cell._death_seen > self.interrupt_grace:
+                for r in cell.ranks:
+                    if r not in cell.finished:
+                        cell.errors[r] = RemoteError(
+                            r, "RankStuckError",
+                            f"rank {r} did not stop within {self.interrupt_grace:g} s after rank(s) "
+                            f"{format_ranks(died)} died (blocked in a collective?); %mesh restart brings the "
+                            "mesh back with fresh processes")
+                        cell._finish_rank(r)
+
+    def _on_interrupt(self, cell: CellHandle) -> None:
+        """The caller was interrupted: interrupt the ranks still running the cell and wait ``interrupt_grace``."""
+        with self._cond:
+            running = [r for r in cell.ranks if r not in cell.finished]
+            for r in running:
+                self._post(self._ranks[r], P.Interrupt(cell.cell_id))
+        if not running:
+            return
+        deadline = time.monotonic() + self.interrupt_grace
+        try:
+            while time.monotonic() < deadline:
+                with self._cond:
+                    if cell._all_done:
+                        break
+                    self._cond.wait(0.05)
+                    lines, cell._lines = cell._lines, []
+                write_lines(lines)
+        except KeyboardInterrupt:
+            pass  # a second interrupt: stop waiting now
+        with self._cond:
+            stuck = [r for r in cell.ranks if r not in cell.finished]
+        if stuck:
+            sys.stderr.write(
+                f"rank(s) {format_ranks(stuck)} did not stop within {self.interrupt_grace:g} s (stuck in C code or "
+                "a collective?). Run  %mesh stacks  to see where, or  %mesh restart  for fresh processes.\n")
+
+    def _on_timeout(self, cell: CellHandle, timeout: float) -> None:
+        report = self.stacks(ranks=[r for r in cell.ranks if r not in cell.finished])
+        self._on_interrupt(cell)
+        with self._cond:
+            stuck = {r: RemoteError(r, "TimeoutError", f"still running after {timeout:g} s")
+                     for r in cell.ranks if r not in cell.finished}
+            results = {r: cell.values.get(r) for r in cell.finished if r not in cell.errors}
+        raise MeshTimeoutError(stuck or dict(cell.errors), results, cell.what, report.text, timeout)
+
+    def _outcome(self, cell: CellHandle) -> RankMap | None:
+        with self._cond:
+            self._cells.pop(cell.cell_id, None)
+            errors = dict(cell.errors)
+            results = RankMap((r, cell.values.get(r)) for r in cell.ranks if r in cell.finished and r not in errors)
+        if errors:
+            if all(isinstance(e, RemoteError) and e.interrupted for e in errors.values()):
+                raise KeyboardInterrupt(f"interrupted on rank(s) {format_ranks(errors)}")
+            raise MeshError(errors, results, cell.what)
+        if not any(cell.has_value.get(r) for r in cell.ranks):
+            return None
+        return results
+
+    # ------------------------------------------------------------------ introspection
+
+    def status(self) -> dict[int, dict[str, Any]]:
+        """rank -> {"state", "pid", "host", "device", "rss" (bytes), "returncode"}."""
+        with self._cond:
+            return {
+                r: {"state": i.state.value, "pid": i.pid, "host": i.host, "device": i.device, "rss": i.rss,
+                    "returncode": i.returncode, "backend": i.backend}
+                for r, i in self._ranks.items()
+            }
+
+    def stacks(self, ranks: str | int | Iterable[int] | None = None, timeout: float = 5.0) -> StackReport:
+        """Where each rank's main thread is now, asked of its I/O thread (works while it blocks in a
+        collective). Identical stacks are grouped. ``timeout`` in seconds."""
+        self._check_running()
+        chosen = parse_ranks(ranks, self.nproc)
+        request_id = next(self._cell_ids)
+        with self._cond:
+            self._stack_replies: dict[int, P.Stacks] = {}
+            self._stack_request = request_id
+            for r in chosen:
+                if self._ranks[r].state is not RankState.DEAD:
+                    self._post(self._ranks[r], P.StacksRequest(request_id))
+            deadline = time.monotonic() + timeout
+            while len(self._stack_replies) < len([r for r in chosen if self._ranks[r].state is not RankState.DEAD]):
+                if time.monotonic() > deadline:
+                    break
+                self._cond.wait(0.05)
+            replies = dict(self._stack_replies)
+            states = {r: self._ranks[r].state for r in chosen}
+        return StackReport(chosen, replies, states)
+
+    def add_listener(self, fn: Callable[[str, dict], None]) -> None:
+        """Call ``fn(kind, data)`` on every mesh event (from background threads; it must not block)."""
+        self._listeners.append(fn)
+
+    def remove_listener(self, fn: Callable[[str, dict], None]) -> None:
+        if fn in self._listeners:
+            self._listeners.remove(fn)
+
+    def _event(self, kind: str, **data: Any) -> None:
+        for fn in list(self._listeners):
+            try:
+                fn(kind, data)
+            except Exception:  # noqa: BLE001 - a broken listener must not break the mesh
+                log.exception("mesh listener failed on %s", kind)
+
+    def __repr__(self) -> str:
+        if not self._ranks:
+            return f"<Mesh {self.nproc} ranks: not started>"
+        states: dict[str, list[int]] = {}
+        for r, i in self._ranks.items():
+            states.setdefault(i.state.value, []).append(r)
+        backend = next((i.backend for i in self._ranks.values() if i.backend), self.backend)
+        summary = ", ".join(f"{s}: {format_ranks(rs)}" for s, rs in states.items())
+        return f"<Mesh world_size={self.nproc} backend={backend} on {socket.gethostname()} ({summary})>"
+
+    def _check_running(self) -> None:
+        if not self._running:
+            raise MeshNotRunningError("this mesh is not running: start it with  %mesh start -n N  "
+                                      "(or mesh.start() / mesh.restart())")
+
+    # ------------------------------------------------------------------ I/O thread
+
+    def _post(self, info: RankInfo, msg: P.Message) -> None:
+        """Queue a message without payload for ``info`` (any thread)."""
+        if info.identity is not None:
+            self._outbox.put((info.identity, msg, b"", []))
+
+    def _io_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._outbox.wake_fd, zmq.POLLIN)
+        handlers: dict[type, Callable] = {
+            P.StoreReady: self._on_store_ready,
+            P.Ready: self._on_ready,
+            P.StartFailed: self._on_start_failed,
+            P.Result: self._on_result,
+            P.Stream: self._on_stream,
+            P.Stacks: self._on_stacks,
+            P.Heartbeat: self._on_heartbeat,
+            P.Progress: self._on_progress,
+        }
+        by_identity: dict[bytes, int] = {}
+        next_ping = 0.0
+        while not self._io_stop.is_set():
+            events = dict(poller.poll(int(self.heartbeat_interval * 1000)))
+            if self._router in events:
+                while True:
+                    try:
+                        frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    identity = frames[0].bytes
+                    try:
+                        msg, payload, bufs = self._signer.unpack([f.buffer for f in frames[1:]])
+                    except (P.ProtocolError, ValueError, TypeError, KeyError) as e:
+                        log.warning("dropped a message from %r: %s", identity[:32], e)
+                        continue
+                    if isinstance(msg, P.Hello):
+                        self._on_hello(identity, msg, by_identity)
+                        continue
+                    rank = by_identity.get(identity)
+                    if rank is None:
+                        log.warning("dropped %s from a peer that did not say hello", msg.TYPE)
+                        continue
+                    handler = handlers.get(type(msg))
+                    if handler is None:
+                        log.warning("rank %d sent an unexpected %s", rank, msg.TYPE)
+                        continue
+                    try:
+                        handler(rank, msg, payload, bufs)
+                    except Exception:  # noqa: BLE001 - keep the I/O thread alive whatever a rank sent
+                        log.exception("handling %s from rank %d failed", msg.TYPE, rank)
+            if self._outbox.wake_fd in events:
+                for item in self._outbox.drain():
+                    if item is None:
+                        continue
+                    identity, msg, payload, buffers = item
+                    if identity is None:
+                        continue
+                    self._router.send_multipart([identity, *self._signer.pack(msg, payload, buffers)], copy=False)
+            now = time.monotonic()
+            if now >= next_ping:
+                next_ping = now + self.heartbeat_interval
+                with self._cond:
+                    idents = [i.identity for i in self._ranks.values()
+                              if i.identity and i.state is not RankState.DEAD]
+                for ident in idents:
+                    self._router.send_multipart([ident, *self._signer.pack(P.Ping())], copy=False)
+
+    def _welcome(self, info: RankInfo, port: int) -> None:
+        msg = P.Welcome(rank=info.rank, world_size=self.nproc, local_rank=info.rank, local_world_size=self.nproc,
+                        master_addr="127.0.0.1", master_port=port)
+        self._router.send_multipart([info.identity, *self._signer.pack(msg)], copy=False)
+
+    def _on_hello(self, identity: bytes, msg: P.Hello, by_identity: dict[bytes, int]) -> None:
+        if msg.version != P.PROTOCOL_VERSION:
+            log.warning("rank %d speaks protocol %d, controller %d; ignored", msg.rank, msg.version,
+                        P.PROTOCOL_VERSION)
+            return
+        with self._cond:
+            info = self._ranks.get(msg.rank)
+            if info is None or info.identity is not None:
+                log.warning("rejected hello for rank %d (unknown or taken)", msg.rank)
+                return
+            info.identity = identity
+            info.host = msg.host
+            info.pid = info.pid or msg.pid
+            info.last_heard = time.monotonic()
+            by_identity[identity] = msg.rank
+            if msg.rank == 0:
+                self._welcome(info, 0)
+            elif self._store_port is not None:
+                self._welcome(info, self._store_port)
+
+    def _on_store_ready(self, rank: int, msg: P.StoreReady, payload: bytes, bufs: list) -> None:
+        with self._cond:
+            self._store_port = msg.port
+            for info in self._ranks.values():
+                if info.rank != 0 and info.identity is not None:
+                    self._welcome(info, msg.port)
+
+    def _on_ready(self, rank: int, msg: P.Ready, payload: bytes, bufs: list) -> None:
+        with self._cond:
+            info = self._ranks[rank]
+            info.state = RankState.IDLE
+            info.device, info.backend, info.host = msg.device, msg.backend, msg.host
+            self._cond.notify_all()
+        self._event("rank_state", rank=rank, state="idle")
+
+    def _on_start_failed(self, rank: int, msg: P.StartFailed, payload: bytes, bufs: list) -> None:
+        with self._cond:
+            self._ranks[rank].start_error = msg.error
+            self._cond.notify_all()
+
+    def _on_result(self, rank: int, msg: P.Result, payload: bytes, bufs: list) -> None:
+        value, error = None, None
+        if msg.status == "ok" and msg.has_value:
+            try:
+                value = loads(payload, bufs)
+            except Exception as e:  # noqa: BLE001 - e.g. a module the notebook lacks
+                error = RemoteError(rank, type(e).__qualname__,
+                                    f"the rank's result could not be unpickled in the notebook: {e}")
+        elif msg.status == "error":
+            err = msg.error or {}
+            error = RemoteError(rank, err.get("type", "Exception"), err.get("message", ""),
+                                err.get("traceback", ""), err.get("module", ""))
+        with self._cond:
+            cell = self._cells.get(msg.cell_id)
+            info = self._ranks[rank]
+            if info.cells and info.cells[0].cell_id == msg.cell_id:
+                info.cells.popleft()
+            if not info.cells and info.state is RankState.RUNNING:
+                info.state = RankState.IDLE
+            if cell is None:
+                return
+            cell.durations[rank] = msg.duration
+            cell.results_in.add(rank)
+            cell._result_seen_at[rank] = time.monotonic()
+            if error is not None:
+                cell.errors[rank] = error
+            else:
+                cell.values[rank] = value
+                cell.has_value[rank] = msg.has_value
+            cell._check_rank(rank)
+            self._cond.notify_all()
+        self._event("rank_result", rank=rank, cell_id=msg.cell_id, status=msg.status,
+                    error=None if error is None else str(error))
+
+    def _on_stream(self, rank: int, msg: P.Stream, payload: bytes, bufs: list) -> None:
+        self.on_output(rank, msg.name, msg.data.encode())
+
+    def _on_stacks(self, rank: int, msg: P.Stacks, payload: bytes, bufs: list) -> None:
+        with self._cond:
+            if msg.request_id == getattr(self, "_stack_request", None):
+                self._stack_replies[rank] = msg
+                self._cond.notify_all()
+
+    def _on_heartbeat(self, rank: int, msg: P.Heartbeat, payload: bytes, bufs: list) -> None:
+        with self._cond:
+            info = self._ranks[rank]
+            info.rss = msg.rss
+            info.last_heard = time.monotonic()
+        self._event("heartbeat", rank=rank, rss=msg.rss)
+
+    def _on_progress(self, rank: int, msg: P.Progress, payload: bytes, bufs: list) -> None:
+        with self._cond:
+            self._ranks[rank].progress = (msg.n, msg.total, msg.desc)
+        self._event("progress", rank=rank, n=msg.n, total=msg.total, desc=msg.desc, cell_id=msg.cell_id)
+
+    # ------------------------------------------------------------------ launcher events (reader thread)
+
+    def on_spawned(self, rank: int, pid: int) -> None:
+        with self._cond:
+            if rank in self._ranks:
+                self._ranks[rank].pid = pid
+
+    def on_output(self, rank: int, stream: str, data: bytes) -> None:
+        with self._cond:
+            info = self._ranks.get(rank)
+            if info is None:
+                return
+            for kind, value in info.splitters[stream].feed(data):
+                if kind == "line":
+                    self._route_line(info, stream, str(value))
+                else:
+                    cell = self._cells.get(int(value))  # type: ignore[arg-type]
+                    if cell is not None and rank in cell.synced:
+                        cell.synced[rank].add(stream)
+                        cell._check_rank(rank)
+            self._cond.notify_all()
+
+    def _route_line(self, info: RankInfo, stream: str, text: str) -> None:
+        info.last_lines.append(text)
+        target = None
+        for cell in info.cells:  # the oldest cell whose output on this stream is not complete yet
+            if stream not in cell.synced.get(info.rank, {stream}):
+                target = cell
+                break
+        if target is None:
+            target = self._last_cell
+        if target is None:
+            write_lines([(info.rank, stream, text)])
+        else:
+            target._emit(info.rank, stream, text)
+        self._event("output", rank=info.rank, stream=stream, text=text)
+
+    def on_exit(self, rank: int, returncode: int) -> None:
+        with self._cond:
+            info = self._ranks.get(rank)
+            if info is None:
+                return
+            for stream, splitter in info.splitters.items():
+                for kind, value in splitter.flush():
+                    if kind == "line":
+                        self._route_line(info, stream, str(value))
+            info.returncode = returncode
+            expected = self._stopping
+            info.state = RankState.STOPPED if expected else RankState.DEAD
+            if not expected:
+                last = "\n".join(info.last_lines)
+                for cell in list(info.cells):
+                    if rank not in cell.finished:
+                        cell.errors.setdefault(rank, RankDiedError(rank, returncode, last, info.pid))
+                        cell._finish_rank(rank)
+                info.cells.clear()
+            self._cond.notify_all()
+        self._event("rank_state", rank=rank, state=info.state.value, returncode=returncode)
+
+
+class StackReport:
+    """Stacks of several ranks, identical stacks grouped: "ranks 0,1,3: all_reduce at cell line 4"."""
+
+    def __init__(self, ranks: list[int], replies: dict[int, P.Stacks], states: dict[int, RankState]) -> None:
+        self.ranks = ranks
+        self.replies = replies
+        self.states = states
+
+    def groups(self) -> list[tuple[list[int], tuple]]:
+        groups: dict[tuple, list[int]] = {}
+        for r in self.ranks:
+            reply = self.replies.get(r)
+            if reply is None:
+                key: tuple = ("no answer", self.states[r].value)
+            elif not reply.frames:
+                key = ("idle",)
+            else:
+                key = tuple(tuple(f) for f in reply.frames)
+            groups.setdefault(key, []).append(r)
+        return [(rs, key) for key, rs in groups.items()]
+
+    @property
+    def text(self) -> str:
+        out: list[str] = []
+        for rs, key in self.groups():
+            who = f"rank{'s' if len(rs) > 1 else ''} {format_ranks(rs)}"
+            if key and key[0] == "no answer":
+                out.append(f"{who}: no answer ({key[1]})")
+                continue
+            if key == ("idle",):
+                out.append(f"{who}: idle")
+                continue
+            innermost = key[-1]
+            out.append(f"{who}: {innermost[2]} at {_where(innermost)}")
+            for filename, lineno, fn, line in key:
+                out.append(f"    {filename}:{lineno} in {fn}" + (f": {line}" if line else ""))
+        return "\n".join(out)
+
+    def __str__(self) -> str:
+        return self.text
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(self.text)
+
+
+def _where(frame: tuple) -> str:
+    filename, lineno, _fn, _line = frame
+    return f"{filename} line {lineno}"
+
+
+def _loopback_ifname() -> str:
+    try:
+        for _idx, name in socket.if_nameindex():
+            if name == "lo" or name.startswith("lo"):
+                return name
+    except OSError:
+        pass
+    return "lo"
+
+
+def _check_gpus(nproc: int) -> None:
+    try:
+        import torch
+    except ImportError:
+        raise MeshStartError("backend 'nccl' needs torch with CUDA; torch is not importable here") from None
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n < nproc:
+        raise MeshStartError(
+            f"backend 'nccl' needs one GPU per rank: {nproc} ranks but {n} CUDA device(s) visible; "
+            "use --backend gloo or fewer ranks")
+
+
+def _notebook_refs(code: str, namespace: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Functions and classes defined in the notebook (module __main__) that ``code`` refers to."""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return {}, {}
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    refs = {}
+    for name in names:
+        value = namespace.get(name)
+        if (inspect.isfunction(value) or inspect.isclass(value)) and getattr(value, "__module__", None) == "__main__":
+            refs[name] = value
+    return refs, _sources_of(refs.values())
+
+
+def _sources_of(objs: Iterable[Any]) -> dict[str, str]:
+    """Source text of the files that define ``objs`` when they are notebook cells (linecache entries)."""
+    files: set[str] = set()
+    for obj in objs:
+        fns = [obj] if not inspect.isclass(obj) else [v for v in vars(obj).values() if inspect.isfunction(v)]
+        for fn in fns:
+            code = getattr(fn, "__code__", None)
+            if code is not None:
+                files.add(code.co_filename)
+    sources = {}
+    for filename in files:
+        if os.path.exists(filename):
+            continue  # a real file: the rank reads it itself
+        lines = linecache.getlines(filename)
+        if lines:
+            sources[filename] = "".join(lines)
+    return sources

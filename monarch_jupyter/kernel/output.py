@@ -1,0 +1,126 @@
+"""Rank output: split raw bytes into labelled lines, find the per-cell sync markers, write lines to the notebook.
+
+Output reaches the cell that caused it: each cell captures the caller's ``contextvars`` context when it is
+submitted (ipykernel keeps the cell's parent header in a ContextVar), and lines are written inside that context,
+from whichever thread delivers them (the pattern of ipykernel's IOPubThread and set_parent).
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextvars
+import sys
+from collections.abc import Callable
+
+from monarch_worker import protocol as P
+
+__all__ = ["StreamSplitter", "label", "write_lines"]
+
+LineSink = Callable[[str, str, bool], None]  # (stream, text, partial)
+
+
+def label(rank: int) -> str:
+    """The prefix of each output line of ``rank``; the same as torchrun's ``--tee`` line prefix."""
+    return f"[rank{rank}]:"
+
+
+class StreamSplitter:
+    """Incremental splitter for one rank's stream: bytes in, complete lines and sync markers out.
+
+    Not thread-safe; each (rank, stream) has one, fed from one thread.
+    """
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._raw = b""
+        self._line = ""
+
+    def feed(self, data: bytes) -> list[tuple[str, object]]:
+        """Returns events in order: ("line", text) for a complete line, ("sync", cell_id) for a marker."""
+        events: list[tuple[str, object]] = []
+        raw = self._raw + data
+        self._raw = b""
+        while raw:
+            i = raw.find(P.SYNC_PREFIX)
+            if i < 0:
+                # Keep a tail that may be the start of a marker split across reads.
+                keep = 0
+                for k in range(min(len(P.SYNC_PREFIX) - 1, len(raw)), 0, -1):
+                    if P.SYNC_PREFIX.startswith(raw[-k:]):
+                        keep = k
+                        break
+                text, self._raw = (raw[:-keep], raw[-keep:]) if keep else (raw, b"")
+                self._text(text, events)
+                break
+            j = raw.find(P.SYNC_SUFFIX, i + len(P.SYNC_PREFIX))
+            if j < 0:
+                self._text(raw[:i], events)
+                self._raw = raw[i:]
+                break
+            self._text(raw[:i], events)
+            try:
+                cell_id = int(raw[i + len(P.SYNC_PREFIX):j])
+            except ValueError:
+                cell_id = -1
+            self._flush_partial(events)
+            events.append(("sync", cell_id))
+            raw = raw[j + len(P.SYNC_SUFFIX):]
+        return events
+
+    def _text(self, data: bytes, events: list) -> None:
+        if not data:
+            return
+        text = self._line + self._decoder.decode(data)
+        *lines, self._line = text.split("\n")
+        for line in lines:
+            events.append(("line", _terminal_view(line)))
+
+    def _flush_partial(self, events: list) -> None:
+        rest = self._line + self._decoder.decode(b"", final=True)
+        self._line = ""
+        if rest:
+            events.append(("line", _terminal_view(rest)))
+
+    def flush(self) -> list[tuple[str, object]]:
+        """The last line without a newline (at exit or when a cell ends without a marker)."""
+        events: list[tuple[str, object]] = []
+        self._text(self._raw, events)
+        self._raw = b""
+        self._flush_partial(events)
+        return events
+
+
+def _terminal_view(line: str) -> str:
+    """What a terminal would show of a line rewritten with carriage returns (progress bars)."""
+    line = line.rstrip("\r")
+    if "\r" in line:
+        line = line.rsplit("\r", 1)[1]
+    return line
+
+
+def write_lines(lines: list[tuple[int, str, str]], ctx: contextvars.Context | None = None) -> None:
+    """Write (rank, stream, text) lines to sys.stdout / sys.stderr, labelled, inside ``ctx`` if given."""
+    if not lines:
+        return
+
+    def write() -> None:
+        out: list[str] = []
+        err: list[str] = []
+        for rank, stream, text in lines:
+            (out if stream == "stdout" else err).append(f"{label(rank)} {text}\n")
+        # Keep stdout and stderr lines in their relative order where both occur.
+        if out and err:
+            for rank, stream, text in lines:
+                target = sys.stdout if stream == "stdout" else sys.stderr
+                target.write(f"{label(rank)} {text}\n")
+        elif out:
+            sys.stdout.write("".join(out))
+        else:
+            sys.stderr.write("".join(err))
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+    if ctx is None:
+        write()
+    else:
+        ctx.run(write)

@@ -1,0 +1,97 @@
+"""Rank selections and per-rank results."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+__all__ = ["parse_ranks", "RankMap", "format_ranks"]
+
+
+def parse_ranks(spec: str | int | Iterable[int] | None, world_size: int) -> list[int]:
+    """Turn a rank selection into a sorted list of ranks.
+
+    ``spec`` is None or "all" (every rank), an int, an iterable of ints, or a string of comma-separated parts,
+    each ``R`` (one rank), ``A-B`` (inclusive range) or a Python slice ``start:stop:step`` (``::2`` = even ranks).
+
+    Raises
+    ------
+    ValueError
+        The spec does not parse, or names a rank outside ``0..world_size-1``.
+    """
+    if spec is None or (isinstance(spec, str) and spec.strip() in ("", "all", "*")):
+        return list(range(world_size))
+    ranks: set[int] = set()
+    if isinstance(spec, int):
+        ranks.add(spec)
+    elif isinstance(spec, str):
+        for part in spec.replace(" ", "").split(","):
+            if not part:
+                continue
+            try:
+                if ":" in part:
+                    bits = [int(b) if b else None for b in part.split(":")]
+                    if len(bits) > 3:
+                        raise ValueError
+                    ranks.update(range(world_size)[slice(*bits)])
+                elif "-" in part[1:]:
+                    a, b = part.split("-", 1)
+                    lo, hi = int(a), int(b)
+                    if hi < lo:
+                        raise ValueError
+                    ranks.update(range(lo, hi + 1))
+                else:
+                    ranks.add(int(part))
+            except ValueError:
+                raise ValueError(
+                    f"cannot parse rank selection {spec!r} (part {part!r}); use e.g. 0  or  0,2  or  1-3  or  ::2"
+                ) from None
+    else:
+        ranks.update(int(r) for r in spec)
+    bad = sorted(r for r in ranks if not 0 <= r < world_size)
+    if bad:
+        raise ValueError(f"rank(s) {bad} not in this mesh of world size {world_size} (ranks 0..{world_size - 1})")
+    if not ranks:
+        raise ValueError(f"rank selection {spec!r} selects no rank of a mesh of world size {world_size}")
+    return sorted(ranks)
+
+
+def format_ranks(ranks: Iterable[int]) -> str:
+    """Compact text for a set of ranks: [0, 1, 2, 5] -> '0-2,5'."""
+    rs = sorted(set(ranks))
+    parts: list[str] = []
+    i = 0
+    while i < len(rs):
+        j = i
+        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
+            j += 1
+        parts.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
+        i = j + 1
+    return ",".join(parts)
+
+
+class RankMap(dict):
+    """Per-rank values: a dict keyed by rank, in rank order (the ValueMesh idea of torchmonarch).
+
+    Printed like a dict, ranks in increasing order.
+    """
+
+    def __init__(self, items: Iterable[tuple[int, Any]] | dict = ()) -> None:
+        super().__init__(sorted(dict(items).items()))
+
+    @property
+    def ranks(self) -> list[int]:
+        return list(self.keys())
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        if cycle:
+            p.text("RankMap(...)")
+            return
+        with p.group(1, "{", "}"):
+            for i, (k, v) in enumerate(self.items()):
+                if i:
+                    p.text(",")
+                    p.breakable()
+                p.pretty(k)
+                p.text(": ")
+                p.pretty(v)

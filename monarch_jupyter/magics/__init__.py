@@ -1,0 +1,266 @@
+"""IPython magics ``%mesh`` and ``%%mesh``: parse arguments, call the Python API, nothing else.
+
+Options that users set once go in traitlets (``c.MeshMagics.default_nproc = 8`` in ipython_config.py, or
+``%config MeshMagics.stream_order = 'rank'``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import shlex
+import sys
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from traitlets import Bool, CaselessStrEnum, Float, Int
+
+from .. import errors
+from ..kernel import mesh as mesh_mod
+from ..kernel.mesh import Mesh
+
+log = logging.getLogger(__name__)
+
+__all__ = ["MeshMagics", "load", "unload"]
+
+SUBCOMMANDS = ("start", "status", "stop", "restart", "stacks")
+
+
+def _rest(line: str) -> tuple[str, str]:
+    parts = line.strip().split(None, 1)
+    if not parts:
+        return "", ""
+    return parts[0], parts[1] if len(parts) > 1 else ""
+
+
+@magics_class
+class MeshMagics(Magics):
+    """``%mesh SUBCOMMAND ...`` manages the mesh; ``%%mesh [options]`` runs a cell on its ranks."""
+
+    default_nproc = Int(4, help="Ranks started by `%mesh start` without -n.").tag(config=True)
+    default_backend = CaselessStrEnum(
+        ["auto", "gloo", "nccl"], "auto",
+        help="torch.distributed backend: auto = nccl when there is a GPU per rank, else gloo.").tag(config=True)
+    start_timeout = Float(60.0, help="Seconds for all ranks to start and join before `%mesh start` fails."
+                          ).tag(config=True)
+    cell_timeout = Float(0.0, help="Default seconds a %%mesh cell may run before it is interrupted and each "
+                         "rank's stack is reported (0: no limit).").tag(config=True)
+    heartbeat_timeout = Float(30.0, help="Seconds a rank waits without hearing from this kernel before it exits."
+                              ).tag(config=True)
+    stream_order = CaselessStrEnum(
+        ["arrival", "rank"], "arrival",
+        help="Order of rank output in a cell: arrival (live, as it comes) or rank (rank r's lines after lower "
+             "ranks finished the cell: the same output every run, e.g. for nbval).").tag(config=True)
+    prewarm = Bool(True, help="Start the local fork server (which imports torch once) when the extension "
+                   "loads, so the first `%mesh start` does not wait for `import torch`.").tag(config=True)
+
+    def __init__(self, shell: Any = None, **kwargs: Any) -> None:
+        super().__init__(shell=shell, **kwargs)
+        self.meshes: list[Mesh] = []
+
+    # ------------------------------------------------------------------ %mesh / %%mesh
+
+    @line_cell_magic
+    def mesh(self, line: str, cell: str | None = None) -> Any:
+        """%mesh start|status|stop|restart|stacks ...   and   %%mesh [--ranks SPEC] [--timeout S] [--out NAME]
+
+        Run `%mesh SUBCOMMAND --help` for each subcommand's options, `%%mesh --help` for the cell magic.
+        """
+        if cell is not None:
+            return self._cell(line, cell)
+        sub, rest = _rest(line)
+        handler = {
+            "start": self._start,
+            "status": self._status,
+            "stop": self._stop,
+            "restart": self._restart,
+            "stacks": self._stacks,
+        }.get(sub)
+        if handler is None:
+            raise UsageError(
+                f"unknown %mesh subcommand {sub!r}; use one of: {', '.join(SUBCOMMANDS)} "
+                "(e.g.  %mesh start -n 4), or %%mesh as a cell magic to run code on the ranks")
+        return handler(rest)
+
+    # ------------------------------------------------------------------ subcommands
+
+    @magic_arguments()
+    @argument("-n", "--nproc", type=int, default=None, help="number of ranks (world size)")
+    @argument("--backend", choices=["auto", "gloo", "nccl"], default=None, help="torch.distributed backend")
+    @argument("--timeout", type=float, default=None, help="seconds for every rank to start and join")
+    def _start(self, rest: str) -> Mesh:
+        """%mesh start [-n N] [--backend gloo|nccl] [--timeout S]: start N ranks on this host."""
+        args = self._parse(self._start, rest, "start")
+        running = mesh_mod._current
+        if running is not None and running.running:
+            raise UsageError(f"a mesh is already running ({running!r}); use  %mesh restart  for fresh ranks or "
+                             "%mesh stop  first")
+        nproc = args.nproc if args.nproc is not None else self.default_nproc
+        if nproc < 1:
+            raise UsageError(f"-n must be at least 1 rank, got {nproc}")
+        try:
+            m = Mesh(
+                nproc,
+                backend=args.backend or self.default_backend,
+                start_timeout=args.timeout if args.timeout is not None else self.start_timeout,
+                timeout=self.cell_timeout or None,
+                heartbeat_timeout=self.heartbeat_timeout,
+            )
+        except (ValueError, errors.MeshStartError) as e:
+            if isinstance(e, ValueError):
+                raise UsageError(str(e)) from None
+            raise
+        self.meshes.append(m)
+        return m
+
+    @magic_arguments()
+    def _status(self, rest: str) -> Any:
+        """%mesh status: state, pid, device and memory of every rank."""
+        self._parse(self._status, rest, "status")
+        m = self._mesh()
+        from ..widgets import status_view
+
+        return status_view(m)
+
+    @magic_arguments()
+    def _stop(self, rest: str) -> None:
+        """%mesh stop: stop every rank."""
+        self._parse(self._stop, rest, "stop")
+        m = self._mesh(require_running=False)
+        m.stop()
+        print(f"stopped {m.nproc} ranks")
+
+    @magic_arguments()
+    def _restart(self, rest: str) -> Mesh:
+        """%mesh restart: fresh processes, fresh namespaces, a fresh process group."""
+        self._parse(self._restart, rest, "restart")
+        m = self._mesh(require_running=False)
+        return m.restart()
+
+    @magic_arguments()
+    @argument("--ranks", default=None, help="ranks to ask (default: all)")
+    def _stacks(self, rest: str) -> Any:
+        """%mesh stacks [--ranks SPEC]: where each rank's main thread is now, identical stacks grouped."""
+        args = self._parse(self._stacks, rest, "stacks")
+        try:
+            return self._mesh().stacks(args.ranks)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+
+    # ------------------------------------------------------------------ %%mesh
+
+    @magic_arguments()
+    @argument("--ranks", "-r", default=None, help="ranks to run on: 0 | 0,2 | 1-3 | ::2 (default: all)")
+    @argument("--timeout", "-t", type=float, default=None, help="seconds before the cell is interrupted")
+    @argument("--out", "-o", default=None, help="store rank -> value of the last expression under this name")
+    @argument("--order", choices=["arrival", "rank"], default=None, help="output order (see stream_order)")
+    def _cell(self, line: str, cell: str) -> Any:
+        """%%mesh [--ranks SPEC] [--timeout S] [--out NAME] [--order arrival|rank]: run the cell on the ranks."""
+        args = self._parse(self._cell, line, None)
+        m = self._mesh()
+        if args.out is not None and not args.out.isidentifier():
+            raise UsageError(f"--out needs a Python name, got {args.out!r}")
+        count = getattr(self.shell, "execution_count", None)
+        filename = f"<mesh In[{count}]>" if count is not None else None
+        try:
+            result = m.run(
+                cell,
+                ranks=args.ranks,
+                timeout=args.timeout if args.timeout is not None else (self.cell_timeout or None),
+                namespace=self.shell.user_ns if self.shell is not None else None,
+                filename=filename,
+                order=args.order or self.stream_order,
+            )
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        except errors.MeshError as e:
+            if args.out:
+                self.shell.user_ns[args.out] = e.results
+            raise
+        if args.out:
+            self.shell.user_ns[args.out] = result if result is not None else {}
+            return None
+        return result
+
+    # ------------------------------------------------------------------ helpers
+
+    def _parse(self, func: Any, rest: str, sub: str | None) -> Any:
+        try:
+            shlex.split(rest)
+        except ValueError as e:
+            raise UsageError(f"cannot parse {rest!r}: {e}") from None
+        try:
+            return parse_argstring(func, rest)
+        except UsageError as e:
+            prog = f"%mesh {sub}" if sub else "%%mesh"
+            raise UsageError(f"{prog}: {e}. Run  {prog} --help  for the options.") from None
+
+    def _mesh(self, require_running: bool = True) -> Mesh:
+        m = mesh_mod._current
+        if m is None and self.meshes:
+            m = self.meshes[-1]
+        if m is None:
+            raise UsageError("no mesh is running: start one with  %mesh start -n 4")
+        if require_running and not m.running:
+            raise UsageError("the mesh is stopped: start it with  %mesh restart  (or  %mesh start -n N)")
+        return m
+
+
+def _check_monarch_shadowing() -> str | None:
+    """A message when the ``monarch`` module Python finds is not our shim (e.g. PyTorch Monarch's)."""
+    try:
+        spec = importlib.util.find_spec("monarch")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or spec.origin is None:
+        return None
+    try:
+        with open(spec.origin) as f:
+            head = f.read(4096)
+    except OSError:
+        return None
+    if "monarch_jupyter" in head:
+        return None
+    return (f"note: `import monarch` finds another package ({spec.origin}; PyTorch Monarch installs one), so "
+            "`%load_ext monarch` loads that one, not this extension. Use  %load_ext monarch_jupyter  instead.")
+
+
+_MAGICS: dict[int, MeshMagics] = {}
+
+
+def load(ipython: Any) -> None:
+    """Register the magics on ``ipython`` (idempotent) and warm the fork server up."""
+    if id(ipython) in _MAGICS:
+        return
+    magics = MeshMagics(shell=ipython, parent=ipython)
+    ipython.register_magics(magics)
+    _MAGICS[id(ipython)] = magics
+    note = _check_monarch_shadowing()
+    if note:
+        print(note, file=sys.stderr)
+    if magics.prewarm:
+        from ..kernel.launcher import prewarm
+
+        prewarm(magics.start_timeout)
+
+
+def unload(ipython: Any) -> None:
+    """Stop every mesh the magics started, stop the fork server, remove the magics."""
+    magics = _MAGICS.pop(id(ipython), None)
+    if magics is None:
+        return
+    for m in magics.meshes:
+        if m.running:
+            m.stop()
+    if mesh_mod._current is not None and mesh_mod._current.running:
+        mesh_mod._current.stop()
+    from ..kernel.launcher import shutdown
+
+    shutdown()
+    mm = ipython.magics_manager
+    for kind in ("line", "cell"):
+        mm.magics[kind].pop("mesh", None)
+    if magics in mm.registry.values():
+        mm.registry = {k: v for k, v in mm.registry.items() if v is not magics}

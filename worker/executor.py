@@ -1,0 +1,99 @@
+"""Running cells and calls in a rank's persistent namespace, and formatting what they raise."""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import linecache
+import os
+import sys
+import traceback
+import types
+from typing import Any
+
+__all__ = ["Namespace", "register_source", "format_error", "main_thread_stack"]
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def register_source(filename: str, source: str) -> None:
+    """Make ``source`` visible to linecache (tracebacks, pdb ``l``) under ``filename`` on this rank."""
+    lines = source.splitlines(True)
+    if lines and not lines[-1].endswith("\n"):
+        lines[-1] += "\n"
+    # mtime None: linecache.checkcache keeps the entry although no such file exists on disk.
+    linecache.cache[filename] = (len(source), None, lines, filename)
+
+
+def _is_internal(filename: str) -> bool:
+    """Frames of this runtime (and of runpy, which started it) are not shown to users."""
+    return filename.startswith(_PACKAGE_DIR) or filename.startswith("<frozen ")
+
+
+def format_error(exc: BaseException) -> dict:
+    """Describe ``exc`` for a Result: type, module, message and the traceback without our own frames."""
+    tb = exc.__traceback__
+    while tb is not None and _is_internal(tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next
+    te = traceback.TracebackException(type(exc), exc, tb, compact=True)
+    return {
+        "type": type(exc).__qualname__,
+        "module": type(exc).__module__,
+        "message": str(exc),
+        "traceback": "".join(te.format()),
+        "interrupted": isinstance(exc, KeyboardInterrupt),
+    }
+
+
+def main_thread_stack(frame: types.FrameType | None) -> list[tuple[str, int, str, str]]:
+    """The user's part of a thread's stack (outermost first): (filename, lineno, function, source line)."""
+    if frame is None:
+        return []
+    summary = traceback.extract_stack(frame)
+    frames = [(f.filename, f.lineno or 0, f.name, (f.line or "").strip()) for f in summary]
+    # Drop the runtime's own frames at the bottom (main loop, dispatch).
+    while frames and _is_internal(frames[0][0]):
+        frames.pop(0)
+    return frames
+
+
+class Namespace:
+    """A rank's persistent ``__main__`` namespace, where cells run.
+
+    Classes and functions defined in cells belong to module ``__main__``, so cloudpickle sends them by value
+    and the notebook can receive instances of them.
+    """
+
+    def __init__(self, initial: dict[str, Any]) -> None:
+        module = types.ModuleType("__main__")
+        module.__dict__["__builtins__"] = builtins
+        module.__dict__.update(initial)
+        sys.modules["__main__"] = module
+        self.module = module
+        self.ns = module.__dict__
+        self._injected: dict[str, Any] = {}
+
+    def inject(self, values: dict[str, Any] | None) -> None:
+        """Bind notebook-defined functions/classes a cell refers to, unless the rank defined that name itself."""
+        for name, value in (values or {}).items():
+            if name not in self.ns or (name in self._injected and self.ns[name] is self._injected[name]):
+                self.ns[name] = value
+                self._injected[name] = value
+
+    def run_cell(self, code: str, filename: str) -> tuple[bool, Any]:
+        """Execute ``code``; returns (has_value, value of the last expression), like IPython's Out.
+
+        Raises whatever the cell raises.
+        """
+        register_source(filename, code)
+        tree = ast.parse(code, filename, "exec")
+        last: ast.Expression | None = None
+        if tree.body and isinstance(tree.body[-1], ast.Expr):
+            last = ast.Expression(tree.body.pop().value)
+        exec(compile(tree, filename, "exec"), self.ns)
+        if last is None:
+            return False, None
+        value = eval(compile(last, filename, "eval"), self.ns)
+        if value is not None:
+            self.ns["_"] = value
+        return value is not None, value

@@ -1,0 +1,367 @@
+"""The wire protocol between the controller (notebook kernel) and the ranks.
+
+This module is the only place that defines messages, frames them and signs them. Everything else sends and
+receives the frozen dataclasses below.
+
+Frames of one message on a ZeroMQ socket (a ROUTER on the controller prepends the peer identity)::
+
+    [MAGIC, signature, header, payload, *buffers]
+
+- ``header``: UTF-8 JSON object: ``{"t": type, "s": sender session, "n": sequence number, "f": fields}``.
+- ``payload``: a pickle (protocol 5) of the message's user value, or empty; ``buffers`` are its out-of-band
+  buffers (tensor and array memory), never copied into the pickle stream.
+- ``signature``: HMAC-SHA256 with the per-mesh secret over ``header``, ``payload`` and the byte length of every
+  buffer. As in Jupyter's messaging protocol (jupyter_client.session), raw buffer contents are not hashed: they
+  are never unpickled, only used as array memory, so a forged buffer cannot run code. Where the network itself
+  is untrusted, use CurveZMQ encryption, which authenticates every byte.
+
+A receiver verifies the signature (``hmac.compare_digest``) and rejects replays (the sequence number of each
+sender session must increase) before it parses the header or unpickles anything. ``PROTOCOL_VERSION`` is checked
+at the handshake.
+
+The local launcher's fork server ("zygote") talks to the kernel over plain pipes with the small binary framing
+at the end of this module; those pipes never leave the host and carry no code from outside.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import json
+import os
+import struct
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "ProtocolError",
+    "Signer",
+    "Message",
+    "MESSAGE_TYPES",
+]
+
+PROTOCOL_VERSION = 1
+MAGIC = b"MJ\x01"
+
+
+class ProtocolError(Exception):
+    """A message failed verification (bad signature, replay, unknown type or version)."""
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Messages. ``payload`` fields carry user values and travel pickled outside the JSON header.
+
+
+@dataclass(frozen=True)
+class Message:
+    """Base of every message. ``TYPE`` is the wire name; ``payload`` (if any) is sent pickled."""
+
+    TYPE: ClassVar[str] = ""
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {}
+
+
+def _register(cls: type[Message]) -> type[Message]:
+    if not cls.TYPE or cls.TYPE in MESSAGE_TYPES:
+        raise TypeError(f"message type {cls.TYPE!r} of {cls.__name__} is empty or registered twice")
+    MESSAGE_TYPES[cls.TYPE] = cls
+    return cls
+
+
+# ---- handshake and rendezvous (rank -> controller unless noted)
+
+
+@_register
+@dataclass(frozen=True)
+class Hello(Message):
+    """First message of a rank. ``rank`` is -1 when the launcher lets the controller assign it."""
+
+    TYPE: ClassVar[str] = "hello"
+    rank: int
+    pid: int
+    host: str
+    version: int = PROTOCOL_VERSION
+    local_rank: int = -1
+    local_world_size: int = -1
+    world_size: int = -1
+    launcher_env: dict = field(default_factory=dict)
+
+
+@_register
+@dataclass(frozen=True)
+class Welcome(Message):
+    """Controller -> rank: accepted. ``master_port`` 0 asks this rank (rank 0) to host the rendezvous store."""
+
+    TYPE: ClassVar[str] = "welcome"
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    settings: dict = field(default_factory=dict)
+
+
+@_register
+@dataclass(frozen=True)
+class StoreReady(Message):
+    """Rank 0 -> controller: the c10d TCPStore listens on ``port`` of ``master_addr``."""
+
+    TYPE: ClassVar[str] = "store_ready"
+    port: int
+
+
+@_register
+@dataclass(frozen=True)
+class Ready(Message):
+    """The rank's process group is up; it waits for work."""
+
+    TYPE: ClassVar[str] = "ready"
+    device: str
+    backend: str
+    host: str
+    pid: int
+
+
+@_register
+@dataclass(frozen=True)
+class StartFailed(Message):
+    """The rank could not join (error text is the formatted exception)."""
+
+    TYPE: ClassVar[str] = "start_failed"
+    error: str
+
+
+# ---- work (controller -> rank)
+
+
+@_register
+@dataclass(frozen=True)
+class Exec(Message):
+    """Run ``code`` (a cell) in the rank's persistent namespace.
+
+    ``payload`` is a dict of notebook-defined functions and classes the cell refers to; ``sources`` maps their
+    file names to source lines so tracebacks on the rank show them.
+    """
+
+    TYPE: ClassVar[str] = "exec"
+    cell_id: int
+    code: str
+    filename: str
+    sources: dict = field(default_factory=dict)
+    payload: Any = None
+
+
+@_register
+@dataclass(frozen=True)
+class Call(Message):
+    """Run ``payload = (fn, args, kwargs)`` on the rank; the result comes back as a ``Result``."""
+
+    TYPE: ClassVar[str] = "call"
+    cell_id: int
+    sources: dict = field(default_factory=dict)
+    payload: Any = None
+
+
+@_register
+@dataclass(frozen=True)
+class Interrupt(Message):
+    """Raise KeyboardInterrupt in the rank's main thread if it still runs ``cell_id``."""
+
+    TYPE: ClassVar[str] = "interrupt"
+    cell_id: int
+
+
+@_register
+@dataclass(frozen=True)
+class StacksRequest(Message):
+    """Ask for the Python stack of the rank's main thread (answered by its I/O thread)."""
+
+    TYPE: ClassVar[str] = "stacks_request"
+    request_id: int
+
+
+@_register
+@dataclass(frozen=True)
+class Ping(Message):
+    """Controller heartbeat; a rank that hears nothing for its heartbeat window exits."""
+
+    TYPE: ClassVar[str] = "ping"
+
+
+@_register
+@dataclass(frozen=True)
+class Shutdown(Message):
+    """Leave the process group and exit."""
+
+    TYPE: ClassVar[str] = "shutdown"
+
+
+# ---- results and events (rank -> controller)
+
+
+@_register
+@dataclass(frozen=True)
+class Result(Message):
+    """Outcome of an ``Exec`` or ``Call``.
+
+    ``status`` is "ok" or "error". On "ok", ``payload`` is the value of the cell's last expression (or the
+    call's return value) and ``has_value`` says whether there was one. On "error", ``error`` holds
+    ``{"type", "module", "message", "traceback", "interrupted"}``.
+    """
+
+    TYPE: ClassVar[str] = "result"
+    cell_id: int
+    status: str
+    has_value: bool = False
+    error: dict | None = None
+    duration: float = 0.0
+    payload: Any = None
+
+
+@_register
+@dataclass(frozen=True)
+class Stream(Message):
+    """Raw output bytes of a rank (``name`` is "stdout" or "stderr") relayed by the rank itself."""
+
+    TYPE: ClassVar[str] = "stream"
+    name: str
+    data: str
+
+
+@_register
+@dataclass(frozen=True)
+class Stacks(Message):
+    """Reply to ``StacksRequest``: ``frames`` is a list of (filename, lineno, function, source line)."""
+
+    TYPE: ClassVar[str] = "stacks"
+    request_id: int
+    cell_id: int
+    frames: list
+    state: str
+
+
+@_register
+@dataclass(frozen=True)
+class Progress(Message):
+    """Progress of a loop in the rank (``monarch_worker.progress`` or tqdm)."""
+
+    TYPE: ClassVar[str] = "progress"
+    cell_id: int
+    n: float
+    total: float | None
+    desc: str = ""
+
+
+@_register
+@dataclass(frozen=True)
+class Heartbeat(Message):
+    """Rank -> controller: alive; ``rss`` is the resident set size in bytes."""
+
+    TYPE: ClassVar[str] = "heartbeat"
+    rss: int = 0
+    cuda_allocated: int = 0
+    cuda_reserved: int = 0
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Framing and signing
+
+
+class Signer:
+    """Signs and verifies frames with HMAC-SHA256 and a per-mesh secret; rejects replays.
+
+    One Signer belongs to one endpoint (a rank, or the controller). It is not thread-safe: only the thread
+    that owns the socket uses it.
+
+    Parameters
+    ----------
+    key:
+        The per-mesh secret (at least 16 bytes).
+    """
+
+    def __init__(self, key: bytes) -> None:
+        if len(key) < 16:
+            raise ValueError("the mesh secret must be at least 16 bytes")
+        self._key = key
+        self._session = os.urandom(8).hex()
+        self._seq = 0
+        self._last_seen: dict[str, int] = {}
+
+    def _digest(self, header: bytes, payload: bytes, sizes: list[int]) -> bytes:
+        mac = hmac.new(self._key, digestmod=hashlib.sha256)
+        mac.update(header)
+        mac.update(payload)
+        mac.update(struct.pack(f"!{len(sizes)}Q", *sizes))
+        return mac.digest()
+
+    def pack(self, msg: Message, payload: bytes = b"", buffers: list | tuple = ()) -> list:
+        """Frame ``msg``; ``payload``/``buffers`` are its pickled user value (see serialize.dumps)."""
+        self._seq += 1
+        fields = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg) if f.name != "payload"}
+        header = json.dumps({"t": msg.TYPE, "s": self._session, "n": self._seq, "f": fields}).encode()
+        sizes = [memoryview(b).nbytes for b in buffers]
+        return [MAGIC, self._digest(header, payload, sizes), header, payload, *buffers]
+
+    def unpack(self, frames: list) -> tuple[Message, bytes, list]:
+        """Verify and parse frames; returns (message without payload, payload bytes, buffers).
+
+        Raises
+        ------
+        ProtocolError
+            Wrong magic, bad signature, replayed sequence number or unknown message type.
+        """
+        if len(frames) < 4:
+            raise ProtocolError(f"short message: {len(frames)} frames")
+        magic, sig, header, payload, *buffers = frames
+        if bytes(magic) != MAGIC:
+            raise ProtocolError("not a monarch_jupyter message (bad magic)")
+        header_b, payload_b = bytes(header), bytes(payload)
+        sizes = [memoryview(b).nbytes for b in buffers]
+        if not hmac.compare_digest(self._digest(header_b, payload_b, sizes), bytes(sig)):
+            raise ProtocolError("bad signature: the sender does not hold this mesh's secret")
+        head = json.loads(header_b)
+        session, seq = head["s"], head["n"]
+        if seq <= self._last_seen.get(session, 0):
+            raise ProtocolError(f"replayed message (session {session}, seq {seq})")
+        self._last_seen[session] = seq
+        cls = MESSAGE_TYPES.get(head["t"])
+        if cls is None:
+            raise ProtocolError(f"unknown message type {head['t']!r}")
+        return cls(**head["f"]), payload_b, buffers
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Zygote pipe framing (kernel <-> local fork server): a 9-byte header then a body.
+#   kind (1 byte) | rank (int32, -1 for none) | body length (uint32)
+
+ZYGOTE_HEADER = struct.Struct("!BiI")
+Z_SPAWN = 1  # kernel -> zygote: body is JSON {"rank", "env", "cwd", "config"}
+Z_KILL = 2  # kernel -> zygote: body is JSON {"signal"}; rank -1 means every rank
+Z_SPAWNED = 10  # zygote -> kernel: body is JSON {"pid"}
+Z_EXITED = 11  # zygote -> kernel: body is JSON {"returncode"} (negative: killed by that signal)
+Z_STDOUT = 12  # zygote -> kernel: raw bytes a rank wrote to fd 1
+Z_STDERR = 13  # zygote -> kernel: raw bytes a rank wrote to fd 2
+Z_READY = 14  # zygote -> kernel: the fork server imported torch and waits for work
+
+
+def zygote_frame(kind: int, rank: int, body: bytes) -> bytes:
+    """One pipe frame: header plus body."""
+    return ZYGOTE_HEADER.pack(kind, rank, len(body)) + body
+
+
+def zygote_json(kind: int, rank: int, obj: dict) -> bytes:
+    return zygote_frame(kind, rank, json.dumps(obj).encode())
+
+
+# A marker each rank writes to its stdout and stderr after every cell, so the controller knows it has all the
+# output of that cell before it shows the result. The format is not printable text that users would write.
+SYNC_PREFIX = b"\x1b]monarch-sync;"
+SYNC_SUFFIX = b"\x07"
+
+
+def sync_marker(cell_id: int) -> bytes:
+    return SYNC_PREFIX + str(cell_id).encode() + SYNC_SUFFIX

@@ -1,0 +1,348 @@
+"""A rank: connect to the controller, join the process group, run cells until told to stop.
+
+Threads
+-------
+- The main thread runs user code (so KeyboardInterrupt, CUDA contexts and ``breakpoint()`` behave as in a
+  script) and takes work from ``Rank.work`` one item at a time.
+- The I/O thread owns the ZeroMQ socket and the Signer: it receives and verifies every message, answers
+  heartbeats and stack requests itself (it stays responsive while the main thread blocks in a collective),
+  interrupts the main thread, and sends what other threads put in the outbox.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from . import protocol as P
+from .channel import Outbox
+from .executor import Namespace, format_error, main_thread_stack, register_source
+from .serialize import SerializationError, dumps, loads
+
+log = logging.getLogger(__name__)
+
+__all__ = ["RankConfig", "Rank", "run_rank"]
+
+
+@dataclass(frozen=True)
+class RankConfig:
+    """What a rank needs to join a mesh; sent by the launcher (never on a command line).
+
+    Times are in seconds.
+    """
+
+    controller: str  # ZeroMQ address of the controller's ROUTER socket, e.g. "tcp://127.0.0.1:5555"
+    secret: str  # per-mesh secret, hex
+    rank: int = -1
+    world_size: int = -1
+    local_rank: int = -1
+    local_world_size: int = -1
+    backend: str = "auto"  # "auto", "gloo" or "nccl"
+    join_timeout: float = 60.0
+    pg_timeout: float = 1800.0  # torch.distributed collective timeout
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 30.0  # exit when the controller is silent this long
+    relay_output: bool = False  # True: this process sends its own stdout/stderr (no fork server relays it)
+    env: dict = field(default_factory=dict)
+
+
+class Rank:
+    """The runtime of one rank (see module docstring for the threads)."""
+
+    def __init__(self, config: RankConfig) -> None:
+        self.config = config
+        self.rank = config.rank
+        self.outbox = Outbox()
+        self.work: queue.SimpleQueue = queue.SimpleQueue()
+        self.current_cell = -1  # cell the main thread runs now (-1: idle)
+        self._cell_lock = threading.Lock()
+        self._last_heard = time.monotonic()
+        self._main_ident = threading.main_thread().ident
+        self._signer = P.Signer(bytes.fromhex(config.secret))
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 2000)
+        self._sock.setsockopt(zmq.IDENTITY, f"rank-{os.getpid()}-{os.urandom(4).hex()}".encode())
+        self._sock.connect(config.controller)
+        self._io = threading.Thread(target=self._io_loop, name="monarch-io", daemon=True)
+        self._stop = threading.Event()
+        self.ns: Namespace | None = None
+
+    def send(self, msg: P.Message, value: Any = None, *, with_value: bool = False) -> None:
+        """Queue ``msg`` for the I/O thread (any thread); ``value`` is pickled here as its payload.
+
+        Raises SerializationError when ``value`` cannot be pickled (nothing is queued then).
+        """
+        payload, buffers = dumps(value) if with_value else (b"", [])
+        self.outbox.put((msg, payload, buffers))
+
+    # ---- I/O thread ------------------------------------------------------------------------------------------
+
+    def _send_now(self, msg: P.Message, payload: bytes = b"", buffers: list | tuple = ()) -> None:
+        """Send from the I/O thread (the only thread that touches the socket)."""
+        self._sock.send_multipart(self._signer.pack(msg, payload, buffers), copy=False)
+
+    def _io_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self.outbox.wake_fd, zmq.POLLIN)
+        interval_ms = int(self.config.heartbeat_interval * 1000)
+        next_beat = 0.0
+        handlers = {
+            P.Interrupt: self._on_interrupt,
+            P.StacksRequest: self._on_stacks,
+            P.Ping: lambda msg, payload, bufs: None,
+        }
+        while not self._stop.is_set():
+            events = dict(poller.poll(interval_ms))
+            now = time.monotonic()
+            if self._sock in events:
+                while True:
+                    try:
+                        frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    try:
+                        msg, payload, bufs = self._signer.unpack([f.buffer for f in frames])
+                    except P.ProtocolError as e:
+                        log.warning("rank %d dropped a message: %s", self.rank, e)
+                        continue
+                    self._last_heard = now
+                    handler = handlers.get(type(msg))
+                    if handler is not None:
+                        handler(msg, payload, bufs)
+                    else:
+                        self.work.put((msg, payload, bufs))
+            if self.outbox.wake_fd in events:
+                for item in self.outbox.drain():
+                    self._send_now(*item)
+            if now >= next_beat:
+                next_beat = now + self.config.heartbeat_interval
+                self._send_now(P.Heartbeat(rss=_rss_bytes()))
+                if now - self._last_heard > self.config.heartbeat_timeout:
+                    sys.stderr.write(
+                        f"monarch_worker rank {self.rank}: no word from the controller for "
+                        f"{self.config.heartbeat_timeout:.0f} s; exiting\n"
+                    )
+                    os._exit(3)
+
+    def _on_interrupt(self, msg: P.Interrupt, payload: bytes, bufs: list) -> None:
+        with self._cell_lock:
+            if self.current_cell == msg.cell_id:
+                signal.pthread_kill(self._main_ident, signal.SIGINT)
+
+    def _on_stacks(self, msg: P.StacksRequest, payload: bytes, bufs: list) -> None:
+        frame = sys._current_frames().get(self._main_ident)
+        cell = self.current_cell
+        frames = main_thread_stack(frame) if cell >= 0 else []
+        self._send_now(P.Stacks(msg.request_id, cell, frames, "running" if cell >= 0 else "idle"))
+
+    # ---- main thread ------------------------------------------------------------------------------------------
+
+    def _wait_for(self, kind: type, timeout: float) -> tuple:
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"rank {self.rank}: no {kind.TYPE} from the controller in {timeout:.0f} s")
+            try:
+                item = self.work.get(timeout=remaining)
+            except queue.Empty:
+                continue
+            if isinstance(item[0], kind):
+                return item
+            if isinstance(item[0], P.Shutdown):
+                os._exit(0)
+
+    def join(self) -> None:
+        """Handshake with the controller and initialize torch.distributed."""
+        import torch
+        import torch.distributed as dist
+        from datetime import timedelta
+
+        cfg = self.config
+        self.send(
+            P.Hello(
+                rank=cfg.rank,
+                pid=os.getpid(),
+                host=socket.gethostname(),
+                local_rank=cfg.local_rank,
+                local_world_size=cfg.local_world_size,
+                world_size=cfg.world_size,
+            )
+        )
+        welcome, _, _ = self._wait_for(P.Welcome, cfg.join_timeout)
+        self.rank = welcome.rank
+        env = {
+            "RANK": str(welcome.rank),
+            "WORLD_SIZE": str(welcome.world_size),
+            "LOCAL_RANK": str(welcome.local_rank),
+            "LOCAL_WORLD_SIZE": str(welcome.local_world_size),
+            "MASTER_ADDR": welcome.master_addr,
+        }
+        os.environ.update(env)
+        backend = cfg.backend
+        if backend == "auto":
+            cuda = torch.cuda.is_available() and torch.cuda.device_count() >= welcome.local_world_size
+            backend = "nccl" if cuda else "gloo"
+        timeout = timedelta(seconds=cfg.pg_timeout)
+        if welcome.master_port == 0:
+            store = dist.TCPStore(welcome.master_addr, 0, welcome.world_size, is_master=True,
+                                  timeout=timedelta(seconds=cfg.join_timeout), wait_for_workers=False)
+            port = store.port
+            self.send(P.StoreReady(port=port))
+        else:
+            port = welcome.master_port
+            store = dist.TCPStore(welcome.master_addr, port, welcome.world_size, is_master=False,
+                                  timeout=timedelta(seconds=cfg.join_timeout))
+        os.environ["MASTER_PORT"] = str(port)
+        if backend == "nccl":
+            torch.cuda.set_device(welcome.local_rank)
+            device = torch.device("cuda", welcome.local_rank)
+        else:
+            device = torch.device("cpu")
+        kwargs: dict[str, Any] = {}
+        if backend == "nccl":
+            kwargs["device_id"] = device
+        dist.init_process_group(backend, store=store, rank=welcome.rank, world_size=welcome.world_size,
+                                timeout=timeout, **kwargs)
+        self.ns = Namespace({
+            "rank": welcome.rank,
+            "world_size": welcome.world_size,
+            "local_rank": welcome.local_rank,
+            "device": device,
+            "dist": dist,
+            "torch": torch,
+        })
+        self.send(P.Ready(device=str(device), backend=backend, host=socket.gethostname(), pid=os.getpid()))
+
+    def serve(self) -> None:
+        """Main loop: take work and run it until Shutdown."""
+        dispatch = {P.Exec: self._exec, P.Call: self._call}
+        while True:
+            msg, payload, bufs = self.work.get()
+            if isinstance(msg, P.Shutdown):
+                return
+            handler = dispatch.get(type(msg))
+            if handler is None:
+                log.warning("rank %d: unexpected %s", self.rank, msg.TYPE)
+                continue
+            handler(msg, payload, bufs)
+
+    def _run(self, cell_id: int, body: Any) -> None:
+        """Run ``body()`` as cell ``cell_id`` and report its Result after its output is flushed."""
+        with self._cell_lock:
+            self.current_cell = cell_id
+        start = time.perf_counter()
+        result: P.Result
+        value: Any = None
+        try:
+            try:
+                has_value, value = body()
+            finally:
+                with self._cell_lock:
+                    self.current_cell = -1
+            result = P.Result(cell_id, "ok", has_value=has_value)
+        except BaseException as e:  # noqa: BLE001 - report everything, KeyboardInterrupt included
+            result = P.Result(cell_id, "error", error=format_error(e))
+            value = None
+        result = P.Result(result.cell_id, result.status, result.has_value, result.error,
+                          time.perf_counter() - start)
+        self._sync_output(cell_id)
+        try:
+            self.send(result, value, with_value=result.has_value)
+        except SerializationError as e:
+            err = {"type": "SerializationError", "module": "monarch_worker.serialize",
+                   "message": f"the cell's result cannot be sent to the notebook: {e}",
+                   "traceback": "", "interrupted": False}
+            self.send(P.Result(cell_id, "error", error=err, duration=result.duration))
+
+    def _sync_output(self, cell_id: int) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 - a user may have replaced or closed it
+                pass
+        marker = P.sync_marker(cell_id)
+        for fd in (1, 2):
+            try:
+                os.write(fd, marker)
+            except OSError:
+                pass
+
+    def _exec(self, msg: P.Exec, payload: bytes, bufs: list) -> None:
+        assert self.ns is not None
+        for filename, source in msg.sources.items():
+            register_source(filename, source)
+
+        def body() -> tuple[bool, Any]:
+            if payload:
+                self.ns.inject(loads(payload, bufs))
+            return self.ns.run_cell(msg.code, msg.filename)
+
+        self._run(msg.cell_id, body)
+
+    def _call(self, msg: P.Call, payload: bytes, bufs: list) -> None:
+        for filename, source in msg.sources.items():
+            register_source(filename, source)
+
+        def body() -> tuple[bool, Any]:
+            fn, args, kwargs = loads(payload, bufs)
+            value = fn(*args, **kwargs)
+            return value is not None, value
+
+        self._run(msg.cell_id, body)
+
+    def start_io(self) -> None:
+        self._io.start()
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _unbuffered_std_streams() -> None:
+    """Python-level prints go straight to fds 1 and 2, in order with C-level writes to the same fds."""
+    import io
+
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        raw = io.FileIO(fd, "w", closefd=False)
+        stream = io.TextIOWrapper(raw, encoding="utf-8", errors="backslashreplace", write_through=True,
+                                  line_buffering=False)
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
+
+
+def run_rank(config: RankConfig) -> int:
+    """Run one rank to completion; returns the process exit code."""
+    os.environ.update(config.env)
+    _unbuffered_std_streams()
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    rank = Rank(config)
+    rank.start_io()
+    try:
+        rank.join()
+    except BaseException as e:  # noqa: BLE001 - tell the controller why, then exit
+        err = format_error(e)
+        sys.stderr.write(err["traceback"])
+        rank.send(P.StartFailed(error=err["traceback"]))
+        time.sleep(0.2)  # let the I/O thread send it
+        return 1
+    rank.serve()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return 0

@@ -1,0 +1,131 @@
+"""Serialization of user values: cloudpickle, pickle protocol 5, out-of-band tensor and array buffers.
+
+Tensors and NumPy arrays larger than ``OOB_THRESHOLD`` bytes travel as out-of-band buffers (PEP 574): the pickle
+stream holds only a small header (dtype, shape, requires_grad) and the memory goes in separate frames without a
+copy into the pickle bytes (the scheme of ipyparallel.serialize). CUDA tensors are copied to the CPU on the
+sender; the receiver decides where to put them.
+
+Functions and classes defined in a notebook (module ``__main__``) are pickled by value by cloudpickle, so they
+can be called on ranks that never saw the notebook.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any
+
+import cloudpickle
+
+__all__ = ["OOB_THRESHOLD", "dumps", "loads", "SerializationError", "describe_unpicklable"]
+
+OOB_THRESHOLD = 64 * 1024
+"""Buffers of at least this many bytes travel out of band (a separate frame, no copy into the pickle)."""
+
+
+class SerializationError(TypeError):
+    """A value could not be pickled; the message names its type and where it sits in the container."""
+
+
+def _rebuild_tensor(buf: Any, dtype: str, shape: tuple, requires_grad: bool) -> Any:
+    import torch
+
+    dt = getattr(torch, dtype)
+    mv = memoryview(buf).cast("B")
+    if mv.nbytes == 0:
+        t = torch.empty(shape, dtype=dt)
+    else:
+        if mv.readonly:
+            # zmq frames are read-only; torch needs writable memory for a tensor users may modify.
+            mv = memoryview(bytearray(mv))
+        t = torch.frombuffer(mv, dtype=torch.uint8).view(dt).reshape(shape)
+    if requires_grad:
+        t.requires_grad_(True)
+    return t
+
+
+def _reduce_tensor(t: Any) -> tuple:
+    import torch
+
+    data = t.detach()
+    if data.device.type != "cpu":
+        data = data.cpu()
+    if data.is_sparse or data.layout != torch.strided or data.is_quantized:
+        return NotImplemented
+    data = data.contiguous()
+    raw = data.reshape(-1).view(torch.uint8).numpy()
+    dtype = str(data.dtype).removeprefix("torch.")
+    return _rebuild_tensor, (pickle.PickleBuffer(raw), dtype, tuple(data.shape), bool(t.requires_grad))
+
+
+class _Pickler(cloudpickle.Pickler):
+    def reducer_override(self, obj: Any) -> Any:
+        cls = type(obj)
+        if cls.__module__ == "torch" or cls.__module__.startswith("torch."):
+            import torch
+
+            if cls is torch.Tensor or cls is torch.nn.Parameter:
+                if isinstance(obj, torch.nn.Parameter):
+                    return NotImplemented  # keep Parameter type; its data still pickles via Tensor
+                return _reduce_tensor(obj)
+        return super().reducer_override(obj)
+
+
+def dumps(obj: Any, threshold: int = OOB_THRESHOLD) -> tuple[bytes, list[pickle.PickleBuffer]]:
+    """Pickle ``obj``; returns (pickle bytes, out-of-band buffers).
+
+    Raises
+    ------
+    SerializationError
+        The value (or something inside it) cannot be pickled; the message names its type and path.
+    """
+    buffers: list[pickle.PickleBuffer] = []
+
+    def keep(buf: pickle.PickleBuffer) -> bool:
+        if buf.raw().nbytes >= threshold:
+            buffers.append(buf)
+            return False
+        return True
+
+    f = io.BytesIO()
+    try:
+        _Pickler(f, protocol=5, buffer_callback=keep).dump(obj)
+    except Exception as e:
+        raise SerializationError(describe_unpicklable(obj, e)) from e
+    return f.getvalue(), buffers
+
+
+def loads(data: bytes, buffers: list | tuple = ()) -> Any:
+    """Inverse of :func:`dumps`."""
+    return pickle.loads(data, buffers=buffers)
+
+
+def _find(obj: Any, path: str, depth: int) -> tuple[str, type] | None:
+    """Depth-first search for the innermost element that fails to pickle."""
+    if depth > 8:
+        return None
+    children: list[tuple[str, Any]] = []
+    if isinstance(obj, dict):
+        children = [(f"{path}[{k!r}]", v) for k, v in obj.items()]
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        children = [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+        children = [(f"{path}.{k}", v) for k, v in vars(obj).items()]
+    for p, child in children:
+        try:
+            cloudpickle.dumps(child, protocol=5)
+        except Exception:
+            return _find(child, p, depth + 1) or (p, type(child))
+    return None
+
+
+def describe_unpicklable(obj: Any, error: BaseException) -> str:
+    """A message naming the type of the value that cannot be pickled and where it sits inside ``obj``."""
+    where = _find(obj, "value", 0)
+    if where is None:
+        return f"cannot pickle a value of type {type(obj).__module__}.{type(obj).__qualname__}: {error}"
+    path, typ = where
+    return (
+        f"cannot pickle {path} of type {typ.__module__}.{typ.__qualname__} "
+        f"(inside a {type(obj).__qualname__}): {error}"
+    )
