@@ -162,6 +162,12 @@ class CellHandle:
         if rank in self.finished:
             return
         self.finished.add(rank)
+        info = self.mesh._ranks.get(rank)
+        if info is not None:
+            if self in info.cells:
+                info.cells.remove(self)
+            if not info.cells and info.state is RankState.RUNNING:
+                info.state = RankState.IDLE
         if self.order == "rank":
             self._release_held()
             if not self._waiting:
@@ -708,7 +714,7 @@ class Mesh:
             states.setdefault(i.state.value, []).append(r)
         backend = next((i.backend for i in self._ranks.values() if i.backend), self.backend)
         summary = ", ".join(f"{s}: {format_ranks(rs)}" for s, rs in states.items())
-        return f"<Mesh world_size={self.nproc} backend={backend} on {socket.gethostname()} ({summary})>"
+        return f"<Mesh world_size={self.nproc} backend={backend} ({summary})>"
 
     def _check_running(self) -> None:
         if not self._running:
@@ -843,11 +849,6 @@ class Mesh:
                                 err.get("traceback", ""), err.get("module", ""))
         with self._cond:
             cell = self._cells.get(msg.cell_id)
-            info = self._ranks[rank]
-            if info.cells and info.cells[0].cell_id == msg.cell_id:
-                info.cells.popleft()
-            if not info.cells and info.state is RankState.RUNNING:
-                info.state = RankState.IDLE
             if cell is None:
                 return
             cell.durations[rank] = msg.duration
@@ -896,7 +897,9 @@ class Mesh:
             info = self._ranks.get(rank)
             if info is None:
                 return
+            changed = False
             for kind, value in info.splitters[stream].feed(data):
+                changed = True
                 if kind == "line":
                     self._route_line(info, stream, str(value))
                 else:
@@ -904,7 +907,8 @@ class Mesh:
                     if cell is not None and rank in cell.synced:
                         cell.synced[rank].add(stream)
                         cell._check_rank(rank)
-            self._cond.notify_all()
+            if changed:
+                self._cond.notify_all()
 
     def _route_line(self, info: RankInfo, stream: str, text: str) -> None:
         info.last_lines.append(text)
