@@ -12,7 +12,10 @@ can be called on ranks that never saw the notebook.
 from __future__ import annotations
 
 import io
+import marshal
 import pickle
+import types
+from collections import ChainMap
 from typing import Any
 
 import cloudpickle
@@ -58,7 +61,16 @@ def _reduce_tensor(t: Any) -> tuple:
     return _rebuild_tensor, (pickle.PickleBuffer(raw), dtype, tuple(data.shape), bool(t.requires_grad))
 
 
+def _reduce_code(code: types.CodeType) -> tuple:
+    # cloudpickle (3.1+) renames every code object's file to "<dynamic-code>", which would hide the notebook
+    # cell's source in tracebacks on the ranks. marshal keeps co_filename; ranks run the same Python version as
+    # the notebook (cloudpickle's by-value pickles need that anyway).
+    return marshal.loads, (marshal.dumps(code),)
+
+
 class _Pickler(cloudpickle.Pickler):
+    dispatch_table = ChainMap({types.CodeType: _reduce_code}, cloudpickle.Pickler.dispatch_table)
+
     def reducer_override(self, obj: Any) -> Any:
         cls = type(obj)
         if cls.__module__ == "torch" or cls.__module__.startswith("torch."):

@@ -1,0 +1,74 @@
+"""Shared fixtures: one real mesh per session (starting torch is slow), and a check that no rank outlives
+the tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from monarch_jupyter import Mesh
+from monarch_jupyter.kernel import launcher
+
+# Every process this test session starts (kernels, fork servers, ranks) inherits this tag, so the orphan check
+# finds exactly ours even when other meshes run on the machine.
+SESSION_TAG = f"MJ_TEST_SESSION={os.getpid()}-{time.time_ns()}"
+os.environ["MJ_TEST_SESSION"] = SESSION_TAG.split("=", 1)[1]
+
+
+def worker_pids() -> set[int]:
+    """Pids of this session's fork servers and ranks (ranks share the fork server's command line)."""
+    pids = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read()
+            if b"monarch_worker" not in cmd:
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                tagged = SESSION_TAG.encode() in f.read()
+            with open(f"/proc/{entry}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if tagged and state != "Z":
+            pids.add(int(entry))
+    return pids
+
+
+def wait_gone(pids: set[int], timeout: float = 10.0) -> set[int]:
+    """Wait up to ``timeout`` seconds for ``pids`` to exit; returns those still alive."""
+    deadline = time.monotonic() + timeout
+    alive = set(pids)
+    while alive and time.monotonic() < deadline:
+        alive &= worker_pids()
+        if alive:
+            time.sleep(0.05)
+    return alive
+
+
+@pytest.fixture(scope="session")
+def mesh() -> Iterator[Mesh]:
+    """A 4-rank gloo mesh shared by the tests that only run code (they must leave it usable)."""
+    m = Mesh(4, start_timeout=120)
+    yield m
+    m.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_orphans() -> Iterator[None]:
+    before = worker_pids()
+    yield
+    launcher.shutdown()
+    left = wait_gone(worker_pids() - before, timeout=10)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not left, f"worker processes outlived the test session: {sorted(left)}"

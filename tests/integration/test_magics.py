@@ -1,0 +1,149 @@
+"""%mesh and %%mesh through IPython's InteractiveShell (the same code path as in a notebook)."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from collections.abc import Iterator
+
+import pytest
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
+
+import monarch_jupyter
+from monarch_jupyter import Mesh, MeshError
+from tests.conftest import wait_gone
+
+
+@pytest.fixture(scope="module")
+def shell() -> Iterator[InteractiveShell]:
+    ip = InteractiveShell.instance()
+    ip.run_line_magic("load_ext", "monarch")
+    yield ip
+    ip.run_line_magic("unload_ext", "monarch")
+
+
+@pytest.fixture(scope="module")
+def started(shell: InteractiveShell) -> Iterator[Mesh]:
+    m = shell.run_line_magic("mesh", "start -n 2")
+    yield m
+    if m.running:
+        m.stop()
+
+
+def cell(shell: InteractiveShell, line: str, body: str) -> object:
+    return shell.run_cell_magic("mesh", line, textwrap.dedent(body))
+
+
+def test_mesh_before_start_says_how(shell: InteractiveShell) -> None:
+    with pytest.raises(UsageError, match="%mesh start"):
+        cell(shell, "", "1")
+
+
+def test_start_returns_mesh_and_current(started: Mesh) -> None:
+    assert isinstance(started, Mesh)
+    assert monarch_jupyter.current_mesh() is started
+    assert started.world_size == 2
+
+
+def test_cell_output_and_result(shell: InteractiveShell, started: Mesh, capsys: pytest.CaptureFixture[str]) -> None:
+    out = cell(shell, "", """
+        t = torch.ones(3) * rank
+        dist.all_reduce(t)
+        print(rank, t)
+        t.sum().item()
+    """)
+    assert out == {0: 3.0, 1: 3.0}
+    text = capsys.readouterr().out
+    assert "[rank0]: 0 tensor([1., 1., 1.])" in text and "[rank1]: 1 tensor([1., 1., 1.])" in text
+
+
+def test_out_and_ranks(shell: InteractiveShell, started: Mesh) -> None:
+    assert cell(shell, "--ranks 1 --out res", "rank * 7") is None
+    assert shell.user_ns["res"] == {1: 7}
+
+
+def test_notebook_function_and_class_used_in_cell(shell: InteractiveShell, started: Mesh) -> None:
+    shell.run_cell(textwrap.dedent("""
+        def double(x):
+            return 2 * x
+
+        class Box:
+            def __init__(self, v):
+                self.v = v
+
+            def fail(self):
+                raise RuntimeError(f"box {self.v} failed")
+    """))
+    assert cell(shell, "", "Box(double(rank)).v") == {0: 0, 1: 2}
+    with pytest.raises(MeshError) as info:
+        cell(shell, "", "Box(rank).fail()")
+    text = "\n".join(info.value._render_traceback_())
+    assert 'raise RuntimeError(f"box {self.v} failed")' in text  # the notebook cell's own source line
+
+
+def test_rank_defined_name_wins_over_notebook(shell: InteractiveShell, started: Mesh) -> None:
+    shell.run_cell("def who():\n    return 'notebook'\n")
+    assert cell(shell, "", "who()") == {0: "notebook", 1: "notebook"}
+    cell(shell, "", "def who():\n    return 'rank'\n")
+    assert cell(shell, "", "who()") == {0: "rank", 1: "rank"}
+
+
+def test_usage_errors_are_messages_not_tracebacks(shell: InteractiveShell, started: Mesh) -> None:
+    with pytest.raises(UsageError, match="--help"):
+        cell(shell, "--bogus", "1")
+    with pytest.raises(UsageError, match="subcommand"):
+        shell.run_line_magic("mesh", "explode")
+    with pytest.raises(UsageError, match="already running"):
+        shell.run_line_magic("mesh", "start -n 2")
+    with pytest.raises(UsageError, match="world size 2"):
+        cell(shell, "--ranks 5", "1")
+    with pytest.raises(UsageError, match="--out"):
+        cell(shell, "--out 1x", "1")
+    # Through run_cell the user sees a one-line UsageError, and the mesh still works.
+    result = shell.run_cell("%%mesh --bogus\n1\n")
+    assert isinstance(result.error_in_exec, UsageError)
+    assert cell(shell, "", "rank") == {0: 0, 1: 1}
+
+
+def test_status_stop_restart(shell: InteractiveShell, started: Mesh) -> None:
+    status = shell.run_line_magic("mesh", "status")
+    text = repr(status)
+    assert "rank" in text and "idle" in text
+    pids = {s["pid"] for s in started.status().values()}
+    m = shell.run_line_magic("mesh", "restart")
+    assert m is started and m.running
+    assert not wait_gone(pids, timeout=5)
+    shell.run_line_magic("mesh", "stop")
+    assert not started.running
+    with pytest.raises(UsageError, match="restart"):
+        cell(shell, "", "1")
+    shell.run_line_magic("mesh", "restart")
+    assert cell(shell, "", "rank") == {0: 0, 1: 1}
+
+
+def test_load_ext_monarch_jupyter_and_unload_stops(started: Mesh) -> None:
+    ip = InteractiveShell.instance()
+    ip.run_line_magic("load_ext", "monarch_jupyter")  # the second name works too (idempotent)
+    assert "mesh" in ip.magics_manager.magics["cell"]
+    pids = {s["pid"] for s in started.status().values()}
+    ip.run_line_magic("unload_ext", "monarch")
+    assert "mesh" not in ip.magics_manager.magics["cell"]
+    assert not started.running
+    assert not wait_gone(pids, timeout=5)
+    ip.run_line_magic("load_ext", "monarch")
+
+
+def test_shadowed_monarch_package_is_named(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pathlib import Path
+
+    from monarch_jupyter.magics import _check_monarch_shadowing
+
+    assert _check_monarch_shadowing() is None  # ours is found
+    fake = Path(str(tmp_path)) / "monarch"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("# PyTorch Monarch stand-in\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "monarch", raising=False)
+    note = _check_monarch_shadowing()
+    assert note is not None and "%load_ext monarch_jupyter" in note and str(fake) in note

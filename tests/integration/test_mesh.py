@@ -1,0 +1,231 @@
+"""The Mesh through its Python API, on real processes with a real gloo process group."""
+
+from __future__ import annotations
+
+import os
+import socket
+import textwrap
+
+import pytest
+
+from monarch_jupyter import Mesh, MeshError, MeshNotRunningError, MeshStartError, RankMap, RemoteError
+from tests.conftest import wait_gone, worker_pids
+
+
+def run(mesh: Mesh, code: str, **kw: object) -> object:
+    return mesh.run(textwrap.dedent(code), **kw)
+
+
+def test_all_reduce_and_namespace(mesh: Mesh, capsys: pytest.CaptureFixture[str]) -> None:
+    out = run(mesh, """
+        t = torch.ones(3) * rank
+        dist.all_reduce(t)
+        print(rank, t.tolist())
+        t.sum().item()
+    """)
+    assert out == {r: 18.0 for r in range(4)}
+    assert isinstance(out, RankMap)
+    printed = capsys.readouterr().out.splitlines()
+    assert sorted(printed) == [f"[rank{r}]: {r} [6.0, 6.0, 6.0]" for r in range(4)]
+    names = run(mesh, "(rank, world_size, local_rank, str(device), dist.get_backend(), dist.get_world_size())")
+    assert names == {r: (r, 4, r, "cpu", "gloo", 4) for r in range(4)}
+
+
+def test_torchrun_environment(mesh: Mesh) -> None:
+    env = run(mesh, """
+        import os
+        {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    """)
+    ports = {e["MASTER_PORT"] for e in env.values()}
+    assert len(ports) == 1 and int(ports.pop()) > 0
+    for r, e in env.items():
+        assert (e["RANK"], e["WORLD_SIZE"], e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"]) == (str(r), "4", str(r), "4")
+        assert e["MASTER_ADDR"] == "127.0.0.1"
+
+
+def test_state_persists_and_subsets(mesh: Mesh) -> None:
+    run(mesh, "counter = rank * 10")
+    run(mesh, "counter += 1", ranks="1-2")
+    assert run(mesh, "counter") == {0: 0, 1: 11, 2: 21, 3: 30}
+    assert run(mesh, "counter", ranks="::2") == {0: 0, 2: 21}
+    assert run(mesh, "counter", ranks=3) == {3: 30}
+
+
+def test_no_value_returns_none_and_none_values_are_kept(mesh: Mesh) -> None:
+    assert run(mesh, "y = 1") is None
+    assert run(mesh, "None") is None
+    assert run(mesh, "rank if rank == 1 else None") == {0: None, 1: 1, 2: None, 3: None}
+
+
+def test_output_at_fd_level_and_last_line_without_newline(mesh: Mesh, capsys: pytest.CaptureFixture[str]) -> None:
+    run(mesh, """
+        import os, sys, ctypes
+        os.write(1, b"fd-level\\n")
+        ctypes.CDLL(None).write(2, b"from C on stderr\\n", 17)
+        print("python stdout")
+        print("to stderr", file=sys.stderr)
+        sys.stdout.write("no newline at the end")
+    """, ranks="0,3")
+    cap = capsys.readouterr()
+    for r in (0, 3):
+        assert f"[rank{r}]: fd-level" in cap.out
+        assert f"[rank{r}]: python stdout" in cap.out
+        assert f"[rank{r}]: no newline at the end" in cap.out
+        assert f"[rank{r}]: from C on stderr" in cap.err
+        assert f"[rank{r}]: to stderr" in cap.err
+    assert "[rank1]" not in cap.out + cap.err
+
+
+def test_rank_order_output_is_deterministic(mesh: Mesh, capsys: pytest.CaptureFixture[str]) -> None:
+    run(mesh, """
+        import time
+        time.sleep(0.05 * (3 - rank))
+        for i in range(3):
+            print(f"line {i}")
+    """, order="rank")
+    out = capsys.readouterr().out.splitlines()
+    assert out == [f"[rank{r}]: line {i}" for r in range(4) for i in range(3)]
+
+
+def test_exception_on_some_ranks(mesh: Mesh, capsys: pytest.CaptureFixture[str]) -> None:
+    code = textwrap.dedent("""
+        print("before", rank)
+        def inner(x):
+            return 1 / x
+        inner(0) if rank in (1, 2) else rank * 2
+    """)
+    with pytest.raises(MeshError) as info:
+        mesh.run(code)
+    err = info.value
+    assert sorted(err.errors) == [1, 2]
+    assert err.results == {0: 0, 3: 6}
+    assert isinstance(err.root_cause, RemoteError)
+    assert err.root_cause.ename == "ZeroDivisionError"
+    text = "\n".join(err._render_traceback_())
+    assert "root cause: rank" in text
+    assert "return 1 / x" in text and "inner(0)" in text  # the cell's own lines
+    assert "<string>" not in text and "runtime.py" not in text
+    out = capsys.readouterr().out
+    assert all(f"[rank{r}]: before {r}" in out for r in range(4))
+    assert run(mesh, "rank") == {r: r for r in range(4)}  # the mesh stays usable
+
+
+def test_syntax_error_reported_once_before_anything_runs(mesh: Mesh, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SyntaxError) as info:
+        mesh.run("print('ran')\nx = (1,\n")
+    assert capsys.readouterr().out == ""
+    assert info.value.lineno is not None
+
+
+def test_unpicklable_result_names_its_type(mesh: Mesh) -> None:
+    with pytest.raises(MeshError) as info:
+        run(mesh, """
+            import threading
+            threading.Lock() if rank == 0 else rank
+        """)
+    err = info.value
+    assert list(err.errors) == [0]
+    assert "lock" in err.errors[0].evalue.lower()
+    assert err.results == {1: 1, 2: 2, 3: 3}
+
+
+class Scaler:
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def apply(self, x: int) -> int:
+        return self.k * x
+
+
+def test_call_with_local_function_and_class(mesh: Mesh) -> None:
+    def f(x: int, scale: Scaler) -> int:
+        import torch.distributed as dist
+
+        return scale.apply(x + dist.get_rank())
+
+    assert mesh.call(f, 1, Scaler(3), ranks="0-1") == {0: 3, 1: 6}
+
+
+def test_stop_leaves_no_process_and_restart_is_fresh() -> None:
+    m = Mesh(2)
+    pids = {s["pid"] for s in m.status().values()}
+    assert len(pids) == 2 and pids <= worker_pids()
+    m.run("secret = 42")
+    m.restart()
+    with pytest.raises(MeshError) as info:
+        m.run("secret")
+    assert all(e.ename == "NameError" for e in info.value.errors.values())
+    new_pids = {s["pid"] for s in m.status().values()}
+    assert not (new_pids & pids)
+    assert not wait_gone(pids, timeout=5)
+    assert m.run("dist.get_world_size()") == {0: 2, 1: 2}
+    m.stop()
+    assert not wait_gone(new_pids, timeout=5)
+    with pytest.raises(MeshNotRunningError, match="start"):
+        m.run("1")
+
+
+def test_start_when_port_29500_is_taken() -> None:
+    s = socket.socket()
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", 29500))
+            s.listen()
+        except OSError:
+            pass  # already taken by someone else: the point holds
+        with Mesh(2) as m:
+            assert m.run("t = torch.ones(1); dist.all_reduce(t); t.item()") == {0: 2.0, 1: 2.0}
+    finally:
+        s.close()
+
+
+def test_rank_that_fails_to_join_fails_start_with_its_error() -> None:
+    before = worker_pids()
+    with pytest.raises(MeshStartError) as info:
+        Mesh(2, env={"GLOO_SOCKET_IFNAME": "no-such-nic0"}, start_timeout=60)
+    text = str(info.value)
+    assert "rank" in text and "no-such-nic0" in text
+    assert not wait_gone(worker_pids() - before - _zygotes(), timeout=5)
+
+
+def _zygotes() -> set[int]:
+    """The shared fork server stays up between meshes; it is not a rank."""
+    from monarch_jupyter.kernel.launcher import _Zygote
+
+    z = _Zygote._instance
+    return {z.proc.pid} if z is not None else set()
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="nproc"):
+        Mesh(0)
+    with pytest.raises(ValueError, match="backend"):
+        Mesh(2, backend="mpi")
+    with pytest.raises(MeshStartError, match="GPU"):
+        Mesh(2, backend="nccl")
+
+
+def test_bad_rank_selection_keeps_mesh(mesh: Mesh) -> None:
+    with pytest.raises(ValueError, match="world size 4"):
+        mesh.run("1", ranks="7")
+    assert mesh.run("rank", ranks="0") == {0: 0}
+
+
+def test_stacks_of_busy_and_idle_ranks(mesh: Mesh) -> None:
+    handle = mesh.run("import time\nif rank == 1:\n    time.sleep(30)\n", block=False)
+    import time
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        report = mesh.stacks()
+        if any(rs == [1] and key and key[0] != "idle" and "sleep" in str(key) for rs, key in report.groups()):
+            break
+        time.sleep(0.1)
+    text = report.text
+    assert "rank 1:" in text and "line 3" in text, text
+    assert "ranks 0,2-3: idle" in text, text
+    with pytest.raises(KeyboardInterrupt):
+        mesh._on_interrupt(handle)
+        handle.result(timeout=10)
+    assert mesh.run("rank", ranks=1) == {1: 1}

@@ -1,0 +1,71 @@
+"""The wire protocol: framing, signing, replay rejection; the zygote pipe framing."""
+
+from __future__ import annotations
+
+import pytest
+
+from monarch_worker import protocol as P
+from monarch_worker.serialize import dumps, loads
+
+KEY = b"k" * 32
+
+
+def test_roundtrip_with_payload_and_buffers() -> None:
+    tx, rx = P.Signer(KEY), P.Signer(KEY)
+    payload, buffers = dumps({"a": bytearray(200_000)})
+    frames = tx.pack(P.Exec(7, "x = 1", "<cell>", {"f": "src"}), payload, buffers)
+    msg, pl, bufs = rx.unpack(frames)
+    assert msg == P.Exec(7, "x = 1", "<cell>", {"f": "src"})
+    assert loads(pl, bufs) == {"a": bytearray(200_000)}
+
+
+def test_wrong_secret_is_rejected_before_parsing() -> None:
+    frames = P.Signer(b"x" * 32).pack(P.Ping())
+    with pytest.raises(P.ProtocolError, match="bad signature"):
+        P.Signer(KEY).unpack(frames)
+
+
+def test_tampered_header_or_buffer_size_is_rejected() -> None:
+    tx = P.Signer(KEY)
+    frames = tx.pack(P.Result(1, "ok"), b"", [b"abc"])
+    bad = list(frames)
+    bad[2] = bad[2].replace(b'"ok"', b'"error"')
+    with pytest.raises(P.ProtocolError):
+        P.Signer(KEY).unpack(bad)
+    bad = list(frames)
+    bad[4] = b"abcd"
+    with pytest.raises(P.ProtocolError):
+        P.Signer(KEY).unpack(bad)
+
+
+def test_replay_is_rejected() -> None:
+    tx, rx = P.Signer(KEY), P.Signer(KEY)
+    frames = tx.pack(P.Ping())
+    rx.unpack(frames)
+    with pytest.raises(P.ProtocolError, match="replayed"):
+        rx.unpack(frames)
+
+
+def test_garbage_is_rejected() -> None:
+    rx = P.Signer(KEY)
+    for frames in ([b"hello"], [b"a", b"b", b"c", b"d"], [P.MAGIC, b"", b"{}", b""]):
+        with pytest.raises(P.ProtocolError):
+            rx.unpack(frames)
+
+
+def test_every_message_type_registered_once() -> None:
+    assert len(P.MESSAGE_TYPES) == len(set(P.MESSAGE_TYPES.values()))
+    for name, cls in P.MESSAGE_TYPES.items():
+        assert cls.TYPE == name
+
+
+def test_short_secret_refused() -> None:
+    with pytest.raises(ValueError):
+        P.Signer(b"short")
+
+
+def test_zygote_frame() -> None:
+    frame = P.zygote_json(P.Z_SPAWNED, 3, {"pid": 42})
+    kind, sid, n = P.ZYGOTE_HEADER.unpack_from(frame)
+    assert (kind, sid, frame[P.ZYGOTE_HEADER.size:]) == (P.Z_SPAWNED, 3, b'{"pid": 42}')
+    assert n == len(b'{"pid": 42}')

@@ -1,0 +1,34 @@
+"""Rank selections and per-rank results."""
+
+from __future__ import annotations
+
+import pytest
+
+from monarch_jupyter.kernel.ranks import RankMap, format_ranks, parse_ranks
+
+
+@pytest.mark.parametrize(
+    "spec, expected",
+    [(None, [0, 1, 2, 3]), ("all", [0, 1, 2, 3]), ("0", [0]), (2, [2]), ("0,2", [0, 2]), ("1-3", [1, 2, 3]),
+     ("::2", [0, 2]), ("1::2", [1, 3]), ("0, 3", [0, 3]), ([3, 1], [1, 3]), ("0-1,3", [0, 1, 3])],
+)
+def test_parse(spec: object, expected: list[int]) -> None:
+    assert parse_ranks(spec, 4) == expected  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("spec", ["4", "0-9", "x", "3-1", "1:2:3:4", [7]])
+def test_parse_errors_name_the_problem(spec: object) -> None:
+    with pytest.raises(ValueError, match="rank"):
+        parse_ranks(spec, 4)  # type: ignore[arg-type]
+
+
+def test_format() -> None:
+    assert format_ranks([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+    assert format_ranks([]) == ""
+
+
+def test_rankmap_orders_by_rank() -> None:
+    m = RankMap({2: "c", 0: "a", 1: "b"})
+    assert list(m) == [0, 1, 2]
+    assert m.ranks == [0, 1, 2]
+    assert m == {0: "a", 1: "b", 2: "c"}
