@@ -26,6 +26,7 @@ at the end of this module; those pipes never leave the host and carry no code fr
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import hmac
 import json
@@ -271,6 +272,11 @@ class Heartbeat(Message):
 # Framing and signing
 
 
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls) if f.name != "payload")
+
+
 class Signer:
     """Signs and verifies frames with HMAC-SHA256 and a per-mesh secret; rejects replays.
 
@@ -301,7 +307,7 @@ class Signer:
     def pack(self, msg: Message, payload: bytes = b"", buffers: list | tuple = ()) -> list:
         """Frame ``msg``; ``payload``/``buffers`` are its pickled user value (see serialize.dumps)."""
         self._seq += 1
-        fields = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg) if f.name != "payload"}
+        fields = {name: getattr(msg, name) for name in _field_names(type(msg))}
         header = json.dumps({"t": msg.TYPE, "s": self._session, "n": self._seq, "f": fields}).encode()
         sizes = [memoryview(b).nbytes for b in buffers]
         return [MAGIC, self._digest(header, payload, sizes), header, payload, *buffers]

@@ -48,6 +48,7 @@ class Zygote:
         self.children: dict[int, int] = {}  # pid -> spawn id
         self.pipes: dict[int, tuple[int, int]] = {}  # read fd -> (spawn id, kind)
         self.buf = b""
+        self.pending: list[bytes] = []
         self.sig_r, self.sig_w = os.pipe()
         os.set_blocking(self.sig_r, False)
         os.set_blocking(self.sig_w, False)
@@ -57,7 +58,14 @@ class Zygote:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     def emit(self, frame: bytes) -> None:
-        view = memoryview(frame)
+        """Queue a frame for the kernel; ``flush`` writes everything queued in one system call."""
+        self.pending.append(frame)
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        data, self.pending = b"".join(self.pending), []
+        view = memoryview(data)
         while view:
             try:
                 n = os.write(self.ev_out, view)
@@ -183,6 +191,7 @@ class Zygote:
     def serve(self) -> None:
         self.zygote_pid = os.getpid()
         self.emit(P.zygote_json(P.Z_READY, -1, {"pid": self.zygote_pid}))
+        self.flush()
         while True:
             fds = [self.ctl_in, self.sig_r, *self.pipes]
             try:
@@ -202,6 +211,7 @@ class Zygote:
                 elif fd in self.pipes:
                     self.drain(fd)
             self.reap()
+            self.flush()
 
 
 def main() -> None:

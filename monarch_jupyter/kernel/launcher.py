@@ -165,11 +165,16 @@ class _Zygote:
             if not data:
                 break
             buf += data
-            while len(buf) >= hs:
-                kind, sid, n = P.ZYGOTE_HEADER.unpack_from(buf)
-                if len(buf) < hs + n:
+            frames = []
+            pos = 0
+            while len(buf) - pos >= hs:
+                kind, sid, n = P.ZYGOTE_HEADER.unpack_from(buf, pos)
+                if len(buf) - pos < hs + n:
                     break
-                body, buf = buf[hs:hs + n], buf[hs + n:]
+                frames.append((kind, sid, buf[pos + hs:pos + hs + n]))
+                pos += hs + n
+            buf = buf[pos:]
+            for kind, sid, body in frames:
                 self._dispatch(kind, sid, body)
         # The zygote is gone: every rank it had is gone too.
         with self._cond:

@@ -127,6 +127,7 @@ class CellHandle:
         self.durations: dict[int, float] = {}
         self._lines: list[tuple[int, str, str]] = []
         self._held: dict[int, list] = {r: [] for r in ranks}  # order == "rank": lines not yet released
+        self._wake = threading.Condition(mesh._lock)  # notified when lines arrive for a waiter, or when done
         self._waiting = False
         self._result_seen_at: dict[int, float] = {}
 
@@ -139,6 +140,8 @@ class CellHandle:
             self._lines.append((rank, stream, text))
         if not self._waiting:
             self._deliver_now()
+        else:
+            self._wake.notify()
 
     def _released(self, rank: int) -> bool:
         for r in self.ranks:
@@ -172,6 +175,8 @@ class CellHandle:
             self._release_held()
             if not self._waiting:
                 self._deliver_now()
+        if self._all_done or self._lines:
+            self._wake.notify_all()
 
     def _check_rank(self, rank: int) -> None:
         if rank in self.results_in and (not self.mesh._launcher.relays_output
@@ -272,7 +277,8 @@ class Mesh:
         self.pg_timeout = float(pg_timeout)
         self.interrupt_grace = float(interrupt_grace)
         self.env = dict(env or {})
-        self._cond = threading.Condition(threading.RLock())
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)  # mesh-wide changes: ranks joining, dying, stack replies
         self._ranks: dict[int, RankInfo] = {}
         self._cells: dict[int, CellHandle] = {}
         self._cell_ids = itertools.count(1)
@@ -550,11 +556,13 @@ class Mesh:
                                  for r in dead}, what=what + " (not run: restart the mesh with  %mesh restart)")
             self._cells[cell_id] = handle
             self._last_cell = handle
+            identities = []
             for r in ranks:
                 info = self._ranks[r]
                 info.cells.append(handle)
                 info.state = RankState.RUNNING
-                self._outbox.put((info.identity, msg, payload, buffers))
+                identities.append(info.identity)
+            self._outbox.put((identities, msg, payload, buffers))
         self._event("cell_started", cell_id=cell_id, ranks=ranks)
         return handle
 
@@ -565,9 +573,9 @@ class Mesh:
             cell._waiting = True
         try:
             while True:
-                with self._cond:
+                with self._lock:
                     if not cell._lines and not cell._all_done:
-                        self._cond.wait(0.05)
+                        cell._wake.wait(0.05)
                     self._check_stragglers(cell)
                     lines, cell._lines = cell._lines, []
                     done = cell._all_done
@@ -622,10 +630,10 @@ class Mesh:
         deadline = time.monotonic() + self.interrupt_grace
         try:
             while time.monotonic() < deadline:
-                with self._cond:
+                with self._lock:
                     if cell._all_done:
                         break
-                    self._cond.wait(0.05)
+                    cell._wake.wait(0.05)
                     lines, cell._lines = cell._lines, []
                 write_lines(lines)
         except KeyboardInterrupt:
@@ -726,7 +734,7 @@ class Mesh:
     def _post(self, info: RankInfo, msg: P.Message) -> None:
         """Queue a message without payload for ``info`` (any thread)."""
         if info.identity is not None:
-            self._outbox.put((info.identity, msg, b"", []))
+            self._outbox.put(([info.identity], msg, b"", []))
 
     def _io_loop(self) -> None:
         poller = zmq.Poller()
@@ -777,10 +785,12 @@ class Mesh:
                 for item in self._outbox.drain():
                     if item is None:
                         continue
-                    identity, msg, payload, buffers = item
-                    if identity is None:
-                        continue
-                    self._router.send_multipart([identity, *self._signer.pack(msg, payload, buffers)], copy=False)
+                    identities, msg, payload, buffers = item
+                    # One signature for every recipient: each rank checks replays per sender session.
+                    frames = self._signer.pack(msg, payload, buffers)
+                    for identity in identities:
+                        if identity is not None:
+                            self._router.send_multipart([identity, *frames], copy=False)
             now = time.monotonic()
             if now >= next_ping:
                 next_ping = now + self.heartbeat_interval
@@ -860,7 +870,6 @@ class Mesh:
                 cell.values[rank] = value
                 cell.has_value[rank] = msg.has_value
             cell._check_rank(rank)
-            self._cond.notify_all()
         self._event("rank_result", rank=rank, cell_id=msg.cell_id, status=msg.status,
                     error=None if error is None else str(error))
 
@@ -897,9 +906,7 @@ class Mesh:
             info = self._ranks.get(rank)
             if info is None:
                 return
-            changed = False
             for kind, value in info.splitters[stream].feed(data):
-                changed = True
                 if kind == "line":
                     self._route_line(info, stream, str(value))
                 else:
@@ -907,8 +914,6 @@ class Mesh:
                     if cell is not None and rank in cell.synced:
                         cell.synced[rank].add(stream)
                         cell._check_rank(rank)
-            if changed:
-                self._cond.notify_all()
 
     def _route_line(self, info: RankInfo, stream: str, text: str) -> None:
         info.last_lines.append(text)
