@@ -25,12 +25,14 @@ from typing import Protocol
 
 from monarch_worker import protocol as P
 
+from ..errors import MeshStartError
+
 log = logging.getLogger(__name__)
 
 __all__ = ["Launcher", "LocalLauncher", "LauncherEvents", "LaunchError", "prewarm", "shutdown"]
 
 
-class LaunchError(RuntimeError):
+class LaunchError(MeshStartError):
     """The launcher could not start ranks (the message says why and what to do)."""
 
 

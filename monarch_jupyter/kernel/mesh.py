@@ -286,7 +286,7 @@ class Mesh:
         self._listeners: list[Callable[[str, dict], None]] = []
         self._running = False
         self._stopping = False
-        self._launcher: Launcher = Launcher()
+        self._launcher: Launcher | None = None
         self._ctx: zmq.Context | None = None
         self._io: threading.Thread | None = None
         self.address = ""
@@ -419,21 +419,20 @@ class Mesh:
         self._stopping = True
         was_running = self._running
         self._running = False
+        launcher = self._launcher
+        if graceful and was_running and launcher is not None:
+            with self._cond:
+                targets = [i for i in self._ranks.values() if i.identity and i.state is not RankState.DEAD]
+            for info in targets:
+                self._post(info, P.Shutdown())
+            launcher.wait(3.0)
+        if launcher is not None:
+            launcher.kill()
+            launcher.wait(5.0)
         if self._io is not None and self._io.is_alive():
-            if graceful and was_running:
-                with self._cond:
-                    targets = [i for i in self._ranks.values() if i.identity and i.state is not RankState.DEAD]
-                for info in targets:
-                    self._post(info, P.Shutdown())
-                self._launcher.wait(3.0)
-            self._launcher.kill()
-            self._launcher.wait(5.0)
             self._io_stop.set()
             self._outbox.put(None)
             self._io.join(5.0)
-        else:
-            self._launcher.kill()
-            self._launcher.wait(5.0)
         with self._cond:
             for info in self._ranks.values():
                 if info.state is not RankState.DEAD:

@@ -229,3 +229,43 @@ def test_stacks_of_busy_and_idle_ranks(mesh: Mesh) -> None:
         mesh._on_interrupt(handle)
         handle.result(timeout=10)
     assert mesh.run("rank", ranks=1) == {1: 1}
+
+
+def test_start_timeout_fails_cleanly() -> None:
+    before = worker_pids()
+    with pytest.raises(MeshStartError, match="within 0"):
+        Mesh(2, start_timeout=0.001)
+    assert not wait_gone(worker_pids() - before - _zygotes(), timeout=5)
+
+
+def test_ranks_are_not_forked_from_the_controller(mesh: Mesh) -> None:
+    pids = [s["pid"] for s in mesh.status().values()]
+    parents = {int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1]) for pid in pids}
+    assert os.getpid() not in parents
+    (zygote,) = parents
+    assert zygote in _zygotes()
+    cmdline = open(f"/proc/{zygote}/cmdline", "rb").read().split(b"\0")
+    assert b"monarch_worker.zygote" in cmdline  # a fresh interpreter, started by exec, not a fork of this one
+
+
+def test_wrong_secret_and_garbage_are_rejected(mesh: Mesh) -> None:
+    import zmq
+
+    from monarch_worker import protocol as P
+
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(mesh.address)
+        sock.send_multipart(P.Signer(b"w" * 32).pack(P.Hello(rank=0, pid=1, host="evil")))
+        sock.send_multipart([b"\x00" * 10, os.urandom(100)])
+        sock.send(os.urandom(1000))
+        raw = socket.create_connection(("127.0.0.1", int(mesh.address.rsplit(":", 1)[1])))
+        raw.sendall(os.urandom(4096))
+        raw.close()
+        assert sock.poll(500) == 0  # nothing comes back to an unauthenticated peer
+    finally:
+        ctx.destroy(0)
+    assert mesh.run("rank") == {r: r for r in range(4)}
+    assert all(s["state"] == "idle" for s in mesh.status().values())
