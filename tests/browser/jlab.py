@@ -57,7 +57,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # playwright is optional at import time (tests skip without it)
-    from playwright.sync_api import Browser, Locator, Page
+    from playwright.sync_api import Browser, ConsoleMessage, Locator, Page
+    from playwright.sync_api import Error as PlaywrightError
 
 __all__ = [
     "CHROMIUM_PATH",
@@ -114,6 +115,7 @@ _USER_SETTINGS: dict[str, dict[str, Any]] = {
     },
 }
 
+
 class HarnessError(RuntimeError):
     """Something in the server/browser harness went wrong (timeouts, dialogs, crashes)."""
 
@@ -121,20 +123,20 @@ class HarnessError(RuntimeError):
 def browser_prerequisites_missing() -> str | None:
     """Return why browser tests cannot run here, or ``None`` if they can.
 
-    Checks for ``/usr/bin/chromium``, the ``playwright`` package and ``jupyterlab``.
-    Use as ``pytest.skip(reason)`` when it returns a string.
+    Checks for ``/usr/bin/chromium`` and the ``playwright`` package (JupyterLab is a
+    hard requirement: without it the tests fail rather than skip).  Use as
+    ``pytest.mark.skipif(bool(reason), reason=reason)``.
     """
     missing = []
     if not os.access(CHROMIUM_PATH, os.X_OK):
-        missing.append(f"{CHROMIUM_PATH} (apt-get install chromium)")
-    for module in ("playwright", "jupyterlab"):
-        try:
-            __import__(module)
-        except ImportError:
-            missing.append(f"python package {module!r} (pip install {module})")
+        missing.append(f"{CHROMIUM_PATH} is not installed (apt-get install chromium)")
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        missing.append("python package 'playwright' is not installed (pip install playwright)")
     if not missing:
         return None
-    return "browser tests need " + ", ".join(missing) + "; see tests/browser/INSTALL.sh"
+    return "; ".join(missing) + " -- see tests/browser/INSTALL.sh"
 
 
 # --------------------------------------------------------------------------------------
@@ -263,6 +265,10 @@ class LabServer:
     log_path: Path
     """Server stdout+stderr (kept until the context exits; included in errors)."""
 
+    def __iter__(self) -> Iterator[str]:
+        """Allow ``base_url, token = server``."""
+        return iter((self.base_url, self.token))
+
     def lab_url(self, path: str = "") -> str:
         """URL of ``/lab/tree/<path>`` with the token (path relative to ``root_dir``)."""
         return f"{self.base_url}lab/tree/{path.lstrip('/')}?token={self.token}"
@@ -307,6 +313,8 @@ def _write_jupyter_dirs(base: Path, disabled_extensions: Sequence[str]) -> dict[
                 "LabApp": {
                     "news_url": None,
                     "check_for_updates_class": "jupyterlab.handlers.announcements.NeverCheckForUpdate",
+                    # No PyPI queries from the server-side extension manager.
+                    "extension_manager": "readonly",
                     # window.jupyterapp, for NotebookPage.execute_command().
                     "expose_app_in_browser": True,
                 },
@@ -353,10 +361,7 @@ def _wait_until_up(proc: subprocess.Popen[bytes], server: LabServer, timeout: fl
 
 def _shutdown(proc: subprocess.Popen[bytes], server: LabServer) -> None:
     """Stop the server and every process it (or its kernels) started."""
-    victims = _related_processes(proc.pid)
-    with contextlib.suppress(Exception):
-        for kernel in server.api("GET", "api/kernels", timeout=3.0) or []:
-            victims.update(_related_processes(int(kernel.get("pid", 0) or 0)))
+    victims = _related_processes(proc.pid)  # server, kernels, and anything they started
     table = _proc_table()
     sessions = {table[p][1] for p in victims if p in table} | {proc.pid}
     if proc.poll() is None:
@@ -420,6 +425,7 @@ def jupyterlab_server(
                 f"--ServerApp.root_dir={root}",
                 *extra_args,
             ]
+            log_offset = log_path.stat().st_size if log_path.exists() else 0
             with open(log_path, "ab") as log:
                 proc = subprocess.Popen(
                     cmd,
@@ -436,7 +442,7 @@ def jupyterlab_server(
             except HarnessError as exc:
                 _shutdown(proc, server)
                 last_error = exc
-                if "already in use" in server.log_tail():
+                if "already in use" in log_path.read_text(errors="replace")[log_offset:]:
                     continue
                 raise
             break
@@ -538,7 +544,9 @@ class Execution:
         if self.run_id is None:
             return
         what = "run-all" if self.index is None else f"cell {self.index}"
-        self.notebook._wait_for(_JS_RUN_DONE, self.run_id, timeout, f"{what} did not finish within {timeout:.0f}s")
+        self.notebook._wait_for(
+            _JS_RUN_DONE, self.run_id, timeout, f"{what} did not finish within {timeout:.0f}s"
+        )
 
 
 class NotebookPage:
@@ -554,8 +562,15 @@ class NotebookPage:
         self.server = server
         self.path = path
         self.console: list[str] = []
-        page.on("console", lambda msg: msg.type == "error" and self.console.append(msg.text))
-        page.on("pageerror", lambda exc: self.console.append(f"pageerror: {exc}"))
+        page.on("console", self._on_console)
+        page.on("pageerror", self._on_page_error)
+
+    def _on_console(self, msg: ConsoleMessage) -> None:
+        if msg.type == "error":
+            self.console.append(msg.text)
+
+    def _on_page_error(self, exc: PlaywrightError) -> None:
+        self.console.append(f"pageerror: {exc}")
 
     # ---- locators ---------------------------------------------------------------------
 
@@ -691,9 +706,17 @@ class NotebookPage:
         return execution
 
     def execute_command(self, command_id: str, args: Mapping[str, Any] | None = None) -> Any:
-        """Execute a JupyterLab command (``window.jupyterapp.commands.execute``)."""
+        """Execute a JupyterLab command (``window.jupyterapp.commands.execute``) and await it.
+
+        E.g. ``execute_command("notebook:clear-all-cell-outputs")``.  Returns the
+        command's result if it is a JSON primitive, else None.
+        """
         return self.page.evaluate(
-            "([id, args]) => window.jupyterapp.commands.execute(id, args)", [command_id, dict(args or {})]
+            """async ([id, args]) => {
+                 const result = await window.jupyterapp.commands.execute(id, args);
+                 return result === null || typeof result !== 'object' ? result ?? null : null;
+               }""",
+            [command_id, dict(args or {})],
         )
 
     def restart_kernel(self, timeout: float = 60.0) -> None:
@@ -740,11 +763,15 @@ def open_notebook(
     try:
         page.goto(server.lab_url(path), wait_until="domcontentloaded")
         try:
-            notebook.notebook.locator(".jp-Cell").first.wait_for(state="attached", timeout=kernel_timeout * 1000)
+            notebook.notebook.locator(".jp-Cell").first.wait_for(
+                state="attached", timeout=kernel_timeout * 1000
+            )
         except Exception:
             raise HarnessError(notebook._describe(f"notebook {path!r} did not render")) from None
         if collapse_sidebars:
-            page.evaluate("() => { window.jupyterapp.shell.collapseLeft(); window.jupyterapp.shell.collapseRight(); }")
+            page.evaluate(
+                "() => { window.jupyterapp.shell.collapseLeft(); window.jupyterapp.shell.collapseRight(); }"
+            )
         notebook.wait_for_kernel_idle(kernel_timeout)
         yield notebook
     except BaseException:

@@ -19,17 +19,11 @@ import pytest
 
 from . import jlab
 
-_missing = []
-if not os.access(jlab.CHROMIUM_PATH, os.X_OK):
-    _missing.append(f"{jlab.CHROMIUM_PATH} not installed (apt-get install chromium)")
-try:
-    import playwright.sync_api  # noqa: F401
-except ImportError:
-    _missing.append("python package 'playwright' not installed (pip install playwright)")
+_SKIP_REASON = jlab.browser_prerequisites_missing()
 
 pytestmark = [
     pytest.mark.browser,
-    pytest.mark.skipif(bool(_missing), reason="; ".join(_missing) + " -- see tests/browser/INSTALL.sh"),
+    pytest.mark.skipif(_SKIP_REASON is not None, reason=_SKIP_REASON or ""),
 ]
 
 STEPS = 10
