@@ -10,7 +10,9 @@ import os
 import queue
 from typing import Any
 
-__all__ = ["Outbox"]
+import zmq
+
+__all__ = ["Outbox", "send_frames", "recv_frames"]
 
 
 class Outbox:
@@ -47,3 +49,33 @@ class Outbox:
                 os.close(fd)
             except OSError:
                 pass
+
+
+# Lean multipart send/receive for the I/O threads' hot path. pyzmq's send_multipart/recv_multipart go through
+# flag enums and a getsockopt(RCVMORE) per frame; Frame.more and plain int flags do the same work for less.
+_SNDMORE = int(zmq.SNDMORE)
+_NOBLOCK = int(zmq.NOBLOCK)
+_COPY_THRESHOLD = 64 * 1024  # frames smaller than this are copied (zero-copy costs more for small frames)
+
+
+def send_frames(sock: zmq.Socket, frames: list) -> None:
+    """Send ``frames`` as one multipart message (owning thread only)."""
+    last = len(frames) - 1
+    for i, frame in enumerate(frames):
+        big = not isinstance(frame, bytes) or len(frame) >= _COPY_THRESHOLD
+        sock.send(frame, _SNDMORE if i < last else 0, copy=not big)
+
+
+def recv_frames(sock: zmq.Socket) -> list | None:
+    """Receive one multipart message without blocking; None when none is waiting (owning thread only).
+
+    Frames come back as memoryviews (zero-copy for large ones)."""
+    try:
+        frame = sock.recv(_NOBLOCK, copy=False)
+    except zmq.Again:
+        return None
+    frames = [frame.buffer]
+    while frame.more:
+        frame = sock.recv(0, copy=False)
+        frames.append(frame.buffer)
+    return frames

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import hmac
 import json
 import os
@@ -298,11 +297,9 @@ class Signer:
         self._last_seen: dict[str, int] = {}
 
     def _digest(self, header: bytes, payload: bytes, sizes: list[int]) -> bytes:
-        mac = hmac.new(self._key, digestmod=hashlib.sha256)
-        mac.update(header)
-        mac.update(payload)
-        mac.update(struct.pack(f"!{len(sizes)}Q", *sizes))
-        return mac.digest()
+        # Length-prefix header and payload so that no byte can move from one to the other.
+        data = b"".join((struct.pack(f"!QQ{len(sizes)}Q", len(header), len(payload), *sizes), header, payload))
+        return hmac.digest(self._key, data, "sha256")
 
     def pack(self, msg: Message, payload: bytes = b"", buffers: list | tuple = ()) -> list:
         """Frame ``msg``; ``payload``/``buffers`` are its pickled user value (see serialize.dumps)."""
@@ -329,7 +326,7 @@ class Signer:
         sizes = [memoryview(b).nbytes for b in buffers]
         if not hmac.compare_digest(self._digest(header_b, payload_b, sizes), bytes(sig)):
             raise ProtocolError("bad signature: the sender does not hold this mesh's secret")
-        head = json.loads(header_b)
+        head = json.loads(header_b.decode())
         session, seq = head["s"], head["n"]
         if seq <= self._last_seen.get(session, 0):
             raise ProtocolError(f"replayed message (session {session}, seq {seq})")

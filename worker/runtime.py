@@ -25,7 +25,7 @@ from typing import Any
 import zmq
 
 from . import protocol as P
-from .channel import Outbox
+from .channel import Outbox, recv_frames, send_frames
 from .executor import Namespace, format_error, main_thread_stack, register_source
 from .serialize import SerializationError, dumps, loads
 
@@ -90,7 +90,7 @@ class Rank:
 
     def _send_now(self, msg: P.Message, payload: bytes = b"", buffers: list | tuple = ()) -> None:
         """Send from the I/O thread (the only thread that touches the socket)."""
-        self._sock.send_multipart(self._signer.pack(msg, payload, buffers), copy=False)
+        send_frames(self._sock, self._signer.pack(msg, payload, buffers))
 
     def _io_loop(self) -> None:
         poller = zmq.Poller()
@@ -107,13 +107,9 @@ class Rank:
             events = dict(poller.poll(interval_ms))
             now = time.monotonic()
             if self._sock in events:
-                while True:
+                while (frames := recv_frames(self._sock)) is not None:
                     try:
-                        frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    try:
-                        msg, payload, bufs = self._signer.unpack([f.buffer for f in frames])
+                        msg, payload, bufs = self._signer.unpack(frames)
                     except P.ProtocolError as e:
                         log.warning("rank %d dropped a message: %s", self.rank, e)
                         continue

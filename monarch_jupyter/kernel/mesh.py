@@ -33,7 +33,7 @@ from typing import Any
 import zmq
 
 from monarch_worker import protocol as P
-from monarch_worker.channel import Outbox
+from monarch_worker.channel import Outbox, recv_frames, send_frames
 from monarch_worker.serialize import dumps, loads
 
 from ..errors import (
@@ -754,14 +754,10 @@ class Mesh:
         while not self._io_stop.is_set():
             events = dict(poller.poll(int(self.heartbeat_interval * 1000)))
             if self._router in events:
-                while True:
+                while (frames := recv_frames(self._router)) is not None:
+                    identity = bytes(frames[0])
                     try:
-                        frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    identity = frames[0].bytes
-                    try:
-                        msg, payload, bufs = self._signer.unpack([f.buffer for f in frames[1:]])
+                        msg, payload, bufs = self._signer.unpack(frames[1:])
                     except (P.ProtocolError, ValueError, TypeError, KeyError) as e:
                         log.warning("dropped a message from %r: %s", identity[:32], e)
                         continue
@@ -789,7 +785,7 @@ class Mesh:
                     frames = self._signer.pack(msg, payload, buffers)
                     for identity in identities:
                         if identity is not None:
-                            self._router.send_multipart([identity, *frames], copy=False)
+                            send_frames(self._router, [identity, *frames])
             now = time.monotonic()
             if now >= next_ping:
                 next_ping = now + self.heartbeat_interval
@@ -797,12 +793,12 @@ class Mesh:
                     idents = [i.identity for i in self._ranks.values()
                               if i.identity and i.state is not RankState.DEAD]
                 for ident in idents:
-                    self._router.send_multipart([ident, *self._signer.pack(P.Ping())], copy=False)
+                    send_frames(self._router, [ident, *self._signer.pack(P.Ping())])
 
     def _welcome(self, info: RankInfo, port: int) -> None:
         msg = P.Welcome(rank=info.rank, world_size=self.nproc, local_rank=info.rank, local_world_size=self.nproc,
                         master_addr="127.0.0.1", master_port=port)
-        self._router.send_multipart([info.identity, *self._signer.pack(msg)], copy=False)
+        send_frames(self._router, [info.identity, *self._signer.pack(msg)])
 
     def _on_hello(self, identity: bytes, msg: P.Hello, by_identity: dict[bytes, int]) -> None:
         if msg.version != P.PROTOCOL_VERSION:

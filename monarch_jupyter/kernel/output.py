@@ -38,6 +38,10 @@ class StreamSplitter:
     def feed(self, data: bytes) -> list[tuple[str, object]]:
         """Returns events in order: ("line", text) for a complete line, ("sync", cell_id) for a marker."""
         events: list[tuple[str, object]] = []
+        if not self._raw and not self._line and data.startswith(P.SYNC_PREFIX) and data.endswith(P.SYNC_SUFFIX):
+            body = data[len(P.SYNC_PREFIX):-len(P.SYNC_SUFFIX)]
+            if body.isdigit():  # the common case: a cell that printed nothing on this stream
+                return [("sync", int(body))]
         raw = self._raw + data
         self._raw = b""
         while raw:
