@@ -16,7 +16,9 @@
 #
 # Every namespace has lo up, so each "host" also has its own 127.0.0.1.
 # /etc/netns/mj-hK/hosts is written so that inside the namespaces the names
-# mj-ctl and mj-h1..mj-hN resolve to the addresses above, and
+# mj-ctl and mj-h1..mj-hN resolve to the addresses above (and the machine's
+# real hostname, which plain `ip netns exec` keeps, to the namespace's own
+# address, as on a real host), and
 # /etc/netns/mj-hK/resolv.conf points at a closed 127.0.0.1:53 so failed
 # lookups fail fast instead of timing out (ip netns exec bind-mounts
 # /etc/netns/NAME/* over /etc/*).
@@ -86,10 +88,15 @@ write_hosts_files() { # N
 ::1 localhost ip6-localhost ip6-loopback
 ${CTL_ADDR} mj-ctl"
     for ((k = 1; k <= n; k++)); do content+=$'\n'"$(host_addr "$k") ${PREFIX}${k}"; done
+    local machine
+    machine=$(hostname)
     for ((k = 1; k <= n; k++)); do
         f="/etc/netns/${PREFIX}${k}/hosts"
         mkdir -p "$(dirname "$f")"
-        printf '%s\n' "$content" >"$f"
+        # The machine's own hostname (what plain `ip netns exec` processes see
+        # as gethostname()) resolves to the namespace's own address, like on
+        # a real host; it is the SAME name in every namespace, though.
+        printf '%s\n%s %s\n' "$content" "$(host_addr "$k")" "$machine" >"$f"
         # No DNS server is reachable from the namespaces; without this every
         # reverse lookup that misses /etc/hosts (e.g. c10d's TCPStore resolving
         # the IPv4-mapped peer address ::ffff:10.213.0.12) hangs for 10 s

@@ -259,15 +259,15 @@ check() { # name cmd... ; runs cmd, records PASS/FAIL + time
 }
 
 t_sinfo() { sinfo -N -h -o '%N %t' | tee /dev/stderr | grep -vq -e idle -e mix -e alloc && return 1; return 0; }
-t_srun_hostname() { srun -n 2 hostname; }
+t_srun_hostname() { timeout 60 srun -n 2 hostname; }
 t_srun_2nodes() {
     local out nn
     nn=$(sinfo -h -N -o %N | wc -l)
-    out=$(srun -N "$((nn < 2 ? 1 : 2))" -n 2 -l bash -c 'echo "$SLURMD_NODENAME $(hostname)"' | sort)
+    out=$(timeout 60 srun -N "$((nn < 2 ? 1 : 2))" -n 2 -l bash -c 'echo "$SLURMD_NODENAME $(hostname)"' | sort)
     echo "$out"
     [ "$(echo "$out" | wc -l)" = 2 ]
 }
-t_salloc() { salloc -n 2 srun bash -c 'echo "job=$SLURM_JOB_ID task=$SLURM_PROCID node=$SLURMD_NODENAME"'; }
+t_salloc() { timeout 60 salloc -n 2 srun bash -c 'echo "job=$SLURM_JOB_ID task=$SLURM_PROCID node=$SLURMD_NODENAME"'; }
 t_sbatch() {
     local j out="$D/test-sbatch.out"
     j=$(sbatch --parsable -n 2 -o "$out" --wrap 'srun hostname')
@@ -313,16 +313,18 @@ torch_nodes() { # -N and head address for torch tests
     addr=$(scontrol show node "$head" | sed -n 's/.*NodeAddr=\([^ ]*\).*/\1/p')
     echo "$((nn < 2 ? 1 : 2)) $addr"
 }
+# 2 ranks per node (every node has CPUs=2), on up to 2 nodes
 t_torch_srun() { # srun starts the ranks itself; rank 0 (first node) hosts the store
     local nn addr
     read -r nn addr < <(torch_nodes)
-    MASTER_ADDR=$addr MASTER_PORT=29512 srun -N "$nn" -n 4 -l python3 "$HERE/allreduce.py" | sort
+    MASTER_ADDR=$addr MASTER_PORT=29512 timeout 120 \
+        srun -N "$nn" -n $((2 * nn)) --ntasks-per-node 2 -l python3 "$HERE/allreduce.py" | sort
 }
 t_torch_srun_torchrun() { # one torchrun agent per node, c10d rendezvous on the first node
     local nn addr
     read -r nn addr < <(torch_nodes)
-    srun -N "$nn" --ntasks-per-node 1 -n "$nn" bash -c \
-        "torchrun --nnodes $nn --nproc-per-node $((4 / nn)) --rdzv-backend c10d \
+    timeout 120 srun -N "$nn" --ntasks-per-node 1 -n "$nn" bash -c \
+        "torchrun --nnodes $nn --nproc-per-node 2 --rdzv-backend c10d \
          --rdzv-endpoint $addr:29513 --rdzv-id mj-\$SLURM_JOB_ID $HERE/allreduce.py" | sort
 }
 
@@ -337,7 +339,7 @@ cmd_test() {
     check "scancel <job>.<step>" t_scancel_step
     check "scancel <job>" t_scancel_job
     if python3 -c 'import torch' 2>/dev/null; then
-        check "srun -n4 python (gloo)" t_torch_srun
+        check "srun python ranks (gloo)" t_torch_srun
         check "srun torchrun (c10d, gloo)" t_torch_srun_torchrun
     fi
     echo "passed=$PASS failed=$FAIL"
