@@ -17,7 +17,7 @@ import torch
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
-from monarch_jupyter import Mesh, MeshError, RankMap, RemoteError
+from monarch_jupyter import Mesh, MeshError, RankMap, RemoteError, load_ipython_extension
 from monarch_worker import shm
 from monarch_worker.serialize import SerializationError
 
@@ -334,7 +334,9 @@ def test_gather_of_mismatched_parts_names_each_rank(tmesh: Mesh) -> None:
 @pytest.fixture(scope="module")
 def shell(tmesh: Mesh) -> Iterator[InteractiveShell]:
     ip = InteractiveShell.instance()
-    ip.run_line_magic("load_ext", "monarch_jupyter")
+    # What %load_ext monarch_jupyter calls; direct, because other test modules load and unload the extension
+    # under its other name (monarch), which leaves IPython's bookkeeping believing this one is still loaded.
+    load_ipython_extension(ip)
     yield ip
 
 
