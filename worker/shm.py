@@ -151,7 +151,7 @@ class Segment:
 
     A new segment's pages are allocated by the first ``write`` (``pwrite``: the kernel allocates and copies in one
     pass, about twice as fast as allocating, mapping and then copying). A reused segment gets a writable mapping
-    of its existing pages once and is filled by plain memcpy from then on.
+    of its existing pages once (pre-faulted) and is filled by plain memcpy from then on.
 
     Raises ShmError when the memory file cannot be created.
     """
@@ -204,6 +204,9 @@ class Segment:
             return
         if self.map is None:
             self.map = _map(self.fd, self.capacity, shared=True)
+            # Fault the existing pages in with one read per page first: a read fault maps a run of pages at once
+            # ("fault-around"), a write fault one page; this halves the cost of the first copy.
+            int(self.map[::_PAGE].sum())
         dest = self.map
         for buf, (offset, nbytes) in zip(buffers, layout):
             src = np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8)

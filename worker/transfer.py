@@ -125,7 +125,10 @@ class RankTransfers:
             for i, item in enumerate(msg.items):
                 if i in mapped:
                     buffers[i] = mapped.pop(i)
-                elif item["nbufs"] or not item.get("bcast"):
+                elif item.get("bcast"):  # read once into the broadcast buffer: no writable copy needed
+                    buffers[i] = bufs[nbuf:nbuf + item["nbufs"]]
+                    nbuf += item["nbufs"]
+                else:
                     buffers[i] = [_writable(b) for b in bufs[nbuf:nbuf + item["nbufs"]]]
                     nbuf += item["nbufs"]
             # Every rank of a broadcast must enter it, so broadcasts come before anything that may raise.
@@ -156,9 +159,11 @@ class RankTransfers:
         import torch.distributed as dist
 
         layout, size, src = spec["layout"], spec["size"], spec["src"]
-        flat = torch.empty(size, dtype=torch.uint8)
+        if size == 0:  # everything was in the pickle (every rank sees the same spec and skips alike)
+            return []
+        dest = np.empty(size, dtype=np.uint8)  # NumPy's allocator asks for huge pages: fewer page faults
+        flat = torch.from_numpy(dest)
         if self.rank.rank == src:
-            dest = flat.numpy()
             for buf, (offset, nbytes) in zip(buffers, layout):
                 np.copyto(dest[offset:offset + nbytes], np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8))
         buffers = []
