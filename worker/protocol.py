@@ -15,6 +15,9 @@ Frames of one message on a ZeroMQ socket (a ROUTER on the controller prepends th
   are never unpickled, only used as array memory, so a forged buffer cannot run code. Where the network itself
   is untrusted, use CurveZMQ encryption, which authenticates every byte.
 
+Large values for ranks on the same host travel in shared memory segments instead of buffer frames
+(monarch_worker.shm): the message that names a segment is signed, its bytes are not, for the same reason.
+
 A receiver verifies the signature (``hmac.compare_digest``) and rejects replays (the sequence number of each
 sender session must increase) before it parses the header or unpickles anything. ``PROTOCOL_VERSION`` is checked
 at the handshake.

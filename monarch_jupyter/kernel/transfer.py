@@ -9,9 +9,10 @@ How the bytes travel (``via``; "auto" picks per value):
 - ``socket``: the out-of-band buffers travel as ZeroMQ frames to each rank (small values; ranks elsewhere).
 - ``broadcast``: the bytes go once to one rank (the lowest chosen one on this host, else the lowest chosen), and
   the chosen ranks fan them out with ``torch.distributed.broadcast`` over their process group. "auto" uses it
-  for large values when some chosen rank is on another host: the controller's link then carries the bytes once,
-  and the ranks' interconnect (NCCL, or gloo over TCP) carries the rest. On one host it loses to ``shm`` (one
-  memcpy against a copy per rank through the collective), which bench/bench_tensors.py measures.
+  for large values to ``BROADCAST_MIN_RANKS`` or more ranks when some are on another host: the controller's link
+  then carries the bytes once, and the ranks' interconnect (NCCL, or gloo over TCP) carries the rest. On one
+  host it loses to ``shm`` (one memcpy against a copy per rank through the collective). bench/bench_tensors.py
+  measures the routes; docs/transfers.md gives the figures behind the choice.
 
 Pull and gather replies come back through a segment the rank writes (same host) or over the socket; the values
 the notebook gets are views of the rank's segment until it drops them (then the rank may reuse the segment).
