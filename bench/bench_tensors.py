@@ -58,7 +58,7 @@ def monarch_ops(n: int, reps: int) -> dict[str, float]:
     with Mesh(n, start_timeout=120) as m:
         for mb in (64, 256):
             x = torch.ones(mb * MiB // 4, dtype=torch.float32)
-            res[f"push_{mb}MiB_first_s"], res[f"push_{mb}MiB_s"] = timed(lambda: m.push(x=x), reps)
+            res[f"push_{mb}MiB_first_s"], res[f"push_{mb}MiB_s"] = timed(lambda x=x: m.push(x=x), reps)
             m.run("del x")
             del x
         x = torch.ones(64 * MiB // 4, dtype=torch.float32)

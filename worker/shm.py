@@ -63,7 +63,7 @@ smaller ones stay on the socket, where one message costs less than setting up a 
 ALIGN = 64
 """Byte alignment of each buffer inside a segment (enough for every dtype and for SIMD loads)."""
 
-CACHE_BYTES = int(os.environ.get("MONARCH_JUPYTER_SHM_CACHE", 1 << 30))
+CACHE_BYTES = int(os.environ.get("MONARCH_JUPYTER_SHM_CACHE") or 1 << 30)
 """Bytes of released segments a writer keeps for reuse (environment: MONARCH_JUPYTER_SHM_CACHE; 0 disables)."""
 
 CACHE_IDLE = 30.0
@@ -245,7 +245,7 @@ class SegmentPool:
     def __init__(self, cache_bytes: int = CACHE_BYTES, idle: float = CACHE_IDLE) -> None:
         self.cache_bytes = cache_bytes
         self.idle = idle
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._lent: dict[int, Segment] = {}
         self._cache: list[Segment] = []
         self._timer: threading.Timer | None = None

@@ -47,6 +47,7 @@ __all__ = ["Transfers", "VIA", "choose_route", "split", "concat"]
 
 VIA = ("auto", "shm", "socket", "broadcast")
 
+
 class _Packed:
     """One value pickled for sending: its pickle, its out-of-band buffers and their layout in a segment."""
 
@@ -67,7 +68,8 @@ class Transfers:
         self.pool = shm.SegmentPool()
         self.host = socket.gethostname()
         self._no_shm: set[int] = set()  # ranks that could not map our segments: the socket from now on
-        self._lock = threading.Lock()
+        # Reentrant: _release_to runs from finalizers, which garbage collection may call on a thread holding it.
+        self._lock = threading.RLock()
         self._closed = False
 
     # ------------------------------------------------------------------ routing

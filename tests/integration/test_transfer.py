@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import hashlib
 import os
 import textwrap
 import threading
@@ -16,10 +15,16 @@ import pytest
 import torch
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
-
-from monarch_jupyter import Mesh, MeshError, RankMap, RemoteError, load_ipython_extension
 from monarch_worker import shm
 from monarch_worker.serialize import SerializationError
+
+from monarch_jupyter import (
+    Mesh,
+    MeshError,
+    RankMap,
+    RemoteError,
+    load_ipython_extension,
+)
 
 pytestmark = pytest.mark.skipif(not shm.supported(), reason="needs Linux memfd_create and /proc")
 

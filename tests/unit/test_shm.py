@@ -10,7 +10,6 @@ import textwrap
 
 import numpy as np
 import pytest
-
 from monarch_worker import shm
 
 pytestmark = pytest.mark.skipif(not shm.supported(), reason="needs Linux memfd_create and /proc")
@@ -101,8 +100,8 @@ def test_segments_are_reused_only_after_every_holder_released() -> None:
 
 def test_dead_holder_releases_and_close_frees_everything() -> None:
     pool = shm.SegmentPool(cache_bytes=0)
-    seg, _ = write(pool, [np.ones(MiB, dtype=np.uint8)], [3])
-    seg2, _ = write(pool, [np.ones(MiB, dtype=np.uint8)], [3, 4])
+    write(pool, [np.ones(MiB, dtype=np.uint8)], [3])
+    write(pool, [np.ones(MiB, dtype=np.uint8)], [3, 4])
     pool.drop_holder(3)
     assert pool.stats()["lent"] == 1
     pool.close()
@@ -113,7 +112,7 @@ def test_dead_holder_releases_and_close_frees_everything() -> None:
 
 def test_reused_segment_gets_new_bytes() -> None:
     pool = shm.SegmentPool(cache_bytes=64 * MiB)
-    seg, desc = write(pool, [np.full(MiB, 1, dtype=np.uint8)], ["r"])
+    seg, _ = write(pool, [np.full(MiB, 1, dtype=np.uint8)], ["r"])
     pool.give_back(seg.id, "r")
     seg2, desc2 = write(pool, [np.full(MiB, 2, dtype=np.uint8)], ["r"])
     assert seg2 is seg
@@ -134,7 +133,7 @@ def test_limit_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_open_checks_the_segment_is_the_one_described() -> None:
     pool = shm.SegmentPool(cache_bytes=0)
-    seg, desc = write(pool, [np.ones(MiB, dtype=np.uint8)], ["r"])
+    _, desc = write(pool, [np.ones(MiB, dtype=np.uint8)], ["r"])
     with pytest.raises(shm.ShmUnavailableError, match="not the shared memory segment"):
         shm.open_segment(dict(desc, ino=desc["ino"] + 1), lambda i: None)
     with pytest.raises(shm.ShmUnavailableError, match="cannot open"):

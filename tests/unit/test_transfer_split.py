@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from monarch_worker import shm
 
 from monarch_jupyter.kernel.ranks import RankMap
 from monarch_jupyter.kernel.transfer import choose_route, concat, split
-from monarch_worker import shm
 
 
 @pytest.mark.parametrize("n,length", [(4, 10), (3, 3), (4, 17), (1, 5)])
