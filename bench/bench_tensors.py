@@ -23,7 +23,10 @@ import sys
 import time
 from collections.abc import Callable
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, BENCH_DIR)
+# ipyparallel pickles peers' engine functions by reference: its engines must be able to import peers too.
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (BENCH_DIR, os.environ.get("PYTHONPATH")) if p)
 
 import peers  # noqa: E402  (bench/peers.py)
 
