@@ -15,6 +15,9 @@ Frames of one message on a ZeroMQ socket (a ROUTER on the controller prepends th
   are never unpickled, only used as array memory, so a forged buffer cannot run code. Where the network itself
   is untrusted, use CurveZMQ encryption, which authenticates every byte.
 
+Large values for ranks on the same host travel in shared memory segments instead of buffer frames
+(monarch_worker.shm): the message that names a segment is signed, its bytes are not, for the same reason.
+
 A receiver verifies the signature (``hmac.compare_digest``) and rejects replays (the sequence number of each
 sender session must increase) before it parses the header or unpickles anything. ``PROTOCOL_VERSION`` is checked
 at the handshake.
@@ -265,6 +268,67 @@ class Heartbeat(Message):
     rss: int = 0
     cuda_allocated: int = 0
     cuda_reserved: int = 0
+
+
+# ---- transfers of values between the notebook and the ranks (see monarch_worker.transfer)
+
+
+@_register
+@dataclass(frozen=True)
+class Push(Message):
+    """Controller -> rank: bind values in the rank's namespace (``%mesh push`` and ``%mesh scatter``).
+
+    ``items`` holds one dict per value: ``{"name", "pickle": its pickle's byte length in the payload, "nbufs":
+    its number of out-of-band buffers on the socket, "shm": a segment descriptor (monarch_worker.shm) or None,
+    "bcast": None or {"src", "group", "layout", "size"} when the bytes come from rank ``src`` by a
+    torch.distributed broadcast}``. The payload frame is the items' pickles, concatenated; the buffers follow.
+    ``device``: None (as received, on the CPU), "rank" (the rank's own device) or a torch device string.
+    Answered by a ``Result`` without value once every name is bound.
+    """
+
+    TYPE: ClassVar[str] = "push"
+    cell_id: int
+    items: list
+    device: str | None = None
+    payload: Any = None
+
+
+@_register
+@dataclass(frozen=True)
+class Pull(Message):
+    """Controller -> rank: send back the value bound to ``name``; ``shm``: the reply may use shared memory."""
+
+    TYPE: ClassVar[str] = "pull"
+    cell_id: int
+    name: str
+    shm: bool = False
+
+
+@_register
+@dataclass(frozen=True)
+class PullReply(Message):
+    """Rank -> controller: the outcome of a ``Pull``, as a ``Result`` (same ``status``/``error``/``duration``).
+
+    On "ok" the payload is the value's pickle; its out-of-band buffers follow on the socket, or lie in the shared
+    memory segment described by ``shm`` (then the controller releases it with ``ShmRelease`` when it drops them).
+    """
+
+    TYPE: ClassVar[str] = "pull_reply"
+    cell_id: int
+    status: str
+    error: dict | None = None
+    duration: float = 0.0
+    shm: dict | None = None
+    payload: Any = None
+
+
+@_register
+@dataclass(frozen=True)
+class ShmRelease(Message):
+    """Either direction: the sender no longer maps the shared memory segments ``ids`` that the receiver wrote."""
+
+    TYPE: ClassVar[str] = "shm_release"
+    ids: list
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from . import protocol as P
 from .channel import Outbox, recv_frames, send_frames
 from .executor import Namespace, format_error, main_thread_stack, register_source
 from .serialize import SerializationError, dumps, loads
+from .transfer import RankTransfers
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,8 @@ class Rank:
         self._io = threading.Thread(target=self._io_loop, name="monarch-io", daemon=True)
         self._stop = threading.Event()
         self.ns: Namespace | None = None
+        self.device: Any = None  # this rank's torch.device (cuda:LOCAL_RANK or cpu), set by join()
+        self.transfers = RankTransfers(self)
 
     def send(self, msg: P.Message, value: Any = None, *, with_value: bool = False) -> None:
         """Queue ``msg`` for the I/O thread (any thread); ``value`` is pickled here as its payload.
@@ -102,6 +105,7 @@ class Rank:
             P.Interrupt: self._on_interrupt,
             P.StacksRequest: self._on_stacks,
             P.Ping: lambda msg, payload, bufs: None,
+            P.ShmRelease: self.transfers.on_release,
         }
         while not self._stop.is_set():
             events = dict(poller.poll(interval_ms))
@@ -212,6 +216,7 @@ class Rank:
             kwargs["device_id"] = device
         dist.init_process_group(backend, store=store, rank=welcome.rank, world_size=welcome.world_size,
                                 timeout=timeout, **kwargs)
+        self.device = device
         self.ns = Namespace({
             "rank": welcome.rank,
             "world_size": welcome.world_size,
@@ -224,7 +229,8 @@ class Rank:
 
     def serve(self) -> None:
         """Main loop: take work and run it until Shutdown."""
-        dispatch = {P.Exec: self._exec, P.Call: self._call}
+        dispatch = {P.Exec: self._exec, P.Call: self._call, P.Push: self.transfers.push,
+                    P.Pull: self.transfers.pull}
         while True:
             msg, payload, bufs = self.work.get()
             if isinstance(msg, P.Shutdown):
@@ -235,8 +241,11 @@ class Rank:
                 continue
             handler(msg, payload, bufs)
 
-    def _run(self, cell_id: int, body: Any) -> None:
-        """Run ``body()`` as cell ``cell_id`` and report its Result after its output is flushed."""
+    def _run(self, cell_id: int, body: Any, reply: Any = None) -> None:
+        """Run ``body()`` as cell ``cell_id`` and report its Result after its output is flushed.
+
+        ``reply(result, value)``, when given, sends the outcome instead of a plain ``Result`` (pulls do).
+        """
         with self._cell_lock:
             self.current_cell = cell_id
         start = time.perf_counter()
@@ -255,6 +264,9 @@ class Rank:
         result = P.Result(result.cell_id, result.status, result.has_value, result.error,
                           time.perf_counter() - start)
         self._sync_output(cell_id)
+        if reply is not None:
+            reply(result, value)
+            return
         try:
             self.send(result, value, with_value=result.has_value)
         except SerializationError as e:

@@ -7,10 +7,21 @@ sender; the receiver decides where to put them.
 
 Functions and classes defined in a notebook (module ``__main__``) are pickled by value by cloudpickle, so they
 can be called on ranks that never saw the notebook.
+
+What travels out of band: the memory of every plain ``torch.Tensor`` (also inside ``nn.Parameter``, state dicts,
+modules and any container), whatever its dtype (bool, bf16, fp16, complex included), layout in memory
+(non-contiguous tensors and conjugate/negative views are made contiguous and resolved first) or size (zero-size
+tensors have no buffer); and the memory of NumPy arrays of non-object dtype (non-contiguous ones made contiguous
+first). ``requires_grad`` is kept. Tensor subclasses other than ``nn.Parameter``, sparse and quantized tensors use
+torch's own pickling.
+
+``loads(..., device=...)`` builds every tensor on that device as it is unpickled (CPU buffers are moved once, at
+rebuild, so a CUDA model arrives on the GPU without a second pass over the object).
 """
 
 from __future__ import annotations
 
+import contextvars
 import io
 import marshal
 import pickle
@@ -30,6 +41,10 @@ class SerializationError(TypeError):
     """A value could not be pickled; the message names its type and where it sits in the container."""
 
 
+# The device tensors are rebuilt on during one loads() call (None: the CPU, as received).
+_target_device: contextvars.ContextVar[Any] = contextvars.ContextVar("monarch_target_device", default=None)
+
+
 def _rebuild_tensor(buf: Any, dtype: str, shape: tuple, requires_grad: bool) -> Any:
     import torch
 
@@ -42,6 +57,9 @@ def _rebuild_tensor(buf: Any, dtype: str, shape: tuple, requires_grad: bool) -> 
             # zmq frames are read-only; torch needs writable memory for a tensor users may modify.
             mv = memoryview(bytearray(mv))
         t = torch.frombuffer(mv, dtype=torch.uint8).view(dt).reshape(shape)
+    device = _target_device.get()
+    if device is not None and t.device != device:
+        t = t.to(device)
     if requires_grad:
         t.requires_grad_(True)
     return t
@@ -51,11 +69,13 @@ def _reduce_tensor(t: Any) -> tuple:
     import torch
 
     data = t.detach()
-    if data.device.type != "cpu":
-        data = data.cpu()
     if data.is_sparse or data.layout != torch.strided or data.is_quantized:
         return NotImplemented
-    data = data.contiguous()
+    if data.device.type != "cpu":
+        data = data.cpu()
+    # Conjugate and negative views are lazy flags on the tensor, not in its memory: resolve them, then copy a
+    # non-contiguous tensor into one contiguous block (the only copy on the sender).
+    data = data.resolve_conj().resolve_neg().contiguous()
     raw = data.reshape(-1).view(torch.uint8).numpy()
     dtype = str(data.dtype).removeprefix("torch.")
     return _rebuild_tensor, (pickle.PickleBuffer(raw), dtype, tuple(data.shape), bool(t.requires_grad))
@@ -68,18 +88,30 @@ def _reduce_code(code: types.CodeType) -> tuple:
     return marshal.loads, (marshal.dumps(code),)
 
 
+def _reduce_ndarray(a: Any) -> Any:
+    """Non-contiguous arrays: NumPy would copy them into the pickle stream; send a contiguous copy out of band."""
+    import numpy as np
+
+    if a.dtype.hasobject or a.flags.c_contiguous or a.flags.f_contiguous:
+        return NotImplemented  # NumPy's own protocol-5 reduce already sends contiguous memory out of band
+    return np.ascontiguousarray(a).__reduce_ex__(5)
+
+
 class _Pickler(cloudpickle.Pickler):
     dispatch_table = ChainMap({types.CodeType: _reduce_code}, cloudpickle.Pickler.dispatch_table)
 
     def reducer_override(self, obj: Any) -> Any:
         cls = type(obj)
-        if cls.__module__ == "torch" or cls.__module__.startswith("torch."):
+        module = cls.__module__
+        if module == "torch" or module.startswith("torch."):
             import torch
 
-            if cls is torch.Tensor or cls is torch.nn.Parameter:
-                if isinstance(obj, torch.nn.Parameter):
-                    return NotImplemented  # keep Parameter type; its data still pickles via Tensor
+            if cls is torch.Tensor:
                 return _reduce_tensor(obj)
+            # nn.Parameter keeps its type: torch reduces it to (its .data, requires_grad), and .data, a plain
+            # Tensor, comes back here.
+        elif module == "numpy" and cls.__name__ == "ndarray":
+            return _reduce_ndarray(obj)
         return super().reducer_override(obj)
 
 
@@ -107,9 +139,19 @@ def dumps(obj: Any, threshold: int = OOB_THRESHOLD) -> tuple[bytes, list[pickle.
     return f.getvalue(), buffers
 
 
-def loads(data: bytes, buffers: list | tuple = ()) -> Any:
-    """Inverse of :func:`dumps`."""
-    return pickle.loads(data, buffers=buffers)
+def loads(data: bytes, buffers: list | tuple = (), device: Any = None) -> Any:
+    """Inverse of :func:`dumps`; with ``device`` (a torch.device or str), every tensor is built on that device.
+
+    ``buffers`` are the out-of-band buffers in order (memoryviews, bytes, or zmq frame buffers). Tensors built
+    on the CPU from writable buffers are views of that memory (no copy); read-only buffers are copied once.
+    """
+    if device is None:
+        return pickle.loads(data, buffers=buffers)
+    token = _target_device.set(device)
+    try:
+        return pickle.loads(data, buffers=buffers)
+    finally:
+        _target_device.reset(token)
 
 
 def _find(obj: Any, path: str, depth: int) -> tuple[str, type] | None:

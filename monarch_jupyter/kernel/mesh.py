@@ -49,6 +49,7 @@ from ..errors import (
 from .launcher import Launcher, LocalLauncher
 from .output import StreamSplitter, write_lines
 from .ranks import RankMap, format_ranks, parse_ranks
+from .transfer import Transfers
 
 log = logging.getLogger(__name__)
 
@@ -287,6 +288,7 @@ class Mesh:
         self._running = False
         self._stopping = False
         self._launcher: Launcher | None = None
+        self._xfer: Transfers | None = None
         self._ctx: zmq.Context | None = None
         self._io: threading.Thread | None = None
         self.address = ""
@@ -329,6 +331,7 @@ class Mesh:
         self.address = f"tcp://127.0.0.1:{port}"
         self._ranks = {r: RankInfo(r) for r in range(self.nproc)}
         self._store_port: int | None = None
+        self._xfer = Transfers(self)
         self._io_stop = threading.Event()
         self._io = threading.Thread(target=self._io_loop, name="monarch-io", daemon=True)
         self._io.start()
@@ -419,6 +422,8 @@ class Mesh:
         self._stopping = True
         was_running = self._running
         self._running = False
+        if self._xfer is not None:
+            self._xfer.close()
         launcher = self._launcher
         if graceful and was_running and launcher is not None:
             with self._cond:
@@ -544,9 +549,123 @@ class Mesh:
             return handle
         return handle.result(timeout if timeout is not None else self.timeout)
 
+    # ------------------------------------------------------------------ values between notebook and ranks
+
+    def push(
+        self,
+        values: dict[str, Any] | None = None,
+        /,
+        *,
+        ranks: str | int | Iterable[int] | None = None,
+        device: Any = None,
+        timeout: float | None = None,
+        via: str = "auto",
+        **kwvalues: Any,
+    ) -> None:
+        """Bind each value under its name in every chosen rank's namespace; returns when every rank has.
+
+        ``mesh.push(x=x, w=model.state_dict())`` or ``mesh.push({"x": x})`` (the dict form also takes the names
+        ``ranks``, ``device``, ``timeout`` and ``via``). Any picklable value works: tensors, NumPy arrays,
+        nested containers of them, state dicts, modules, notebook-defined classes. Tensor and array memory
+        travels out of band: to ranks on this host through one shared memory segment that they all map (one
+        copy in the notebook, none on the ranks), else over the socket (see kernel/transfer.py).
+
+        Parameters
+        ----------
+        ranks:
+            Rank selection (None/"all", an int, a list, "0,2", "1-3", "::2").
+        device:
+            None: tensors stay on the CPU as they arrive (views of shared memory where it was used). "rank": each
+            rank's own device (cuda:LOCAL_RANK, or cpu). A device string or torch.device: that device.
+        timeout:
+            Seconds to wait for every rank (default: the mesh's ``timeout``).
+        via:
+            "auto", "shm", "socket" or "broadcast" (the bytes go to one rank and the ranks broadcast them
+            over their process group); "auto" chooses per value.
+
+        Raises
+        ------
+        ValueError
+            A name is not a Python identifier, ranks or via are invalid, or via="shm" for ranks elsewhere.
+        monarch_worker.serialize.SerializationError
+            A value cannot be pickled; the message names the type and where it sits inside the value. Nothing
+            is sent then.
+        MeshError
+            Some ranks failed (e.g. ``device='cuda'`` on a rank without GPUs); each rank's error is in ``.errors``.
+            A rank binds all of the values or none of them.
+        """
+        merged = dict(values or {})
+        merged.update(kwvalues)
+        self._check_running()
+        assert self._xfer is not None
+        self._xfer.push(merged, ranks, device, timeout, via)
+
+    def scatter(self, name: str, value: Any, dim: int = 0, *, ranks: str | int | Iterable[int] | None = None,
+                device: Any = None, timeout: float | None = None) -> None:
+        """Split ``value`` along ``dim`` as torch.tensor_split does and bind part i as ``name`` on the i-th
+        chosen rank (parts may differ in size by one: 10 rows on 4 ranks give 3, 3, 2, 2).
+
+        ``value`` is a torch.Tensor (parts keep its dtype; they arrive on the CPU or on ``device``), a NumPy array
+        (numpy.array_split) or a list/tuple (dim 0). ``device`` and ``timeout`` are as for ``push``.
+
+        Raises
+        ------
+        ValueError
+            Fewer elements along ``dim`` than chosen ranks, ``dim`` out of range, or a 0-dim value.
+        TypeError
+            ``value`` cannot be split (push sends whole values).
+        MeshError
+            Some ranks failed; as for ``push``.
+        """
+        self._check_running()
+        assert self._xfer is not None
+        self._xfer.scatter(name, value, dim, ranks, device, timeout)
+
+    def pull(self, name: str, ranks: str | int | Iterable[int] | None = None, *,
+             timeout: float | None = None) -> RankMap:
+        """Fetch the value bound to ``name`` on each chosen rank: a RankMap rank -> value.
+
+        CUDA tensors come back as CPU tensors (same dtype, shape and requires_grad). Large values from ranks on
+        this host arrive through shared memory and are views of it until dropped.
+
+        Raises
+        ------
+        MeshError
+            ``name`` is not defined on some ranks (a NameError per rank, naming it), or the value cannot be
+            pickled there; the other ranks' values are in ``.results``.
+        """
+        self._check_running()
+        assert self._xfer is not None
+        return self._xfer.pull(name, ranks, timeout)
+
+    def gather(self, name: str, dim: int = 0, *, ranks: str | int | Iterable[int] | None = None,
+               timeout: float | None = None) -> Any:
+        """Pull ``name`` from each chosen rank and concatenate the parts in rank order along ``dim``.
+
+        Tensors give one CPU tensor (torch.cat), NumPy arrays one array, lists one list. The inverse of
+        ``scatter``: ``gather(n, d)`` after ``scatter(n, t, d)`` equals ``t``.
+
+        Raises
+        ------
+        MeshError
+            As for ``pull``.
+        TypeError, ValueError
+            The parts are of different kinds or do not fit together along ``dim`` (each rank's shape is named).
+        """
+        self._check_running()
+        assert self._xfer is not None
+        return self._xfer.gather(name, dim, ranks, timeout)
+
     def _submit(self, cell_id: int, ranks: list[int], msg: P.Message, value: Any, with_value: bool,
                 what: str, order: str) -> CellHandle:
         payload, buffers = dumps(value) if with_value else (b"", [])
+        return self._submit_groups(cell_id, [(ranks, msg, payload, buffers)], what, order)
+
+    def _submit_groups(self, cell_id: int, groups: list[tuple[list[int], P.Message, bytes, list]], what: str,
+                       order: str) -> CellHandle:
+        """Send one cell as ``groups`` of (ranks, message, payload, buffers): each group's ranks get the same
+        message (signed once). Raises MeshError, sending nothing, when a chosen rank is dead."""
+        ranks = sorted(r for group in groups for r in group[0])
         handle = CellHandle(self, cell_id, ranks, what, order)
         with self._cond:
             dead = [r for r in ranks if self._ranks[r].state is RankState.DEAD]
@@ -555,13 +674,14 @@ class Mesh:
                                  for r in dead}, what=what + " (not run: restart the mesh with  %mesh restart)")
             self._cells[cell_id] = handle
             self._last_cell = handle
-            identities = []
-            for r in ranks:
-                info = self._ranks[r]
-                info.cells.append(handle)
-                info.state = RankState.RUNNING
-                identities.append(info.identity)
-            self._outbox.put((identities, msg, payload, buffers))
+            for group_ranks, msg, payload, buffers in groups:
+                identities = []
+                for r in group_ranks:
+                    info = self._ranks[r]
+                    info.cells.append(handle)
+                    info.state = RankState.RUNNING
+                    identities.append(info.identity)
+                self._outbox.put((identities, msg, payload, buffers))
         self._event("cell_started", cell_id=cell_id, ranks=ranks)
         return handle
 
@@ -748,6 +868,8 @@ class Mesh:
             P.Stacks: self._on_stacks,
             P.Heartbeat: self._on_heartbeat,
             P.Progress: self._on_progress,
+            P.PullReply: self._xfer.on_pull_reply,
+            P.ShmRelease: self._xfer.on_release,
         }
         by_identity: dict[bytes, int] = {}
         next_ping = 0.0
@@ -935,6 +1057,8 @@ class Mesh:
                     if kind == "line":
                         self._route_line(info, stream, str(value))
             info.returncode = returncode
+            if self._xfer is not None:
+                self._xfer.on_rank_exit(rank)
             expected = self._stopping
             info.state = RankState.STOPPED if expected else RankState.DEAD
             if not expected:

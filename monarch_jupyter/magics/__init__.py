@@ -20,12 +20,14 @@ from traitlets import Bool, CaselessStrEnum, Float, Int
 from .. import errors
 from ..kernel import mesh as mesh_mod
 from ..kernel.mesh import Mesh
+from . import transfer
+from .transfer import TransferMagics
 
 log = logging.getLogger(__name__)
 
 __all__ = ["MeshMagics", "load", "unload"]
 
-SUBCOMMANDS = ("start", "status", "stop", "restart", "stacks")
+SUBCOMMANDS = ("start", "status", "stop", "restart", "stacks", *transfer.SUBCOMMANDS)
 
 
 def _rest(line: str) -> tuple[str, str]:
@@ -36,7 +38,7 @@ def _rest(line: str) -> tuple[str, str]:
 
 
 @magics_class
-class MeshMagics(Magics):
+class MeshMagics(TransferMagics, Magics):
     """``%mesh SUBCOMMAND ...`` manages the mesh; ``%%mesh [options]`` runs a cell on its ranks."""
 
     default_nproc = Int(4, help="Ranks started by `%mesh start` without -n.").tag(config=True)
@@ -64,7 +66,7 @@ class MeshMagics(Magics):
 
     @line_cell_magic
     def mesh(self, line: str, cell: str | None = None) -> Any:
-        """%mesh start|status|stop|restart|stacks ...   and   %%mesh [--ranks SPEC] [--timeout S] [--out NAME]
+        """%mesh start|status|stop|restart|stacks|push|pull|scatter|gather ...   and   %%mesh [--ranks SPEC] ...
 
         Run `%mesh SUBCOMMAND --help` for each subcommand's options, `%%mesh --help` for the cell magic.
         """
@@ -77,6 +79,10 @@ class MeshMagics(Magics):
             "stop": self._stop,
             "restart": self._restart,
             "stacks": self._stacks,
+            "push": self._push,
+            "pull": self._pull,
+            "scatter": self._scatter,
+            "gather": self._gather,
         }.get(sub)
         if handler is None:
             raise UsageError(
