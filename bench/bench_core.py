@@ -21,7 +21,10 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, BENCH_DIR)
+# ipyparallel engines unpickle functions of bench/peers.py by reference: they must import it too.
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (BENCH_DIR, os.environ.get("PYTHONPATH")) if p)
 
 import peers  # noqa: E402  (bench/peers.py)
 

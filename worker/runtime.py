@@ -249,26 +249,26 @@ class Rank:
         with self._cell_lock:
             self.current_cell = cell_id
         start = time.perf_counter()
-        result: P.Result
         value: Any = None
+        has_value, error = False, None
         try:
             try:
                 has_value, value = body()
             finally:
                 with self._cell_lock:
                     self.current_cell = -1
-            result = P.Result(cell_id, "ok", has_value=has_value)
         except BaseException as e:  # noqa: BLE001 - report everything, KeyboardInterrupt included
-            result = P.Result(cell_id, "error", error=format_error(e))
-            value = None
-        result = P.Result(result.cell_id, result.status, result.has_value, result.error,
-                          time.perf_counter() - start)
+            error, value, has_value = format_error(e), None, False
+        result = P.Result(cell_id, "error" if error else "ok", has_value, error, time.perf_counter() - start)
         self._sync_output(cell_id)
         if reply is not None:
             reply(result, value)
             return
         try:
-            self.send(result, value, with_value=result.has_value)
+            payload, buffers = dumps(value) if result.has_value else (b"", [])
+            # The I/O thread sends later; the next cell may change this value in place meanwhile, so large
+            # buffers are copied now (one memcpy) rather than sent from the live tensor's memory.
+            self.outbox.put((result, payload, [bytes(b) for b in buffers]))
         except SerializationError as e:
             err = {"type": "SerializationError", "module": "monarch_worker.serialize",
                    "message": f"the cell's result cannot be sent to the notebook: {e}",

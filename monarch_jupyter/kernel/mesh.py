@@ -128,6 +128,8 @@ class CellHandle:
         self.durations: dict[int, float] = {}
         self._lines: list[tuple[int, str, str]] = []
         self._held: dict[int, list] = {r: [] for r in ranks}  # order == "rank": lines not yet released
+        self._final: tuple[Any, BaseException | None] | None = None  # outcome, once computed
+        self._keep_outcome = False
         self._wake = threading.Condition(mesh._lock)  # notified when lines arrive for a waiter, or when done
         self._waiting = False
         self._result_seen_at: dict[int, float] = {}
@@ -523,6 +525,7 @@ class Mesh:
         msg = P.Exec(cell_id, code, filename, sources)
         handle = self._submit(cell_id, chosen, msg, refs if refs else None, bool(refs), "the cell", order)
         if not block:
+            handle._keep_outcome = True
             return handle
         return handle.result(timeout if timeout is not None else self.timeout)
 
@@ -546,6 +549,7 @@ class Mesh:
         handle = self._submit(cell_id, chosen, P.Call(cell_id, sources), (fn, args, kwargs), True,
                               f"call of {getattr(fn, '__qualname__', fn)!s}", "arrival")
         if not block:
+            handle._keep_outcome = True
             return handle
         return handle.result(timeout if timeout is not None else self.timeout)
 
@@ -774,10 +778,26 @@ class Mesh:
         raise MeshTimeoutError(stuck or dict(cell.errors), results, cell.what, report.text, timeout)
 
     def _outcome(self, cell: CellHandle) -> RankMap | None:
+        """The cell's results, or raise its error; computed once, then the same answer on every call."""
+        final = cell._final
+        if final is None:
+            try:
+                final = (self._compute_outcome(cell), None)
+            except BaseException as e:  # noqa: BLE001 - remembered, raised below
+                final = (None, e)
+            if cell._keep_outcome:  # a handle the caller holds (block=False): result() may be asked again
+                cell._final = final
+        value, error = final
+        if error is not None:
+            raise error
+        return value
+
+    def _compute_outcome(self, cell: CellHandle) -> RankMap | None:
         with self._cond:
             self._cells.pop(cell.cell_id, None)
             errors = dict(cell.errors)
             results = RankMap((r, cell.values.get(r)) for r in cell.ranks if r in cell.finished and r not in errors)
+            cell.values = {}  # the handle may live on (late output); the results belong to the caller now
         if errors:
             if all(isinstance(e, RemoteError) and e.interrupted for e in errors.values()):
                 raise KeyboardInterrupt(f"interrupted on rank(s) {format_ranks(errors)}")

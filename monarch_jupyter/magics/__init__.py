@@ -265,6 +265,11 @@ def unload(ipython: Any) -> None:
     from ..kernel.launcher import shutdown
 
     shutdown()
+    # Loaded as `monarch` or as `monarch_jupyter`: unloading one name unloads both, so either loads again.
+    loaded = getattr(getattr(ipython, "extension_manager", None), "loaded", None)
+    if isinstance(loaded, set):
+        loaded.discard("monarch")
+        loaded.discard("monarch_jupyter")
     mm = ipython.magics_manager
     for kind in ("line", "cell"):
         mm.magics[kind].pop("mesh", None)

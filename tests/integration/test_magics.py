@@ -147,3 +147,13 @@ def test_shadowed_monarch_package_is_named(tmp_path: object, monkeypatch: pytest
     monkeypatch.delitem(sys.modules, "monarch", raising=False)
     note = _check_monarch_shadowing()
     assert note is not None and "%load_ext monarch_jupyter" in note and str(fake) in note
+
+
+def test_unload_then_load_under_the_other_name() -> None:
+    ip = InteractiveShell.instance()
+    ip.run_line_magic("unload_ext", "monarch")
+    ip.run_line_magic("load_ext", "monarch_jupyter")
+    assert "mesh" in ip.magics_manager.magics["cell"]
+    ip.run_line_magic("unload_ext", "monarch_jupyter")
+    ip.run_line_magic("load_ext", "monarch")
+    assert "mesh" in ip.magics_manager.magics["cell"]

@@ -269,3 +269,11 @@ def test_wrong_secret_and_garbage_are_rejected(mesh: Mesh) -> None:
         ctx.destroy(0)
     assert mesh.run("rank") == {r: r for r in range(4)}
     assert all(s["state"] == "idle" for s in mesh.status().values())
+
+
+def test_result_is_a_snapshot_and_handle_result_is_stable(mesh: Mesh) -> None:
+    handle = mesh.run("big = torch.zeros(100_000)\nbig", ranks=0, block=False)
+    first = handle.result(timeout=30)
+    mesh.run("big += 1", ranks=0)  # changing the rank's tensor in place does not change what we received
+    assert float(first[0].sum()) == 0.0
+    assert handle.result(timeout=1) is first
