@@ -331,6 +331,110 @@ class ShmRelease(Message):
     ids: list
 
 
+# ---- debugging (see monarch_worker.debugger and monarch_jupyter.kernel.debugger)
+
+
+@_register
+@dataclass(frozen=True)
+class DebugOutput(Message):
+    """Rank -> controller: text pdb wrote on the rank (complete lines, or what came before a prompt)."""
+
+    TYPE: ClassVar[str] = "debug_output"
+    text: str
+
+
+@_register
+@dataclass(frozen=True)
+class DebugPrompt(Message):
+    """Rank -> controller: the rank's pdb waits for one line of input, answered by ``DebugInput(prompt_id)``.
+
+    ``kind`` is "pdb" (a pdb command) or "interact" (a line for pdb's ``interact`` console); the location is
+    pdb's current frame; ``cell_id`` is the cell the rank runs (-1: none).
+    """
+
+    TYPE: ClassVar[str] = "debug_prompt"
+    prompt_id: int
+    prompt: str
+    kind: str = "pdb"
+    cell_id: int = -1
+    filename: str = ""
+    lineno: int = 0
+    function: str = ""
+
+
+@_register
+@dataclass(frozen=True)
+class DebugResumed(Message):
+    """Rank -> controller: the rank left its pdb prompt and runs again (``how``: continue, step, quit, raise)."""
+
+    TYPE: ClassVar[str] = "debug_resumed"
+    how: str = "continue"
+
+
+@_register
+@dataclass(frozen=True)
+class DebugInput(Message):
+    """Controller -> rank (I/O thread): the answer to prompt ``prompt_id``.
+
+    ``action`` "" sends ``line``; "continue" lets the rank go on (pdb ``continue``, or the end of ``interact``);
+    "raise" lets it go on by raising KeyboardInterrupt at its current line.
+    """
+
+    TYPE: ClassVar[str] = "debug_input"
+    prompt_id: int
+    line: str = ""
+    action: str = ""
+
+
+@_register
+@dataclass(frozen=True)
+class DebugPostMortem(Message):
+    """Controller -> rank (main thread, like a cell): open pdb on the traceback the rank kept from its last
+    failed cell; the outcome comes back as a ``Result`` whose value is ``{"debugged": bool, "reason": str}``."""
+
+    TYPE: ClassVar[str] = "debug_post_mortem"
+    cell_id: int
+
+
+@_register
+@dataclass(frozen=True)
+class Inspect(Message):
+    """Controller -> rank (answered off the main thread, which may be busy): evaluate ``expr`` in the rank's
+    namespace (``frame``: with the locals of the innermost frame of a notebook cell the main thread runs)."""
+
+    TYPE: ClassVar[str] = "inspect"
+    request_id: int
+    expr: str
+    frame: bool = False
+
+
+@_register
+@dataclass(frozen=True)
+class DebugClear(Message):
+    """Controller -> rank (I/O thread): drop the traceback kept for post-mortem debugging."""
+
+    TYPE: ClassVar[str] = "debug_clear"
+    request_id: int
+
+
+@_register
+@dataclass(frozen=True)
+class DebugReply(Message):
+    """Rank -> controller: answer to ``Inspect`` or ``DebugClear``.
+
+    ``text`` is the value's repr (or the error, when ``ok`` is False); ``state`` is "running" or "idle" and
+    ``where`` says where the main thread was ("<mesh In[3]> line 7, in train"), for the live-state note.
+    """
+
+    TYPE: ClassVar[str] = "debug_reply"
+    request_id: int
+    ok: bool
+    text: str
+    state: str = ""
+    where: str = ""
+    cell_id: int = -1
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Framing and signing
 

@@ -26,6 +26,7 @@ import zmq
 
 from . import protocol as P
 from .channel import Outbox, recv_frames, send_frames
+from .debugger import RankDebugger
 from .executor import Namespace, format_error, main_thread_stack, register_source
 from .serialize import SerializationError, dumps, loads
 from .transfer import RankTransfers
@@ -80,6 +81,7 @@ class Rank:
         self.ns: Namespace | None = None
         self.device: Any = None  # this rank's torch.device (cuda:LOCAL_RANK or cpu), set by join()
         self.transfers = RankTransfers(self)
+        self.debugger = RankDebugger(self)  # breakpoint(), post-mortem, inspect (debugger.py)
 
     def send(self, msg: P.Message, value: Any = None, *, with_value: bool = False) -> None:
         """Queue ``msg`` for the I/O thread (any thread); ``value`` is pickled here as its payload.
@@ -106,6 +108,9 @@ class Rank:
             P.StacksRequest: self._on_stacks,
             P.Ping: lambda msg, payload, bufs: None,
             P.ShmRelease: self.transfers.on_release,
+            P.DebugInput: self.debugger.on_input,
+            P.Inspect: self.debugger.on_inspect,
+            P.DebugClear: self.debugger.on_clear,
         }
         while not self._stop.is_set():
             events = dict(poller.poll(interval_ms))
@@ -137,6 +142,8 @@ class Rank:
                     os._exit(3)
 
     def _on_interrupt(self, msg: P.Interrupt, payload: bytes, bufs: list) -> None:
+        if self.debugger.on_interrupt(msg.cell_id):
+            return  # it waited at a pdb prompt: it raises KeyboardInterrupt there
         with self._cell_lock:
             if self.current_cell == msg.cell_id:
                 signal.pthread_kill(self._main_ident, signal.SIGINT)
@@ -230,7 +237,7 @@ class Rank:
     def serve(self) -> None:
         """Main loop: take work and run it until Shutdown."""
         dispatch = {P.Exec: self._exec, P.Call: self._call, P.Push: self.transfers.push,
-                    P.Pull: self.transfers.pull}
+                    P.Pull: self.transfers.pull, P.DebugPostMortem: self._post_mortem}
         while True:
             msg, payload, bufs = self.work.get()
             if isinstance(msg, P.Shutdown):
@@ -257,7 +264,9 @@ class Rank:
             finally:
                 with self._cell_lock:
                     self.current_cell = -1
+                self.debugger.cell_finished()
         except BaseException as e:  # noqa: BLE001 - report everything, KeyboardInterrupt included
+            self.debugger.keep_error(e)
             error, value, has_value = format_error(e), None, False
         result = P.Result(cell_id, "error" if error else "ok", has_value, error, time.perf_counter() - start)
         self._sync_output(cell_id)
@@ -290,6 +299,7 @@ class Rank:
 
     def _exec(self, msg: P.Exec, payload: bytes, bufs: list) -> None:
         assert self.ns is not None
+        self.debugger.forget_error()
         for filename, source in msg.sources.items():
             register_source(filename, source)
 
@@ -301,6 +311,7 @@ class Rank:
         self._run(msg.cell_id, body)
 
     def _call(self, msg: P.Call, payload: bytes, bufs: list) -> None:
+        self.debugger.forget_error()
         for filename, source in msg.sources.items():
             register_source(filename, source)
 
@@ -310,6 +321,9 @@ class Rank:
             return value is not None, value
 
         self._run(msg.cell_id, body)
+
+    def _post_mortem(self, msg: P.DebugPostMortem, payload: bytes, bufs: list) -> None:
+        self._run(msg.cell_id, self.debugger.post_mortem)
 
     def start_io(self) -> None:
         self._io.start()
@@ -350,6 +364,7 @@ def run_rank(config: RankConfig) -> int:
         rank.send(P.StartFailed(error=err["traceback"]))
         time.sleep(0.2)  # let the I/O thread send it
         return 1
+    rank.debugger.install()
     rank.serve()
     sys.stdout.flush()
     sys.stderr.flush()

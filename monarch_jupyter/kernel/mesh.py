@@ -46,6 +46,7 @@ from ..errors import (
     RemoteError,
     describe_returncode,
 )
+from .debugger import MeshDebugger
 from .launcher import Launcher, LocalLauncher
 from .output import StreamSplitter, write_lines
 from .ranks import RankMap, format_ranks, parse_ranks
@@ -296,6 +297,7 @@ class Mesh:
         self.address = ""
         self.started_at = 0.0
         self.ready_seconds = 0.0
+        self.debugger = MeshDebugger(self)  # breakpoint() prompts, post-mortem, inspect (debugger.py)
         if start:
             self.start()
 
@@ -705,6 +707,9 @@ class Mesh:
                 write_lines(lines)
                 if done:
                     return True
+                if self.debugger.has_prompt(cell):  # a rank stopped at breakpoint(): talk to it (debugger.py)
+                    paused = self.debugger.serve(cell)
+                    deadline = None if deadline is None else deadline + paused  # time at the prompt is not run time
                 if deadline is not None and time.monotonic() > deadline:
                     if raise_on_timeout:
                         self._on_timeout(cell, timeout or 0.0)
@@ -890,6 +895,10 @@ class Mesh:
             P.Progress: self._on_progress,
             P.PullReply: self._xfer.on_pull_reply,
             P.ShmRelease: self._xfer.on_release,
+            P.DebugOutput: self.debugger.on_message,
+            P.DebugPrompt: self.debugger.on_message,
+            P.DebugResumed: self.debugger.on_message,
+            P.DebugReply: self.debugger.on_message,
         }
         by_identity: dict[bytes, int] = {}
         next_ping = 0.0

@@ -22,12 +22,13 @@ from ..kernel import mesh as mesh_mod
 from ..kernel.mesh import Mesh
 from . import transfer
 from .transfer import TransferMagics
+from . import debug as debug_magics
 
 log = logging.getLogger(__name__)
 
 __all__ = ["MeshMagics", "load", "unload"]
 
-SUBCOMMANDS = ("start", "status", "stop", "restart", "stacks", *transfer.SUBCOMMANDS)
+SUBCOMMANDS = ("start", "status", "stop", "restart", "stacks", *transfer.SUBCOMMANDS, "debug", "inspect")
 
 
 def _rest(line: str) -> tuple[str, str]:
@@ -55,6 +56,11 @@ class MeshMagics(TransferMagics, Magics):
         ["arrival", "rank"], "arrival",
         help="Order of rank output in a cell: arrival (live, as it comes) or rank (rank r's lines after lower "
              "ranks finished the cell: the same output every run, e.g. for nbval).").tag(config=True)
+    debug_on_interrupt = CaselessStrEnum(
+        ["continue", "raise"], "continue",
+        help="What ranks stopped at a pdb prompt do when the kernel is interrupted there: continue (the cell runs "
+             "on, its later breakpoints are skipped) or raise (KeyboardInterrupt where they stopped; the cell is "
+             "interrupted).").tag(config=True)
     prewarm = Bool(True, help="Start the local fork server (which imports torch once) when the extension "
                    "loads, so the first `%mesh start` does not wait for `import torch`.").tag(config=True)
 
@@ -66,7 +72,7 @@ class MeshMagics(TransferMagics, Magics):
 
     @line_cell_magic
     def mesh(self, line: str, cell: str | None = None) -> Any:
-        """%mesh start|status|stop|restart|stacks|push|pull|scatter|gather ...   and   %%mesh [--ranks SPEC] ...
+        """%mesh start|status|stop|restart|stacks|push|pull|scatter|gather|debug|inspect ...   and   %%mesh ...
 
         Run `%mesh SUBCOMMAND --help` for each subcommand's options, `%%mesh --help` for the cell magic.
         """
@@ -83,6 +89,8 @@ class MeshMagics(TransferMagics, Magics):
             "pull": self._pull,
             "scatter": self._scatter,
             "gather": self._gather,
+            "debug": lambda rest: debug_magics.debug(self, rest),
+            "inspect": lambda rest: debug_magics.inspect(self, rest),
         }.get(sub)
         if handler is None:
             raise UsageError(
@@ -162,6 +170,11 @@ class MeshMagics(TransferMagics, Magics):
     @argument("--timeout", "-t", type=float, default=None, help="seconds before the cell is interrupted")
     @argument("--out", "-o", default=None, help="store rank -> value of the last expression under this name")
     @argument("--order", choices=["arrival", "rank"], default=None, help="output order (see stream_order)")
+    @argument("--pdb-commands", default=None, help='pdb commands separated by ";" answering the first breakpoint() '
+              'prompts (e.g. "p x; c"); prompts left without one continue')
+    @argument("--on-interrupt", choices=["continue", "raise"], default=None,
+              help="ranks stopped at a pdb prompt when the kernel is interrupted: continue or raise "
+                   "(default: debug_on_interrupt)")
     def _cell(self, line: str, cell: str) -> Any:
         """%%mesh [--ranks SPEC] [--timeout S] [--out NAME] [--order arrival|rank]: run the cell on the ranks."""
         args = self._parse(self._cell, line, None)
@@ -171,14 +184,15 @@ class MeshMagics(TransferMagics, Magics):
         count = getattr(self.shell, "execution_count", None)
         filename = f"<mesh In[{count}]>" if count is not None else None
         try:
-            result = m.run(
-                cell,
-                ranks=args.ranks,
-                timeout=args.timeout if args.timeout is not None else (self.cell_timeout or None),
-                namespace=self.shell.user_ns if self.shell is not None else None,
-                filename=filename,
-                order=args.order or self.stream_order,
-            )
+            with m.debugger.options(args.pdb_commands, args.on_interrupt or self.debug_on_interrupt):
+                result = m.run(
+                    cell,
+                    ranks=args.ranks,
+                    timeout=args.timeout if args.timeout is not None else (self.cell_timeout or None),
+                    namespace=self.shell.user_ns if self.shell is not None else None,
+                    filename=filename,
+                    order=args.order or self.stream_order,
+                )
         except ValueError as e:
             raise UsageError(str(e)) from None
         except errors.MeshError as e:

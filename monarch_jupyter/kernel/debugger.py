@@ -1,0 +1,693 @@
+"""The notebook's side of debugging ranks: pdb prompts in the cell, post-mortem, live inspection.
+
+When ``breakpoint()`` (or ``pdb.set_trace()``) stops a rank, the rank's pdb (``monarch_worker.debugger``) sends its
+output and a ``DebugPrompt``. The thread that waits for the cell (the kernel's main thread in a notebook;
+``Mesh._wait``) notices stopped ranks and calls ``MeshDebugger.serve``, which asks for lines with ``input()``
+(ipykernel turns that into an ``input_request`` on the stdin channel), labelled ``(Pdb rank 2)``, and sends them to
+that rank. Lines that are mesh commands (``ranks``, ``rank K``, ``cast SPEC CMD``, ``c all``, ``detach``,
+``help mesh``) act on the mesh instead. Ranks that are not stopped keep running meanwhile.
+
+Without a person at the keyboard, prompts are answered from a scripted list (``options(commands=...)``, or
+``%%mesh --pdb-commands``); a prompt that finds no answer left, or no stdin to ask (``StdinNotImplementedError``,
+``EOFError``, a script without a terminal), lets the rank continue, with a note in the cell.
+
+An interrupt while a rank waits at a prompt lets the stopped ranks continue (``on_interrupt = "continue"``: the
+cell then runs to its end, later breakpoints are skipped) or raise KeyboardInterrupt where they stopped
+(``"raise"``: the cell is interrupted on every rank as usual).
+
+Threads: ``on_message`` and the event listener run on the mesh's I/O thread and only record state, under the mesh
+lock; everything else runs in the thread that waits for the cell.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import itertools
+import linecache
+import logging
+import re
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from monarch_worker import protocol as P
+
+from ..errors import MonarchError
+from .output import label, write_lines
+from .ranks import format_ranks, parse_ranks
+
+if TYPE_CHECKING:
+    from .mesh import CellHandle, Mesh
+
+log = logging.getLogger(__name__)
+
+__all__ = ["MeshDebugger", "Inspection", "NothingToDebugError", "split_commands", "MESH_HELP"]
+
+STEP_GRACE = 1.0  # seconds: after n/s/r/unt, how long the rank we talk to may take to stop again before
+#                   another stopped rank is offered
+FIRST_STOP_SETTLE = 0.25  # seconds the first stop of a cell waits for the cell's other ranks to stop too
+POLL = 0.05  # seconds between checks while waiting for a rank's answer
+
+MESH_HELP = """\
+Mesh commands (at any (Pdb rank N) prompt; other lines go to that rank's pdb):
+  ranks              list the stopped ranks, where each one is, and the ranks still running
+  rank K             talk to stopped rank K from now on
+  cast SPEC CMD      send the pdb command CMD to the stopped ranks in SPEC (0-3, 1,3, all) and show each answer
+  c all              let every stopped rank go on (they stop again at their next breakpoint)
+  detach             let every stopped rank go on and skip the breakpoints of the rest of this cell
+  help mesh          this text (help alone adds pdb's own commands)
+c lets the rank you talk to go on; the next stopped rank is offered after it. q raises BdbQuit on that rank.
+Mesh commands win over Python names: use  p ranks  or  !detach = 1  for variables with those names.
+"""
+
+_PDB_PROMPT = re.compile(r"^(\(+)Pdb(\)+)(\s*)$")
+
+
+class NothingToDebugError(MonarchError):
+    """Post-mortem debugging found no traceback to open (no failed cell, or it was cleared)."""
+
+
+def split_commands(commands: str | Iterable[str] | None) -> list[str] | None:
+    """``"p x; up; p y"`` -> ``["p x", "up", "p y"]``: split at ``;`` outside quotes and brackets.
+
+    A list (or other iterable) of lines is taken as it is; None stays None.
+    """
+    if commands is None:
+        return None
+    if not isinstance(commands, str):
+        return [str(c) for c in commands]
+    parts, cur, depth, quote = [], [], 0, ""
+    for ch in commands:
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == ";" and depth <= 0:
+            parts.append("".join(cur).strip())
+            cur = []
+            continue
+        cur.append(ch)
+    parts.append("".join(cur).strip())
+    return [p for p in parts if p]
+
+
+@dataclass
+class _Stop:
+    """What the controller knows of one rank's pdb (guarded by the mesh lock)."""
+
+    rank: int
+    state: str = "running"  # "prompt": waits for a line; "busy": a line was sent; "running": not in pdb
+    prompt_id: int = 0
+    prompt: str = ""
+    kind: str = "pdb"
+    cell_id: int = -1
+    filename: str = ""
+    lineno: int = 0
+    function: str = ""
+    how: str = ""  # how it last resumed (continue, step, quit, raise)
+    resumed_at: float = 0.0
+    output: list[str] = field(default_factory=list)  # pdb text not shown yet
+
+    @property
+    def where(self) -> str:
+        return f"{self.filename} line {self.lineno}, in {self.function}"
+
+
+@dataclass(frozen=True)
+class Inspection:
+    """The answer of ``MeshDebugger.inspect``: ``text`` is the value's repr (or the error, when ``ok`` is False).
+
+    ``state`` is what the rank's main thread was doing ("running", "debugging" or "idle"); ``where`` is where.
+    """
+
+    rank: int
+    expr: str
+    ok: bool
+    text: str
+    state: str
+    where: str
+    cell_id: int = -1
+
+    @property
+    def note(self) -> str:
+        if self.state == "idle":
+            return f"rank {self.rank} (idle)"
+        doing = "stopped in pdb" if self.state == "debugging" else "running"
+        where = f" at {self.where}" if self.where else ""
+        return (f"rank {self.rank} ({doing}{where}): live state, read while its main thread runs; values may "
+                "change as it goes on")
+
+    def __str__(self) -> str:
+        return f"{self.note}\n{self.text}"
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(str(self))
+
+
+class MeshDebugger:
+    """Debugging of one mesh's ranks from the notebook; ``mesh.debugger``.
+
+    Attributes
+    ----------
+    on_interrupt:
+        "continue" (default) or "raise": what stopped ranks do when the notebook is interrupted at a prompt.
+    input:
+        ``callable(prompt) -> str`` that asks a person for a line; None (default) uses ``input()`` where it can
+        reach one (a kernel with stdin, or a terminal). It may raise EOFError to say nobody answers.
+    step_grace:
+        Seconds a stepped rank (n, s, r, unt) may take to stop again before another stopped rank is offered.
+    """
+
+    def __init__(self, mesh: Mesh) -> None:
+        self.mesh = mesh
+        self.on_interrupt = "continue"
+        self.input: Callable[[str], str] | None = None
+        self.step_grace = STEP_GRACE
+        self._stops: dict[int, _Stop] = {}
+        self._current: int | None = None
+        self._script: list[str] | None = None
+        self._detached: set[Any] = set()  # cells whose breakpoints are skipped now
+        self._no_stdin: set[Any] = set()  # cells where input() said nobody can answer
+        self._greeted: set[Any] = set()
+        self._failed: dict[int, tuple[int, int]] = {}  # rank -> (cell id, order) of its last failed cell
+        self._order = itertools.count()
+        self._own_cells: set[int] = set()  # post-mortem cells (their results do not change _failed)
+        self._replies: dict[int, dict[int, P.DebugReply]] = {}
+        mesh.add_listener(self._on_event)
+
+    # ------------------------------------------------------------------ settings for the cells run inside
+
+    @contextlib.contextmanager
+    def options(self, commands: str | Iterable[str] | None = None,
+                on_interrupt: str | None = None) -> Iterator[MeshDebugger]:
+        """Settings for the cells waited for inside the ``with`` block.
+
+        Parameters
+        ----------
+        commands:
+            pdb lines answering the first prompts (``"p x; c"`` or a list); once they are used up, a stopped
+            rank continues. None: ask a person.
+        on_interrupt:
+            "continue" or "raise" (see the class docstring); None keeps ``self.on_interrupt``.
+
+        Raises
+        ------
+        ValueError
+            ``on_interrupt`` is not "continue" or "raise".
+        """
+        if on_interrupt is not None and on_interrupt not in ("continue", "raise"):
+            raise ValueError(f"on_interrupt must be 'continue' or 'raise', got {on_interrupt!r}")
+        saved = self._script, self.on_interrupt
+        self._script = split_commands(commands)
+        if on_interrupt is not None:
+            self.on_interrupt = on_interrupt
+        try:
+            yield self
+        finally:
+            if self._script:
+                self._write(f"note: scripted pdb command(s) not used (no prompt asked for them): "
+                            f"{'; '.join(self._script)}\n")
+            self._script, self.on_interrupt = saved
+
+    # ------------------------------------------------------------------ I/O thread
+
+    def on_message(self, rank: int, msg: P.Message, payload: bytes, bufs: list) -> None:
+        """Record a rank's debug message (mesh I/O thread) and wake whoever waits for its cell."""
+        mesh = self.mesh
+        with mesh._cond:
+            if isinstance(msg, P.DebugReply):
+                replies = self._replies.get(msg.request_id)
+                if replies is not None:
+                    replies[rank] = msg
+                mesh._cond.notify_all()
+                return
+            stop = self._stops.setdefault(rank, _Stop(rank))
+            if isinstance(msg, P.DebugOutput):
+                stop.output.append(msg.text)
+            elif isinstance(msg, P.DebugPrompt):
+                stop.state, stop.prompt_id, stop.prompt, stop.kind = "prompt", msg.prompt_id, msg.prompt, msg.kind
+                stop.cell_id, stop.filename, stop.lineno, stop.function = (msg.cell_id, msg.filename, msg.lineno,
+                                                                          msg.function)
+            elif isinstance(msg, P.DebugResumed):
+                stop.state, stop.how, stop.resumed_at = "running", msg.how, time.monotonic()
+            cell = mesh._cells.get(stop.cell_id)
+            wake = getattr(cell, "_wake", None)
+            if wake is not None:
+                wake.notify_all()
+            mesh._cond.notify_all()
+
+    def _on_event(self, kind: str, data: dict) -> None:
+        with self.mesh._cond:
+            if kind == "started":
+                self._stops.clear()
+                self._failed.clear()
+                self._current = None
+            elif kind == "rank_result" and data.get("cell_id") not in self._own_cells:
+                rank = data.get("rank", -1)
+                if data.get("status") == "error":
+                    self._failed[rank] = (data.get("cell_id", -1), next(self._order))
+                else:
+                    self._failed.pop(rank, None)
+            elif kind == "rank_state" and data.get("state") in ("dead", "stopped"):
+                self._failed.pop(data.get("rank", -1), None)
+                self._stops.pop(data.get("rank", -1), None)
+
+    # ------------------------------------------------------------------ the conversation (waiting thread)
+
+    def has_prompt(self, cell: CellHandle) -> bool:
+        """True when a rank of ``cell`` waits at a pdb prompt (cheap; called by Mesh._wait)."""
+        return any(s.state == "prompt" and s.cell_id == cell.cell_id for s in list(self._stops.values()))
+
+    def serve(self, cell: CellHandle) -> float:
+        """Talk to the stopped ranks of ``cell`` until none waits at a prompt; returns the seconds it took (the
+        cell's timeout does not count them).
+
+        Raises
+        ------
+        KeyboardInterrupt
+            Interrupted with ``on_interrupt == "raise"`` (the stopped ranks raise it too).
+        """
+        t0 = time.monotonic()
+        self._converse(cell.cell_id, cell)
+        return time.monotonic() - t0
+
+    def attach(self) -> bool:
+        """Talk to ranks stopped in cells nobody waits for (``block=False``); False when none is stopped."""
+        with self.mesh._cond:
+            if not any(s.state == "prompt" for s in self._stops.values()):
+                return False
+        self._converse(None, None)
+        return True
+
+    def stopped(self) -> dict[int, str]:
+        """rank -> where it waits at a pdb prompt ("<mesh In[3]> line 4, in <module>")."""
+        with self.mesh._cond:
+            return {r: s.where for r, s in sorted(self._stops.items()) if s.state in ("prompt", "busy")}
+
+    def _matches(self, key: int | None, stop: _Stop) -> bool:
+        return key is None or stop.cell_id == key
+
+    def _converse(self, key: int | None, cell: CellHandle | None) -> None:
+        try:
+            if key not in self._greeted and cell is not None:
+                self._settle(cell)
+            while True:
+                self._pump(cell)
+                with self.mesh._cond:
+                    at_prompt = sorted(r for r, s in self._stops.items()
+                                       if s.state == "prompt" and self._matches(key, s))
+                    current = self._stops.get(self._current) if self._current is not None else None
+                    stepping = (current is not None and self._matches(key, current) and current.state != "prompt"
+                                and (current.state == "busy" or (current.how == "step" and time.monotonic()
+                                                                 - current.resumed_at < self.step_grace)))
+                    if not at_prompt or stepping:
+                        if at_prompt and stepping:  # let the stepped rank stop again before offering another
+                            self.mesh._cond.wait(POLL)
+                            continue
+                        return
+                    r = self._current if self._current in at_prompt and key in self._greeted else at_prompt[0]
+                    stop = self._stops[r]
+                if self._skip(key, stop, at_prompt):
+                    continue
+                if r != self._current or key not in self._greeted:
+                    self._greet(key, r, at_prompt)
+                self._show(r)
+                line = self._read(key, self._label(stop))
+                if line is None:
+                    self._send_action(r, "continue")
+                    continue
+                self._handle(key, cell, r, line)
+        except KeyboardInterrupt:
+            self._interrupted(key)
+
+    def _settle(self, cell: CellHandle) -> None:
+        """The first stop in a cell: give the cell's other ranks ``FIRST_STOP_SETTLE`` s to reach the same
+        breakpoint, so that the lowest stopped rank is offered first, as it would be if they all arrived at once."""
+        deadline = time.monotonic() + FIRST_STOP_SETTLE
+        while time.monotonic() < deadline:
+            self._pump(cell)
+            with self.mesh._cond:
+                if all(r in cell.finished or ((s := self._stops.get(r)) is not None and s.state == "prompt"
+                                              and s.cell_id == cell.cell_id) for r in cell.ranks):
+                    return
+                self.mesh._cond.wait(POLL)
+
+    def _skip(self, key: int | None, stop: _Stop, at_prompt: list[int]) -> bool:
+        """Continue ``stop`` at once when nobody answers prompts here (detached, no stdin, script used up)."""
+        why = ""
+        if key in self._detached:
+            why = "the debugger is detached for this cell"
+        elif key in self._no_stdin:
+            why = "nobody can answer its prompt here (no stdin)"
+        if not why:
+            return False
+        self._discard_output(stop.rank)
+        self._write(f"{label(stop.rank)} stopped at {stop.where}; it continues: {why}\n")
+        self._send_action(stop.rank, "continue")
+        return True
+
+    def _greet(self, key: int | None, r: int, at_prompt: list[int]) -> None:
+        self._current = r
+        others = [o for o in at_prompt if o != r]
+        stop = self._stops[r]
+        also = f"; also stopped: rank{'s' if len(others) > 1 else ''} {format_ranks(others)}" if others else ""
+        hint = "" if key in self._greeted else " (help mesh: commands for the mesh)"
+        self._greeted.add(key)
+        if stop.cell_id in self._own_cells:
+            head = f"post-mortem of rank {r} at {stop.where}"
+        else:
+            head = f"rank {r} stopped at {stop.where}"
+        self._write(f"--- {head}{also}{hint}\n")
+
+    def _label(self, stop: _Stop) -> str:
+        m = _PDB_PROMPT.match(stop.prompt)
+        if m:
+            return f"{m.group(1)}Pdb rank {stop.rank}{m.group(2)}{m.group(3) or ' '}"
+        return f"{label(stop.rank)} {stop.prompt}"
+
+    def _read(self, key: int | None, prompt: str) -> str | None:
+        """One line for ``prompt``: the next scripted command, or a person's answer. None: nobody answers."""
+        if self._script is not None:
+            if self._script:
+                line = self._script.pop(0)
+                self._write(f"{prompt}{line}\n")
+                return line
+            self._write(f"{prompt}(no scripted pdb command left: continue)\n")
+            return None
+        ask = self.input or _default_input()
+        if ask is not None:
+            try:
+                return ask(prompt)
+            except EOFError:
+                pass
+            except Exception as e:  # noqa: BLE001 - StdinNotImplementedError (frontend without stdin)
+                if type(e).__name__ != "StdinNotImplementedError":
+                    raise
+        self._no_stdin.add(key)
+        self._write("no one can answer pdb prompts here (this frontend has no stdin), so the stopped ranks "
+                    "continue; script the debugger instead:  %%mesh --pdb-commands \"p x; c\"\n")
+        return None
+
+    def _handle(self, key: int | None, cell: CellHandle | None, r: int, line: str) -> None:
+        cmd = line.strip()
+        if cmd == "ranks":
+            self._write(self._ranks_text(key, cell))
+        elif m := re.fullmatch(r"rank\s+(\d+)", cmd):
+            self._switch(key, int(m.group(1)))
+        elif m := re.fullmatch(r"cast\s+(\S+)\s+(.+)", cmd):
+            self._cast(key, cell, m.group(1), m.group(2))
+        elif re.fullmatch(r"(c|cont|continue)\s+all", cmd):
+            done = self._continue_all(key)
+            self._write(f"rank{'s' if len(done) > 1 else ''} {format_ranks(done)} continue\n")
+        elif cmd == "detach":
+            done = self._continue_all(key)
+            self._detached.add(key)
+            self._write(f"detached: rank(s) {format_ranks(done) or 'none'} continue; the breakpoints of the rest "
+                        "of this cell are skipped\n")
+        elif re.fullmatch(r"(h|help)\s+mesh", cmd):
+            self._write(MESH_HELP)
+        else:
+            if cmd in ("h", "help"):
+                self._write(MESH_HELP + "\npdb's commands:\n")
+            self._forward(cell, r, line)
+
+    def _forward(self, cell: CellHandle | None, r: int, line: str) -> None:
+        if self._send_line(r, line):
+            self._await([r], cell, stream=r)
+            self._show(r)
+
+    def _cast(self, key: int | None, cell: CellHandle | None, spec: str, command: str) -> None:
+        try:
+            targets = parse_ranks(spec, self.mesh.nproc)
+        except ValueError as e:
+            self._write(f"cast: {e}\n")
+            return
+        with self.mesh._cond:
+            ready = [t for t in targets if (s := self._stops.get(t)) is not None and s.state == "prompt"
+                     and self._matches(key, s)]
+        skipped = [t for t in targets if t not in ready]
+        if skipped:
+            self._write(f"cast: rank(s) {format_ranks(skipped)} not stopped at a prompt; skipped\n")
+        sent = [t for t in ready if self._send_line(t, command)]
+        self._await(sent, cell, stream=None)
+        for t in sent:
+            text = self._take_output(t)
+            lines = [(t, "stdout", ln) for ln in text.rstrip("\n").split("\n")] if text else []
+            write_lines(lines)
+
+    def _continue_all(self, key: int | None) -> list[int]:
+        with self.mesh._cond:
+            ready = sorted(r for r, s in self._stops.items() if s.state == "prompt" and self._matches(key, s))
+        for r in ready:
+            self._discard_output(r)
+            self._send_action(r, "continue")
+        return ready
+
+    def _switch(self, key: int | None, k: int) -> None:
+        with self.mesh._cond:
+            stop = self._stops.get(k)
+            ok = stop is not None and stop.state == "prompt" and self._matches(key, stop)
+            at_prompt = sorted(r for r, s in self._stops.items() if s.state == "prompt" and self._matches(key, s))
+        if not ok:
+            self._write(f"rank {k} is not stopped at a prompt (stopped: {format_ranks(at_prompt) or 'none'})\n")
+            return
+        self._greet(key, k, at_prompt)
+
+    def _ranks_text(self, key: int | None, cell: CellHandle | None) -> str:
+        with self.mesh._cond:
+            stops = {r: s for r, s in self._stops.items() if s.state in ("prompt", "busy") and self._matches(key, s)}
+            ranks = cell.ranks if cell is not None else sorted(self.mesh._ranks)
+        out = []
+        for r, s in sorted(stops.items()):
+            src = linecache.getline(s.filename, s.lineno).strip()
+            mark = "*" if r == self._current else " "
+            out.append(f"{mark} rank {r}: stopped at {s.where}" + (f": {src}" if src else ""))
+        running = [r for r in ranks if r not in stops]
+        if running:
+            out.append(f"  rank{'s' if len(running) > 1 else ''} {format_ranks(running)}: not stopped")
+        return "\n".join(out) + "\n"
+
+    def _interrupted(self, key: int | None) -> None:
+        """KeyboardInterrupt while talking to ranks: apply ``on_interrupt`` to the ranks stopped in pdb."""
+        with self.mesh._cond:
+            mine = sorted(r for r, s in self._stops.items() if s.state in ("prompt", "busy") and self._matches(key, s))
+            ready = [r for r in mine if self._stops[r].state == "prompt"]
+        if self.on_interrupt == "raise":
+            for r in ready:
+                self._send_action(r, "raise")
+            self._write(f"\ninterrupted at the debugger prompt: rank(s) {format_ranks(mine) or 'none'} raise "
+                        "KeyboardInterrupt where they stopped\n")
+            raise KeyboardInterrupt("interrupted at the debugger prompt")
+        for r in ready:
+            self._send_action(r, "continue")
+        self._detached.add(key)
+        self._write(f"\ninterrupted at the debugger prompt: rank(s) {format_ranks(mine) or 'none'} continue and the "
+                    "breakpoints of the rest of this cell are skipped (interrupt again to stop the cell)\n")
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _send_line(self, r: int, line: str) -> bool:
+        with self.mesh._cond:
+            stop = self._stops.get(r)
+            if stop is None or stop.state != "prompt":
+                self._write(f"rank {r} is not at its prompt any more\n")
+                return False
+            stop.state = "busy"
+            self._post(r, P.DebugInput(stop.prompt_id, line=line))
+        return True
+
+    def _send_action(self, r: int, action: str) -> None:
+        with self.mesh._cond:
+            stop = self._stops.get(r)
+            if stop is None or stop.state != "prompt":
+                return
+            stop.state = "busy"
+            self._post(r, P.DebugInput(stop.prompt_id, action=action))
+
+    def _post(self, r: int, msg: P.Message) -> None:
+        info = self.mesh._ranks.get(r)
+        if info is not None:
+            self.mesh._post(info, msg)
+
+    def _await(self, ranks: list[int], cell: CellHandle | None, stream: int | None) -> None:
+        """Wait until each rank of ``ranks`` answered (a new prompt, or it resumed, or died); stream the output
+        of rank ``stream`` as it comes."""
+        while True:
+            self._pump(cell)
+            if stream is not None:
+                self._show(stream)
+            with self.mesh._cond:
+                busy = [r for r in ranks if (s := self._stops.get(r)) is not None and s.state == "busy"]
+                for r in list(busy):
+                    info = self.mesh._ranks.get(r)
+                    if info is None or info.state.value in ("dead", "stopped"):
+                        self._stops[r].state = "running"
+                        busy.remove(r)
+                if not busy:
+                    return
+                self.mesh._cond.wait(POLL)
+
+    def _pump(self, cell: CellHandle | None) -> None:
+        """Write the cell's ordinary output lines that arrived meanwhile."""
+        if cell is None:
+            return
+        with self.mesh._cond:
+            lines, cell._lines = cell._lines, []
+        write_lines(lines)
+
+    def _take_output(self, r: int) -> str:
+        with self.mesh._cond:
+            stop = self._stops.get(r)
+            if stop is None:
+                return ""
+            text, stop.output = "".join(stop.output), []
+        return text
+
+    def _discard_output(self, r: int) -> None:
+        self._take_output(r)
+
+    def _show(self, r: int) -> None:
+        text = self._take_output(r)
+        if text:
+            self._write(text)
+
+    @staticmethod
+    def _write(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    # ------------------------------------------------------------------ post-mortem, inspect, clear
+
+    def last_failed_rank(self) -> int | None:
+        """The rank whose error came first in the most recent failed cell (None: no rank keeps one)."""
+        with self.mesh._cond:
+            if not self._failed:
+                return None
+            return min(self._failed, key=lambda r: (-self._failed[r][0], self._failed[r][1]))
+
+    def post_mortem(self, rank: int | None = None, commands: str | Iterable[str] | None = None,
+                    timeout: float | None = None) -> None:
+        """Open pdb at the failing frame of ``rank``'s last failed cell (default: the first rank that failed).
+
+        Parameters
+        ----------
+        rank:
+            The rank to debug; None picks the first failure of the most recent failed cell.
+        commands:
+            Scripted pdb lines (``"p x; up; p y"``); when they are used up the session ends. None: ask a person.
+        timeout:
+            Seconds the session may last (None: no limit).
+
+        Raises
+        ------
+        NothingToDebugError
+            No rank keeps a traceback (its last cell did not fail, or ``clear()`` dropped it).
+        MonarchError
+            The rank is not idle (it runs a cell, or it is dead).
+        ValueError
+            ``rank`` is not a rank of this mesh.
+        """
+        mesh = self.mesh
+        mesh._check_running()
+        if rank is None:
+            rank = self.last_failed_rank()
+            if rank is None:
+                raise NothingToDebugError("no rank keeps a traceback to debug: no cell failed since the last one "
+                                          "that ran on it (pass a rank to try one anyway)")
+        (rank,) = parse_ranks(int(rank), mesh.nproc)
+        with mesh._cond:
+            state = mesh._ranks[rank].state.value
+        if state != "idle":
+            raise MonarchError(f"rank {rank} is {state}; post-mortem debugging needs an idle rank "
+                               "(use  %mesh inspect  to look at a busy one)")
+        cell_id = next(mesh._cell_ids)
+        self._own_cells.add(cell_id)
+        with self.options(commands=commands if commands is not None else self._script):
+            handle = mesh._submit(cell_id, [rank], P.DebugPostMortem(cell_id), None, False,
+                                  f"post-mortem of rank {rank}", "arrival")
+            values = handle.result(timeout)
+        outcome = (values or {}).get(rank) or {}
+        if not outcome.get("debugged"):
+            raise NothingToDebugError(outcome.get("reason") or f"rank {rank} has nothing to debug")
+
+    def inspect(self, expr: str, rank: int, *, frame: bool = False, timeout: float = 10.0) -> Inspection:
+        """Evaluate ``expr`` on ``rank`` beside its main thread, which may be busy (live state, read as it runs).
+
+        Parameters
+        ----------
+        expr:
+            A Python expression, evaluated in the rank's namespace.
+        rank:
+            The rank to ask.
+        frame:
+            Evaluate with the locals of the innermost frame of notebook code the rank runs (or of pdb's frame when
+            it is stopped), e.g. a loop variable inside a function defined in a cell.
+        timeout:
+            Seconds to wait for the answer.
+
+        Raises
+        ------
+        SyntaxError
+            ``expr`` is not an expression (checked here, nothing is sent).
+        MonarchError
+            The rank did not answer within ``timeout`` seconds (dead, or the expression blocks).
+        """
+        compile(expr, "<inspect>", "eval")  # syntax only; it runs on the rank
+        (rank,) = parse_ranks(int(rank), self.mesh.nproc)
+        replies = self._request([rank], lambda rid: P.Inspect(rid, expr, frame), timeout)
+        reply = replies.get(rank)
+        if reply is None:
+            raise MonarchError(f"rank {rank} did not answer within {timeout:g} s (is it dead, or does the "
+                               "expression block?)")
+        return Inspection(rank, expr, reply.ok, reply.text, reply.state, reply.where, reply.cell_id)
+
+    def clear(self, ranks: str | int | Iterable[int] | None = None, timeout: float = 5.0) -> list[int]:
+        """Drop the tracebacks ranks keep for post-mortem (and the frames and tensors they hold alive).
+
+        Returns the ranks that had one. Raises MonarchError when some rank did not answer within ``timeout`` s.
+        """
+        chosen = parse_ranks(ranks, self.mesh.nproc)
+        with self.mesh._cond:
+            alive = [r for r in chosen if self.mesh._ranks[r].state.value not in ("dead", "stopped")]
+            for r in chosen:
+                self._failed.pop(r, None)
+        replies = self._request(alive, P.DebugClear, timeout)
+        missing = [r for r in alive if r not in replies]
+        if missing:
+            raise MonarchError(f"rank(s) {format_ranks(missing)} did not answer within {timeout:g} s")
+        return sorted(r for r, rep in replies.items() if rep.text == "cleared")
+
+    def _request(self, ranks: list[int], make: Callable[[int], P.Message], timeout: float) -> dict[int, P.DebugReply]:
+        mesh = self.mesh
+        mesh._check_running()
+        request_id = next(mesh._cell_ids)
+        with mesh._cond:
+            replies: dict[int, P.DebugReply] = {}
+            self._replies[request_id] = replies
+            for r in ranks:
+                self._post(r, make(request_id))
+            deadline = time.monotonic() + timeout
+            try:
+                while len(replies) < len(ranks) and time.monotonic() < deadline:
+                    mesh._cond.wait(POLL)
+            finally:
+                self._replies.pop(request_id, None)
+            return dict(replies)
+
+
+def _default_input() -> Callable[[str], str] | None:
+    """``input`` when a person can answer it: in a kernel (which replaces it), or at a terminal."""
+    ask = builtins.input
+    if getattr(ask, "__module__", None) != "builtins":
+        return ask  # ipykernel's raw_input (or its StdinNotImplementedError stand-in)
+    try:
+        return ask if sys.stdin is not None and sys.stdin.isatty() else None
+    except (AttributeError, ValueError):
+        return None

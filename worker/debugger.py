@@ -1,0 +1,420 @@
+"""pdb on a rank, driven from the notebook: ``breakpoint()``, ``pdb.set_trace()``, post-mortem, live inspection.
+
+A rank has no terminal. ``RemotePdb`` is a ``pdb.Pdb`` whose stdin and stdout are backed by the protocol:
+
+- what pdb writes is sent to the controller as ``DebugOutput`` (complete lines) and, when pdb asks for a line,
+  the rest (its prompt) goes out as ``DebugPrompt`` with pdb's current location;
+- the main thread then blocks until the rank's I/O thread receives the ``DebugInput`` for that prompt and hands
+  the line over through a queue;
+- when pdb lets the program go on (``c``, ``n``, ``s``, ...) the rank sends ``DebugResumed``.
+
+Threads: pdb runs in the thread that called ``breakpoint()`` (the main thread for cell code; one interaction at a
+time per process). ``on_input``, ``on_interrupt`` and ``on_clear`` run on the I/O thread and never block;
+``Inspect`` is evaluated on a short-lived helper thread, so an expression that takes long (or blocks) delays
+neither the heartbeats nor the main thread.
+
+The traceback of the last failed cell is kept (``keep_error``) for ``%mesh debug`` until the next cell starts on
+this rank or the controller sends ``DebugClear``; it keeps the failing frames' locals (tensors included) alive.
+"""
+
+from __future__ import annotations
+
+import bdb
+import code
+import io
+import itertools
+import logging
+import os
+import pdb
+import queue
+import sys
+import threading
+import traceback
+import types
+from typing import TYPE_CHECKING, Any
+
+from . import protocol as P
+from .executor import _is_internal, main_thread_stack
+
+if TYPE_CHECKING:
+    from .runtime import Rank
+
+log = logging.getLogger(__name__)
+
+__all__ = ["RankDebugger", "RemotePdb"]
+
+MAX_REPR = 20_000  # characters of an inspected value's repr sent back; the rest is cut with a note
+_EXIT_LINES = {"exit()", "quit()", "exit", "quit", "\x04"}  # end pdb's `interact` console (there is no Ctrl-D)
+
+
+class _DebugStdout(io.TextIOBase):
+    """pdb's stdout: buffers text; complete lines go out on ``flush``, the rest with the next prompt."""
+
+    encoding = "utf-8"
+
+    def __init__(self, dbg: RankDebugger) -> None:
+        super().__init__()
+        self._dbg = dbg
+        self._buf: list[str] = []
+        self._lock = threading.Lock()
+
+    def writable(self) -> bool:
+        return True
+
+    def isatty(self) -> bool:
+        return False
+
+    def write(self, s: str) -> int:
+        with self._lock:
+            self._buf.append(s)
+        return len(s)
+
+    def flush(self) -> None:
+        with self._lock:
+            text = "".join(self._buf)
+            head, nl, tail = text.rpartition("\n")
+            self._buf = [tail] if tail else []
+        if head or nl:
+            self._dbg._send(P.DebugOutput(text=head + nl))
+
+    def take(self) -> str:
+        with self._lock:
+            text = "".join(self._buf)
+            self._buf = []
+        return text
+
+
+class _DebugStdin(io.TextIOBase):
+    """pdb's stdin: ``readline`` sends a prompt and waits for the controller's answer."""
+
+    encoding = "utf-8"
+
+    def __init__(self, dbg: RankDebugger) -> None:
+        super().__init__()
+        self._dbg = dbg
+
+    def readable(self) -> bool:
+        return True
+
+    def isatty(self) -> bool:
+        return False
+
+    def readline(self, size: int | None = -1) -> str:  # noqa: ARG002 - file-like signature
+        return self._dbg.read_line("pdb")
+
+
+class _Console(code.InteractiveConsole):
+    """pdb's ``interact`` console on a rank: lines come from the notebook, output goes back to it."""
+
+    def __init__(self, ns: dict, dbg: RankDebugger) -> None:
+        super().__init__(ns)
+        self._dbg = dbg
+
+    def raw_input(self, prompt: str = "") -> str:
+        self._dbg.stdout.write(prompt)
+        line = self._dbg.read_line("interact")
+        if line.rstrip("\n").strip() in _EXIT_LINES:
+            raise EOFError
+        return line.rstrip("\n")
+
+    def write(self, data: str) -> None:
+        self._dbg.stdout.write(data)
+
+
+class RemotePdb(pdb.Pdb):
+    """A pdb.Pdb whose terminal is the notebook cell (see the module docstring).
+
+    The debugged stack ends at the frame that a cell (or a ``Mesh.call`` function) runs in: ``w`` and ``u`` show
+    the user's frames, not the runtime's.
+    """
+
+    def __init__(self, dbg: RankDebugger) -> None:
+        self._dbg = dbg
+        self._how = "continue"
+        super().__init__(stdin=dbg.stdin, stdout=dbg.stdout, nosigint=True, readrc=False)
+        self.prompt = "(Pdb) "
+
+    def trace_from(self, frame: types.FrameType) -> None:
+        """``Bdb.set_trace`` limited to the user's frames: trace ``frame`` and its callers up to the cell frame."""
+        self.reset()
+        f: types.FrameType | None = frame
+        while f is not None:
+            f.f_trace = self.trace_dispatch
+            self.botframe = f
+            if f.f_back is None or _is_internal(f.f_back.f_code.co_filename):
+                break
+            f = f.f_back
+        self.set_step()
+        self._dbg._traced = True
+        sys.settrace(self.trace_dispatch)
+
+    def trace_dispatch(self, frame: types.FrameType, event: str, arg: Any) -> Any:
+        try:
+            return super().trace_dispatch(frame, event, arg)
+        except bdb.BdbQuit as e:
+            if e.args:
+                raise
+            raise bdb.BdbQuit("pdb's quit (q) on this rank; c lets a rank go on instead") from None
+
+    # How the program goes on after the prompt (reported to the controller as DebugResumed.how).
+
+    def set_step(self) -> None:
+        self._how = "step"
+        super().set_step()
+
+    def set_next(self, frame: types.FrameType) -> None:
+        self._how = "step"
+        super().set_next(frame)
+
+    def set_return(self, frame: types.FrameType) -> None:
+        self._how = "step"
+        super().set_return(frame)
+
+    def set_until(self, frame: types.FrameType, lineno: int | None = None) -> None:
+        self._how = "step"
+        super().set_until(frame, lineno)
+
+    def set_continue(self) -> None:
+        self._how = "continue"
+        super().set_continue()
+
+    def set_quit(self) -> None:
+        self._how = "quit"
+        super().set_quit()
+
+    def interaction(self, frame: types.FrameType | None, tb: types.TracebackType | None) -> None:
+        dbg = self._dbg
+        with dbg._interaction:
+            with dbg._lock:
+                dbg._detach = dbg._raise = False  # left over from an interrupt that came as it ended
+            dbg._active = self
+            self._how = "continue"
+            try:
+                super().interaction(frame, tb)
+            finally:
+                dbg._active = None
+                raise_now = dbg._end_interaction(self._how)
+        if raise_now:
+            if tb is None:
+                self.set_continue()
+            raise KeyboardInterrupt("interrupted at the debugger prompt")
+
+    def do_interact(self, arg: str) -> None:
+        ns = {**self.curframe.f_globals, **self.curframe_locals}
+        console = _Console(ns, self._dbg)
+        saved = sys.stdout, sys.stderr
+        sys.stdout = sys.stderr = self.stdout
+        try:
+            console.interact(banner="*interactive* (exit() returns to pdb)", exitmsg="")
+        finally:
+            sys.stdout, sys.stderr = saved
+
+    do_interact.__doc__ = pdb.Pdb.do_interact.__doc__
+
+
+class RankDebugger:
+    """The debugging side of one rank (see the module docstring for the threads)."""
+
+    def __init__(self, rank: Rank) -> None:
+        self._rank = rank
+        self.stdout = _DebugStdout(self)
+        self.stdin = _DebugStdin(self)
+        self._lock = threading.Lock()  # guards _waiting_id, _detach, _raise
+        self._interaction = threading.RLock()  # one pdb interaction at a time in this process
+        self._inputs: queue.SimpleQueue = queue.SimpleQueue()
+        self._prompt_ids = itertools.count(1)
+        self._waiting_id = 0  # the prompt the debugged thread waits on (0: none)
+        self._detach = False  # answer every prompt with "continue" until the interaction ends
+        self._raise = False  # then raise KeyboardInterrupt at the current line
+        self._active: RemotePdb | None = None
+        self._traced = False
+        self._in_post_mortem = False
+        self.error: BaseException | None = None  # the last failed cell's exception (post-mortem)
+
+    def install(self) -> None:
+        """Route ``breakpoint()`` and ``pdb.set_trace()`` on this rank to the notebook."""
+        sys.breakpointhook = self.breakpointhook
+        pdb.set_trace = self.set_trace
+
+    # ---- entry points (the thread that stops)
+
+    def breakpointhook(self, *args: Any, **kwargs: Any) -> None:
+        """``sys.breakpointhook``: stop in the caller's frame. PYTHONBREAKPOINT=0 turns breakpoints off."""
+        if os.environ.get("PYTHONBREAKPOINT") == "0":
+            return
+        self._trace(sys._getframe(1), None)
+
+    def set_trace(self, *, header: str | None = None) -> None:
+        """``pdb.set_trace`` on a rank: stop in the caller's frame."""
+        self._trace(sys._getframe(1), header)
+
+    def _trace(self, frame: types.FrameType, header: str | None) -> None:
+        p = RemotePdb(self)
+        if header is not None:
+            p.message(header)
+        p.trace_from(frame)
+
+    def post_mortem(self) -> tuple[bool, Any]:
+        """Open pdb on the kept traceback (main thread, run as a cell). Returns (True, {"debugged", "reason"})."""
+        exc = self.error
+        if exc is None:
+            return True, {"debugged": False, "reason": f"rank {self._rank.rank} keeps no traceback: its last cell "
+                          "did not raise, or the traceback was cleared"}
+        tb = exc.__traceback__
+        while tb is not None and _is_internal(tb.tb_frame.f_code.co_filename):
+            tb = tb.tb_next
+        if tb is None:
+            return True, {"debugged": False, "reason": f"the error of rank {self._rank.rank} has no frames of "
+                          "the notebook's code to debug"}
+        p = RemotePdb(self)
+        p.reset()
+        p.message("".join(traceback.format_exception_only(type(exc), exc)).rstrip("\n"))
+        self._in_post_mortem = True
+        try:
+            p.interaction(None, tb)
+        except KeyboardInterrupt:
+            pass  # "raise" at a post-mortem prompt: there is nothing left to interrupt
+        finally:
+            self._in_post_mortem = False
+        return True, {"debugged": True, "reason": ""}
+
+    # ---- the debugged thread's side of the conversation
+
+    def read_line(self, kind: str) -> str:
+        """Send what pdb wrote and a prompt; wait for the controller's line (with its newline)."""
+        text = self.stdout.take()
+        body, nl, prompt = text.rpartition("\n")
+        if body or nl:
+            self._send(P.DebugOutput(text=body + nl))
+        with self._lock:
+            if self._detach:
+                return self._leave(kind)
+            prompt_id = next(self._prompt_ids)
+            self._waiting_id = prompt_id
+        frame = self._active.curframe if self._active is not None else None
+        self._send(P.DebugPrompt(
+            prompt_id=prompt_id, prompt=prompt, kind=kind, cell_id=self._rank.current_cell,
+            filename=frame.f_code.co_filename if frame else "", lineno=frame.f_lineno if frame else 0,
+            function=frame.f_code.co_name if frame else ""))
+        try:
+            line, action = self._inputs.get()
+        finally:
+            with self._lock:
+                self._waiting_id = 0
+        if action:
+            with self._lock:
+                self._detach = True
+                self._raise = self._raise or action == "raise"
+                return self._leave(kind)
+        return line + "\n"
+
+    @staticmethod
+    def _leave(kind: str) -> str:
+        if kind == "interact":
+            raise EOFError  # ends the console; pdb's next prompt continues
+        return "continue\n"
+
+    def _end_interaction(self, how: str) -> bool:
+        """pdb left its prompt: report it; True when the program should raise KeyboardInterrupt now."""
+        rest = self.stdout.take()
+        if rest:
+            self._send(P.DebugOutput(text=rest if rest.endswith("\n") else rest + "\n"))
+        with self._lock:
+            raise_now, self._raise, self._detach = self._raise, False, False
+        self._send(P.DebugResumed(how="raise" if raise_now else how))
+        return raise_now
+
+    def _send(self, msg: P.Message) -> None:
+        self._rank.send(msg)
+
+    # ---- cells (main thread, called by the runtime)
+
+    def forget_error(self) -> None:
+        """A new cell starts: the previous cell's traceback is no longer debuggable."""
+        self.error = None
+
+    def keep_error(self, exc: BaseException) -> None:
+        if not self._in_post_mortem:
+            self.error = exc
+
+    def cell_finished(self) -> None:
+        """Stop tracing: a breakpoint (or ``b``) of the cell must not slow the next cells down."""
+        if self._traced:
+            sys.settrace(None)
+            self._traced = False
+        if self._rank.ns is not None:  # pdb marks returns in the frame's locals: the namespace, for a cell
+            self._rank.ns.ns.pop("__return__", None)
+            self._rank.ns.ns.pop("__exception__", None)
+        with self._lock:
+            self._detach = self._raise = False
+
+    # ---- I/O thread
+
+    def on_input(self, msg: P.DebugInput, payload: bytes, bufs: list) -> None:
+        with self._lock:
+            if msg.prompt_id != self._waiting_id or self._waiting_id == 0:
+                log.debug("rank %d: dropped input for prompt %d", self._rank.rank, msg.prompt_id)
+                return
+            self._waiting_id = -1  # one answer per prompt
+            self._inputs.put((msg.line, msg.action))
+
+    def on_interrupt(self, cell_id: int) -> bool:
+        """An interrupt of ``cell_id`` arrived. True when the debugger took it (no SIGINT must be sent)."""
+        with self._lock:
+            if self._rank.current_cell != cell_id or self._active is None:
+                return False
+            self._raise = self._detach = True
+            if self._waiting_id > 0:  # at the prompt: answer it
+                self._waiting_id = -1
+                self._inputs.put(("", "raise"))
+                return True
+        return False  # in a pdb command: SIGINT stops it, and the next prompt raises
+
+    def on_clear(self, msg: P.DebugClear, payload: bytes, bufs: list) -> None:
+        had = self.error is not None
+        self.error = None
+        self._send(P.DebugReply(msg.request_id, True, "cleared" if had else "none"))
+
+    def on_inspect(self, msg: P.Inspect, payload: bytes, bufs: list) -> None:
+        threading.Thread(target=self._inspect, args=(msg,), name="monarch-inspect", daemon=True).start()
+
+    def _inspect(self, msg: P.Inspect) -> None:
+        rank = self._rank
+        cell = rank.current_cell
+        main = sys._current_frames().get(rank._main_ident)
+        stack = main_thread_stack(main) if cell >= 0 else []
+        where = f"{stack[-1][0]} line {stack[-1][1]}, in {stack[-1][2]}" if stack else ""
+        active = self._active
+        if active is not None and active.curframe is not None:
+            where = _where(active.curframe)
+        ns = rank.ns.ns if rank.ns is not None else {}
+        local_ns = None
+        if msg.frame and main is not None and cell >= 0:
+            frame = active.curframe if active is not None else _innermost_cell_frame(main)
+            if frame is not None:
+                local_ns = frame.f_locals
+                where = _where(frame)
+        try:
+            value = eval(compile(msg.expr, "<inspect>", "eval"), ns, local_ns)  # noqa: S307 - the user's request
+            text, ok = repr(value), True
+        except BaseException as e:  # noqa: BLE001 - report whatever the expression raised
+            text, ok = "".join(traceback.format_exception_only(type(e), e)).rstrip("\n"), False
+        if len(text) > MAX_REPR:
+            text = text[:MAX_REPR] + f"... ({len(text) - MAX_REPR} more characters)"
+        state = ("debugging" if active is not None else "running") if cell >= 0 else "idle"
+        self._send(P.DebugReply(msg.request_id, ok, text, state, where, cell))
+
+
+def _innermost_cell_frame(frame: types.FrameType) -> types.FrameType | None:
+    """The innermost frame of notebook code (cells and the functions they define: files named "<...>")."""
+    f: types.FrameType | None = frame
+    while f is not None:
+        name = f.f_code.co_filename
+        if name.startswith("<") and not name.startswith("<frozen") and name != "<inspect>":
+            return f
+        f = f.f_back
+    return None
+
+
+def _where(frame: types.FrameType) -> str:
+    return f"{frame.f_code.co_filename} line {frame.f_lineno}, in {frame.f_code.co_name}"
