@@ -20,6 +20,7 @@ this rank or the controller sends ``DebugClear``; it keeps the failing frames' l
 from __future__ import annotations
 
 import bdb
+import cmd
 import code
 import io
 import itertools
@@ -334,8 +335,25 @@ class RankDebugger:
         self.error = None
 
     def keep_error(self, exc: BaseException) -> None:
-        if not self._in_post_mortem:
-            self.error = exc
+        """Keep a failed cell's exception for post-mortem. When pdb raised it (``q``, or an interrupt at the
+        prompt), the frames of pdb and bdb at the end of its traceback are dropped: it was raised in the user's
+        frame, and that is where tracebacks and post-mortem should show it."""
+        if self._in_post_mortem:
+            return
+        entries = []
+        tb = exc.__traceback__
+        while tb is not None:
+            entries.append((tb.tb_frame, tb.tb_lasti, tb.tb_lineno))
+            tb = tb.tb_next
+        keep = len(entries)
+        while keep > 1 and _is_debugger_frame(entries[keep - 1][0]):
+            keep -= 1
+        if keep < len(entries):
+            rebuilt = None
+            for frame, lasti, lineno in reversed(entries[:keep]):
+                rebuilt = types.TracebackType(rebuilt, frame, lasti, lineno)
+            exc.__traceback__ = rebuilt
+        self.error = exc
 
     def cell_finished(self) -> None:
         """Stop tracing: a breakpoint (or ``b``) of the cell must not slow the next cells down."""
@@ -403,6 +421,14 @@ class RankDebugger:
             text = text[:MAX_REPR] + f"... ({len(text) - MAX_REPR} more characters)"
         state = ("debugging" if active is not None else "running") if cell >= 0 else "idle"
         self._send(P.DebugReply(msg.request_id, ok, text, state, where, cell))
+
+
+_DEBUGGER_FILES = {os.path.abspath(m.__file__) for m in (bdb, pdb, code, cmd)}
+
+
+def _is_debugger_frame(frame: types.FrameType) -> bool:
+    name = frame.f_code.co_filename
+    return _is_internal(name) or os.path.abspath(name) in _DEBUGGER_FILES
 
 
 def _innermost_cell_frame(frame: types.FrameType) -> types.FrameType | None:

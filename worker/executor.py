@@ -14,6 +14,7 @@ from typing import Any
 __all__ = ["Namespace", "register_source", "format_error", "main_thread_stack"]
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_LAST = "_monarch_last_value_"  # where a cell leaves the value of its last expression for a moment
 
 
 def register_source(filename: str, source: str) -> None:
@@ -87,13 +88,18 @@ class Namespace:
         """
         register_source(filename, code)
         tree = ast.parse(code, filename, "exec")
-        last: ast.Expression | None = None
-        if tree.body and isinstance(tree.body[-1], ast.Expr):
-            last = ast.Expression(tree.body.pop().value)
+        has_value = bool(tree.body) and isinstance(tree.body[-1], ast.Expr)
+        if has_value:
+            # The last expression's value goes to a hidden name, in the same code object as the rest of the cell,
+            # so that pdb steps onto that line like any other.
+            last = tree.body[-1]
+            tree.body[-1] = ast.copy_location(ast.Assign([ast.Name(_LAST, ast.Store())], last.value), last)
+            ast.fix_missing_locations(tree)
+        self.ns.pop(_LAST, None)
         exec(compile(tree, filename, "exec"), self.ns)
-        if last is None:
+        if not has_value:
             return False, None
-        value = eval(compile(last, filename, "eval"), self.ns)
+        value = self.ns.pop(_LAST, None)
         if value is not None:
             self.ns["_"] = value
         return value is not None, value

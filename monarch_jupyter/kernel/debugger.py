@@ -163,6 +163,9 @@ class MeshDebugger:
         reach one (a kernel with stdin, or a terminal). It may raise EOFError to say nobody answers.
     step_grace:
         Seconds a stepped rank (n, s, r, unt) may take to stop again before another stopped rank is offered.
+    first_stop_settle:
+        Seconds the first stop of a cell waits for the cell's other ranks to stop (or finish) too, so that the
+        lowest stopped rank is offered first.
     """
 
     def __init__(self, mesh: Mesh) -> None:
@@ -170,6 +173,7 @@ class MeshDebugger:
         self.on_interrupt = "continue"
         self.input: Callable[[str], str] | None = None
         self.step_grace = STEP_GRACE
+        self.first_stop_settle = FIRST_STOP_SETTLE
         self._stops: dict[int, _Stop] = {}
         self._current: int | None = None
         self._script: list[str] | None = None
@@ -319,7 +323,7 @@ class MeshDebugger:
                 if r != self._current or key not in self._greeted:
                     self._greet(key, r, at_prompt)
                 self._show(r)
-                line = self._read(key, self._label(stop))
+                line = self._read(key, cell, self._label(stop))
                 if line is None:
                     self._send_action(r, "continue")
                     continue
@@ -328,9 +332,9 @@ class MeshDebugger:
             self._interrupted(key)
 
     def _settle(self, cell: CellHandle) -> None:
-        """The first stop in a cell: give the cell's other ranks ``FIRST_STOP_SETTLE`` s to reach the same
+        """The first stop in a cell: give the cell's other ranks ``first_stop_settle`` s to reach the same
         breakpoint, so that the lowest stopped rank is offered first, as it would be if they all arrived at once."""
-        deadline = time.monotonic() + FIRST_STOP_SETTLE
+        deadline = time.monotonic() + self.first_stop_settle
         while time.monotonic() < deadline:
             self._pump(cell)
             with self.mesh._cond:
@@ -372,7 +376,7 @@ class MeshDebugger:
             return f"{m.group(1)}Pdb rank {stop.rank}{m.group(2)}{m.group(3) or ' '}"
         return f"{label(stop.rank)} {stop.prompt}"
 
-    def _read(self, key: int | None, prompt: str) -> str | None:
+    def _read(self, key: int | None, cell: CellHandle | None, prompt: str) -> str | None:
         """One line for ``prompt``: the next scripted command, or a person's answer. None: nobody answers."""
         if self._script is not None:
             if self._script:
@@ -384,7 +388,8 @@ class MeshDebugger:
         ask = self.input or _default_input()
         if ask is not None:
             try:
-                return ask(prompt)
+                with self._live_output(cell):
+                    return ask(prompt)
             except EOFError:
                 pass
             except Exception as e:  # noqa: BLE001 - StdinNotImplementedError (frontend without stdin)
@@ -542,6 +547,22 @@ class MeshDebugger:
             lines, cell._lines = cell._lines, []
         write_lines(lines)
 
+    @contextlib.contextmanager
+    def _live_output(self, cell: CellHandle | None) -> Iterator[None]:
+        """While this thread waits for a person, the I/O thread writes the cell's other output (as it does for
+        cells nobody waits for), so ranks that were not stopped are seen going on."""
+        if cell is None:
+            yield
+            return
+        with self.mesh._cond:
+            cell._waiting = False
+            cell._deliver_now()
+        try:
+            yield
+        finally:
+            with self.mesh._cond:
+                cell._waiting = True
+
     def _take_output(self, r: int) -> str:
         with self.mesh._cond:
             stop = self._stops.get(r)
@@ -609,7 +630,7 @@ class MeshDebugger:
                                "(use  %mesh inspect  to look at a busy one)")
         cell_id = next(mesh._cell_ids)
         self._own_cells.add(cell_id)
-        with self.options(commands=commands if commands is not None else self._script):
+        with self.options(commands=commands) if commands is not None else contextlib.nullcontext():
             handle = mesh._submit(cell_id, [rank], P.DebugPostMortem(cell_id), None, False,
                                   f"post-mortem of rank {rank}", "arrival")
             values = handle.result(timeout)
