@@ -184,7 +184,8 @@ class MeshMagics(TransferMagics, Magics):
         count = getattr(self.shell, "execution_count", None)
         filename = f"<mesh In[{count}]>" if count is not None else None
         try:
-            with m.debugger.options(args.pdb_commands, args.on_interrupt or self.debug_on_interrupt):
+            with m.debugger.options(debug_magics.unquote(args.pdb_commands),
+                                    args.on_interrupt or self.debug_on_interrupt):
                 result = m.run(
                     cell,
                     ranks=args.ranks,

@@ -40,18 +40,25 @@ class Person:
         return answer
 
 
+@pytest.fixture(scope="module")
+def mesh4() -> Iterator[Mesh]:
+    m = Mesh(4, start_timeout=120)
+    yield m
+    m.stop()
+
+
 @pytest.fixture()
-def dbg(mesh: Mesh) -> Iterator[Mesh]:
-    """The session mesh with its debugger settings restored (and its ranks' tracebacks dropped) afterwards.
+def dbg(mesh4: Mesh) -> Iterator[Mesh]:
+    """A 4-rank mesh with its debugger settings restored (and its ranks' tracebacks dropped) after each test.
 
     The first stop of a cell waits for every rank of the cell to stop or finish (not only 0.25 s), so that which
     rank is offered first does not depend on the load of the machine."""
-    mesh.debugger.first_stop_settle = 30.0
-    yield mesh
-    mesh.debugger.first_stop_settle = 0.25
-    mesh.debugger.input = None
-    mesh.debugger.on_interrupt = "continue"
-    mesh.debugger.clear()
+    mesh4.debugger.first_stop_settle = 30.0
+    yield mesh4
+    mesh4.debugger.first_stop_settle = 0.25
+    mesh4.debugger.input = None
+    mesh4.debugger.on_interrupt = "continue"
+    mesh4.debugger.clear()
 
 
 def run(mesh: Mesh, code: str, **kw: object) -> object:
