@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 from monarch_worker import protocol as P
 
-from ..errors import MonarchError
 from .output import label, write_lines
+from .postmortem import Inspection, NothingToDebugError, PostMortemMixin
 from .ranks import format_ranks, parse_ranks
 
 if TYPE_CHECKING:
@@ -64,10 +64,6 @@ Mesh commands win over Python names: use  p ranks  or  !detach = 1  for variable
 """
 
 _PDB_PROMPT = re.compile(r"^(\(+)Pdb(\)+)(\s*)$")
-
-
-class NothingToDebugError(MonarchError):
-    """Post-mortem debugging found no traceback to open (no failed cell, or it was cleared)."""
 
 
 def split_commands(commands: str | Iterable[str] | None) -> list[str] | None:
@@ -120,38 +116,7 @@ class _Stop:
         return f"{self.filename} line {self.lineno}, in {self.function}"
 
 
-@dataclass(frozen=True)
-class Inspection:
-    """The answer of ``MeshDebugger.inspect``: ``text`` is the value's repr (or the error, when ``ok`` is False).
-
-    ``state`` is what the rank's main thread was doing ("running", "debugging" or "idle"); ``where`` is where.
-    """
-
-    rank: int
-    expr: str
-    ok: bool
-    text: str
-    state: str
-    where: str
-    cell_id: int = -1
-
-    @property
-    def note(self) -> str:
-        if self.state == "idle":
-            return f"rank {self.rank} (idle)"
-        doing = "stopped in pdb" if self.state == "debugging" else "running"
-        where = f" at {self.where}" if self.where else ""
-        return (f"rank {self.rank} ({doing}{where}): live state, read while its main thread runs; values may "
-                "change as it goes on")
-
-    def __str__(self) -> str:
-        return f"{self.note}\n{self.text}"
-
-    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
-        p.text(str(self))
-
-
-class MeshDebugger:
+class MeshDebugger(PostMortemMixin):
     """Debugging of one mesh's ranks from the notebook; ``mesh.debugger``.
 
     Attributes
@@ -583,124 +548,6 @@ class MeshDebugger:
     def _write(text: str) -> None:
         sys.stdout.write(text)
         sys.stdout.flush()
-
-    # ------------------------------------------------------------------ post-mortem, inspect, clear
-
-    def last_failed_rank(self) -> int | None:
-        """The rank whose error came first in the most recent failed cell (None: no rank keeps one)."""
-        with self.mesh._cond:
-            if not self._failed:
-                return None
-            return min(self._failed, key=lambda r: (-self._failed[r][0], self._failed[r][1]))
-
-    def post_mortem(self, rank: int | None = None, commands: str | Iterable[str] | None = None,
-                    timeout: float | None = None) -> None:
-        """Open pdb at the failing frame of ``rank``'s last failed cell (default: the first rank that failed).
-
-        Parameters
-        ----------
-        rank:
-            The rank to debug; None picks the first failure of the most recent failed cell.
-        commands:
-            Scripted pdb lines (``"p x; up; p y"``); when they are used up the session ends. None: ask a person.
-        timeout:
-            Seconds the session may last (None: no limit).
-
-        Raises
-        ------
-        NothingToDebugError
-            No rank keeps a traceback (its last cell did not fail, or ``clear()`` dropped it).
-        MonarchError
-            The rank is not idle (it runs a cell, or it is dead).
-        ValueError
-            ``rank`` is not a rank of this mesh.
-        """
-        mesh = self.mesh
-        mesh._check_running()
-        if rank is None:
-            rank = self.last_failed_rank()
-            if rank is None:
-                raise NothingToDebugError("no rank keeps a traceback to debug: no cell failed since the last one "
-                                          "that ran on it (pass a rank to try one anyway)")
-        (rank,) = parse_ranks(int(rank), mesh.nproc)
-        with mesh._cond:
-            state = mesh._ranks[rank].state.value
-        if state != "idle":
-            raise MonarchError(f"rank {rank} is {state}; post-mortem debugging needs an idle rank "
-                               "(use  %mesh inspect  to look at a busy one)")
-        cell_id = next(mesh._cell_ids)
-        self._own_cells.add(cell_id)
-        with self.options(commands=commands) if commands is not None else contextlib.nullcontext():
-            handle = mesh._submit(cell_id, [rank], P.DebugPostMortem(cell_id), None, False,
-                                  f"post-mortem of rank {rank}", "arrival")
-            values = handle.result(timeout)
-        outcome = (values or {}).get(rank) or {}
-        if not outcome.get("debugged"):
-            raise NothingToDebugError(outcome.get("reason") or f"rank {rank} has nothing to debug")
-
-    def inspect(self, expr: str, rank: int, *, frame: bool = False, timeout: float = 10.0) -> Inspection:
-        """Evaluate ``expr`` on ``rank`` beside its main thread, which may be busy (live state, read as it runs).
-
-        Parameters
-        ----------
-        expr:
-            A Python expression, evaluated in the rank's namespace.
-        rank:
-            The rank to ask.
-        frame:
-            Evaluate with the locals of the innermost frame of notebook code the rank runs (or of pdb's frame when
-            it is stopped), e.g. a loop variable inside a function defined in a cell.
-        timeout:
-            Seconds to wait for the answer.
-
-        Raises
-        ------
-        SyntaxError
-            ``expr`` is not an expression (checked here, nothing is sent).
-        MonarchError
-            The rank did not answer within ``timeout`` seconds (dead, or the expression blocks).
-        """
-        compile(expr, "<inspect>", "eval")  # syntax only; it runs on the rank
-        (rank,) = parse_ranks(int(rank), self.mesh.nproc)
-        replies = self._request([rank], lambda rid: P.Inspect(rid, expr, frame), timeout)
-        reply = replies.get(rank)
-        if reply is None:
-            raise MonarchError(f"rank {rank} did not answer within {timeout:g} s (is it dead, or does the "
-                               "expression block?)")
-        return Inspection(rank, expr, reply.ok, reply.text, reply.state, reply.where, reply.cell_id)
-
-    def clear(self, ranks: str | int | Iterable[int] | None = None, timeout: float = 5.0) -> list[int]:
-        """Drop the tracebacks ranks keep for post-mortem (and the frames and tensors they hold alive).
-
-        Returns the ranks that had one. Raises MonarchError when some rank did not answer within ``timeout`` s.
-        """
-        chosen = parse_ranks(ranks, self.mesh.nproc)
-        with self.mesh._cond:
-            alive = [r for r in chosen if self.mesh._ranks[r].state.value not in ("dead", "stopped")]
-            for r in chosen:
-                self._failed.pop(r, None)
-        replies = self._request(alive, P.DebugClear, timeout)
-        missing = [r for r in alive if r not in replies]
-        if missing:
-            raise MonarchError(f"rank(s) {format_ranks(missing)} did not answer within {timeout:g} s")
-        return sorted(r for r, rep in replies.items() if rep.text == "cleared")
-
-    def _request(self, ranks: list[int], make: Callable[[int], P.Message], timeout: float) -> dict[int, P.DebugReply]:
-        mesh = self.mesh
-        mesh._check_running()
-        request_id = next(mesh._cell_ids)
-        with mesh._cond:
-            replies: dict[int, P.DebugReply] = {}
-            self._replies[request_id] = replies
-            for r in ranks:
-                self._post(r, make(request_id))
-            deadline = time.monotonic() + timeout
-            try:
-                while len(replies) < len(ranks) and time.monotonic() < deadline:
-                    mesh._cond.wait(POLL)
-            finally:
-                self._replies.pop(request_id, None)
-            return dict(replies)
 
 
 def _default_input() -> Callable[[str], str] | None:

@@ -133,6 +133,25 @@ def test_two_ranks_stopped_at_once(dbg: Mesh, capsys: pytest.CaptureFixture[str]
     assert "(Pdb rank 2) p x\n20\n" in text
 
 
+def test_stepping_keeps_the_rank_and_attach(dbg: Mesh, capsys: pytest.CaptureFixture[str]) -> None:
+    dbg.debugger.input = person = Person(["n", "n", "p z", "c", "c"])
+    out = run(dbg, "dist.barrier()\nif rank in (1, 2):\n    breakpoint()\nz = 1\nz = 2\nz\n")
+    assert out == {r: 2 for r in range(4)}
+    # n and n again: rank 1 is offered again (although rank 2 waits), until it continues.
+    assert person.prompts == ["(Pdb rank 1) "] * 4 + ["(Pdb rank 2) "]
+    assert "(Pdb rank 1) p z\n2\n" in capsys.readouterr().out
+    # A rank stopped in a cell nobody waits for: attach() talks to it.
+    handle = dbg.run("x = rank\nif rank == 3:\n    breakpoint()\nx\n", block=False)
+    deadline = time.monotonic() + 30
+    while not dbg.debugger.stopped() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    dbg.debugger.input = person = Person(["p x", "c"])
+    assert dbg.debugger.attach()
+    assert person.prompts == ["(Pdb rank 3) "] * 2 and "(Pdb rank 3) p x\n3\n" in capsys.readouterr().out
+    assert handle.result(timeout=30) == {r: r for r in range(4)}
+    assert not dbg.debugger.attach()
+
+
 def test_switch_continue_all_and_detach(dbg: Mesh, capsys: pytest.CaptureFixture[str]) -> None:
     def all_three_stopped(prompt: str) -> None:
         deadline = time.monotonic() + 30

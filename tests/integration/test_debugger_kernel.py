@@ -204,10 +204,10 @@ def test_inspect_a_busy_rank(kernel: Kernel, tmp_path: Any) -> None:
 
 def test_interrupt_at_the_prompt(kernel: Kernel) -> None:
     def interrupt(k: Kernel, prompt: str) -> None:
-        k.km.interrupt_kernel()
-        return None
+        k.km.interrupt_kernel()  # the person presses the notebook's stop button instead of answering
 
-    res = kernel.execute("%%mesh\nx = rank\nif rank == 1:\n    breakpoint()\n    breakpoint()\nx\n", on_prompt=interrupt)
+    res = kernel.execute("%%mesh\nx = rank\nif rank == 1:\n    breakpoint()\n    breakpoint()\nx\n",
+                         on_prompt=interrupt)
     assert res.reply["status"] == "ok", res
     assert "interrupted at the debugger prompt: rank(s) 1 continue" in res.stdout
     assert "[rank1]: stopped at" in res.stdout and "it continues: the debugger is detached" in res.stdout
