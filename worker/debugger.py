@@ -292,10 +292,13 @@ class RankDebugger:
                 return self._leave(kind)
             prompt_id = next(self._prompt_ids)
             self._waiting_id = prompt_id
-        frame = self._active.curframe if self._active is not None else None
+        frame, lineno = None, 0
+        active = self._active
+        if active is not None and active.stack:
+            frame, lineno = active.stack[active.curindex]  # pdb's current frame (after u/d) and its line
         self._send(P.DebugPrompt(
             prompt_id=prompt_id, prompt=prompt, kind=kind, cell_id=self._rank.current_cell,
-            filename=frame.f_code.co_filename if frame else "", lineno=frame.f_lineno if frame else 0,
+            filename=frame.f_code.co_filename if frame else "", lineno=lineno,
             function=frame.f_code.co_name if frame else ""))
         try:
             line, action = self._inputs.get()

@@ -283,7 +283,7 @@ class MeshDebugger(PostMortemMixin):
                         return
                     r = self._current if self._current in at_prompt and key in self._greeted else at_prompt[0]
                     stop = self._stops[r]
-                if self._skip(key, stop, at_prompt):
+                if self._skip(key, stop):
                     continue
                 if r != self._current or key not in self._greeted:
                     self._greet(key, r, at_prompt)
@@ -308,8 +308,9 @@ class MeshDebugger(PostMortemMixin):
                     return
                 self.mesh._cond.wait(POLL)
 
-    def _skip(self, key: int | None, stop: _Stop, at_prompt: list[int]) -> bool:
-        """Continue ``stop`` at once when nobody answers prompts here (detached, no stdin, script used up)."""
+    def _skip(self, key: int | None, stop: _Stop) -> bool:
+        """Continue ``stop`` at once when nobody answers prompts here (detached, or no stdin); its pdb text is
+        replaced by one line saying where it was."""
         why = ""
         if key in self._detached:
             why = "the debugger is detached for this cell"
