@@ -13,7 +13,7 @@ time per process). ``on_input``, ``on_interrupt`` and ``on_clear`` run on the I/
 ``Inspect`` is evaluated on a short-lived helper thread, so an expression that takes long (or blocks) delays
 neither the heartbeats nor the main thread.
 
-The traceback of the last failed cell is kept (``keep_error``) for ``%mesh debug`` until the next cell starts on
+The traceback of the last failed cell is kept (``keeping``) for ``%mesh debug`` until the next cell starts on
 this rank or the controller sends ``DebugClear``; it keeps the failing frames' locals (tensors included) alive.
 """
 
@@ -333,9 +333,10 @@ class RankDebugger:
 
     # ---- cells (main thread, called by the runtime)
 
-    def forget_error(self) -> None:
-        """A new cell starts: the previous cell's traceback is no longer debuggable."""
-        self.error = None
+    def keeping(self) -> _Keeping:
+        """Around a cell's code: drop the previous cell's exception, keep this one's if it raises (only cells
+        and calls, not transfers, so a failed pull does not replace what post-mortem shows)."""
+        return _Keeping(self)
 
     def keep_error(self, exc: BaseException) -> None:
         """Keep a failed cell's exception for post-mortem. When pdb raised it (``q``, or an interrupt at the
@@ -424,6 +425,22 @@ class RankDebugger:
             text = text[:MAX_REPR] + f"... ({len(text) - MAX_REPR} more characters)"
         state = ("debugging" if active is not None else "running") if cell >= 0 else "idle"
         self._send(P.DebugReply(msg.request_id, ok, text, state, where, cell))
+
+
+class _Keeping:
+    """``RankDebugger.keeping()``: a class, not contextlib, so the traceback keep_error trims is the one that
+    propagates (contextlib puts the original back)."""
+
+    def __init__(self, dbg: RankDebugger) -> None:
+        self._dbg = dbg
+
+    def __enter__(self) -> None:
+        self._dbg.error = None
+
+    def __exit__(self, typ: type | None, exc: BaseException | None, tb: types.TracebackType | None) -> bool:
+        if exc is not None:
+            self._dbg.keep_error(exc)
+        return False
 
 
 _DEBUGGER_FILES = {os.path.abspath(m.__file__) for m in (bdb, pdb, code, cmd)}

@@ -266,7 +266,6 @@ class Rank:
                     self.current_cell = -1
                 self.debugger.cell_finished()
         except BaseException as e:  # noqa: BLE001 - report everything, KeyboardInterrupt included
-            self.debugger.keep_error(e)
             error, value, has_value = format_error(e), None, False
         result = P.Result(cell_id, "error" if error else "ok", has_value, error, time.perf_counter() - start)
         self._sync_output(cell_id)
@@ -299,26 +298,26 @@ class Rank:
 
     def _exec(self, msg: P.Exec, payload: bytes, bufs: list) -> None:
         assert self.ns is not None
-        self.debugger.forget_error()
         for filename, source in msg.sources.items():
             register_source(filename, source)
 
         def body() -> tuple[bool, Any]:
-            if payload:
-                self.ns.inject(loads(payload, bufs))
-            return self.ns.run_cell(msg.code, msg.filename)
+            with self.debugger.keeping():  # its exception stays for post-mortem until the next cell
+                if payload:
+                    self.ns.inject(loads(payload, bufs))
+                return self.ns.run_cell(msg.code, msg.filename)
 
         self._run(msg.cell_id, body)
 
     def _call(self, msg: P.Call, payload: bytes, bufs: list) -> None:
-        self.debugger.forget_error()
         for filename, source in msg.sources.items():
             register_source(filename, source)
 
         def body() -> tuple[bool, Any]:
-            fn, args, kwargs = loads(payload, bufs)
-            value = fn(*args, **kwargs)
-            return value is not None, value
+            with self.debugger.keeping():
+                fn, args, kwargs = loads(payload, bufs)
+                value = fn(*args, **kwargs)
+                return value is not None, value
 
         self._run(msg.cell_id, body)
 

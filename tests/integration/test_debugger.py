@@ -309,6 +309,8 @@ def test_post_mortem(dbg: Mesh, capsys: pytest.CaptureFixture[str]) -> None:
     assert "ZeroDivisionError: division by zero\n> <dbg pm>(4)f()" in text
     assert "(Pdb rank 1) p a\n1\n(Pdb rank 1) p b\n2\n(Pdb rank 1) up\n> <dbg pm>(5)<module>()" in text
     assert "(Pdb rank 1) p rank\n1\n" in text
+    with pytest.raises(MeshError):  # a failed transfer is not a cell: the kept tracebacks stay
+        dbg.pull("no_such_name", ranks=3)
     dbg.debugger.post_mortem(3, commands=["p a", "c"])
     assert "IndexError: list index out of range" in capsys.readouterr().out
     assert dbg.debugger.clear() == [1, 3]
