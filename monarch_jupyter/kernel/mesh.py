@@ -97,6 +97,8 @@ class RankInfo:
     returncode: int | None = None
     start_error: str = ""
     rss: int = 0
+    cuda_allocated: int = 0
+    cuda_reserved: int = 0
     last_heard: float = 0.0
     cells: deque = field(default_factory=deque)  # cells submitted to this rank, not yet finished on it
     last_lines: deque = field(default_factory=lambda: deque(maxlen=LAST_LINES))
@@ -686,7 +688,7 @@ class Mesh:
                     info.state = RankState.RUNNING
                     identities.append(info.identity)
                 self._outbox.put((identities, msg, payload, buffers))
-        self._event("cell_started", cell_id=cell_id, ranks=ranks)
+        self._event("cell_started", cell_id=cell_id, ranks=ranks, handle=handle)
         return handle
 
     def _wait(self, cell: CellHandle, timeout: float | None, raise_on_timeout: bool) -> bool:
@@ -809,10 +811,12 @@ class Mesh:
     # ------------------------------------------------------------------ introspection
 
     def status(self) -> dict[int, dict[str, Any]]:
-        """rank -> {"state", "pid", "host", "device", "rss" (bytes), "returncode"}."""
+        """rank -> {"state", "pid", "host", "device", "rss", "cuda_allocated", "cuda_reserved" (bytes),
+        "returncode", "backend"}."""
         with self._cond:
             return {
                 r: {"state": i.state.value, "pid": i.pid, "host": i.host, "device": i.device, "rss": i.rss,
+                    "cuda_allocated": i.cuda_allocated, "cuda_reserved": i.cuda_reserved,
                     "returncode": i.returncode, "backend": i.backend}
                 for r, i in self._ranks.items()
             }
@@ -975,7 +979,7 @@ class Mesh:
             info.state = RankState.IDLE
             info.device, info.backend, info.host = msg.device, msg.backend, msg.host
             self._cond.notify_all()
-        self._event("rank_state", rank=rank, state="idle")
+        self._event("rank_state", rank=rank, state="idle", host=msg.host, device=msg.device, pid=msg.pid)
 
     def _on_start_failed(self, rank: int, msg: P.StartFailed, payload: bytes, bufs: list) -> None:
         with self._cond:
@@ -1008,7 +1012,8 @@ class Mesh:
                 cell.has_value[rank] = msg.has_value
             cell._check_rank(rank)
         self._event("rank_result", rank=rank, cell_id=msg.cell_id, status=msg.status,
-                    error=None if error is None else str(error))
+                    error=None if error is None else str(error), duration=msg.duration,
+                    ename=getattr(error, "ename", ""), evalue=getattr(error, "evalue", ""))
 
     def _on_stream(self, rank: int, msg: P.Stream, payload: bytes, bufs: list) -> None:
         self.on_output(rank, msg.name, msg.data.encode())
@@ -1023,13 +1028,16 @@ class Mesh:
         with self._cond:
             info = self._ranks[rank]
             info.rss = msg.rss
+            info.cuda_allocated, info.cuda_reserved = msg.cuda_allocated, msg.cuda_reserved
             info.last_heard = time.monotonic()
-        self._event("heartbeat", rank=rank, rss=msg.rss)
+        self._event("heartbeat", rank=rank, rss=msg.rss, cuda_allocated=msg.cuda_allocated,
+                    cuda_reserved=msg.cuda_reserved)
 
     def _on_progress(self, rank: int, msg: P.Progress, payload: bytes, bufs: list) -> None:
         with self._cond:
             self._ranks[rank].progress = (msg.n, msg.total, msg.desc)
-        self._event("progress", rank=rank, n=msg.n, total=msg.total, desc=msg.desc, cell_id=msg.cell_id)
+        self._event("progress", rank=rank, n=msg.n, total=msg.total, desc=msg.desc, cell_id=msg.cell_id,
+                    postfix=msg.postfix)
 
     # ------------------------------------------------------------------ launcher events (reader thread)
 
@@ -1065,7 +1073,8 @@ class Mesh:
             write_lines([(info.rank, stream, text)])
         else:
             target._emit(info.rank, stream, text)
-        self._event("output", rank=info.rank, stream=stream, text=text)
+        self._event("output", rank=info.rank, stream=stream, text=text,
+                    cell_id=None if target is None else target.cell_id)
 
     def on_exit(self, rank: int, returncode: int) -> None:
         with self._cond:
