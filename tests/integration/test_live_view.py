@@ -195,8 +195,11 @@ def test_magics_widget_no_widget_and_async(mesh):
 
     from monarch_jupyter.magics import _MAGICS, load
 
+    from monarch_jupyter.kernel import mesh as mesh_mod
+
     shell = InteractiveShell.instance()
     load(shell)
+    saved, mesh_mod._current = mesh_mod._current, mesh  # %%mesh runs on the current mesh
     try:
         magics = shell.magics_manager.registry["MeshMagics"]
         magics.live_view = "widget"
@@ -220,6 +223,7 @@ def test_magics_widget_no_widget_and_async(mesh):
         # Not unload(): it would stop the fixture's mesh and the fork server the other tests share.
         _MAGICS.pop(id(shell), None)
         InteractiveShell.clear_instance()
+        mesh_mod._current = saved
 
 
 def test_syntax_error_leaves_no_live_view(mesh):
