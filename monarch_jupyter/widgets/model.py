@@ -38,6 +38,8 @@ FAILED_STATES = frozenset({"error", "dead"})
 ATTENTION_STATES = frozenset({"error", "dead", "breakpoint"})  # always shown, even when the table is folded
 STATE_ORDER = ("starting", "queued", "running", "breakpoint", "error", "dead", "done", "idle", "stopped")
 CELLS_KEPT = 32  # cells remembered per rank
+BEHIND_BY = 0.02  # a running rank is "the slowest" when this fraction of the total behind the rank ahead
+SLOWER_BY = 0.1  # a finished rank is "the slowest" when it took this fraction longer than the fastest
 
 
 @dataclass
@@ -335,19 +337,30 @@ def _summarize(rows: list[RowView], world_size: int, per_cell: bool) -> Summary:
 
 
 def slowest_rank(rows: list[RowView]) -> int | None:
-    """The rank holding the others up: among running ranks, the least progress (or, when every rank is
-    running without progress reports, none); when all finished, the longest time in the cell."""
+    """The rank holding the others up, or None.
+
+    While ranks run: the one with the least progress, when it is ``BEHIND_BY`` behind the rank ahead or other
+    ranks already finished (none while all keep pace or report no progress). When all finished: the one that
+    took longest, when it took ``SLOWER_BY`` longer than the fastest.
+    """
     running = [r for r in rows if r.state in ("running", "breakpoint", "queued")]
     if running:
         with_progress = [r for r in running if r.fraction is not None]
         if with_progress:
-            return min(with_progress, key=lambda r: (r.fraction, r.rank)).rank
+            slow = min(with_progress, key=lambda r: (r.fraction, r.rank))
+            ahead = max(r.fraction for r in rows if r.fraction is not None)  # type: ignore[type-var]
+            if len(running) < len(rows) or ahead - slow.fraction >= BEHIND_BY:  # type: ignore[operator]
+                return slow.rank
+            return None
         if len(running) < len(rows):
             return running[0].rank
         return None
     timed = [r for r in rows if r.elapsed is not None and r.state == "done"]
     if len(timed) > 1:
-        return max(timed, key=lambda r: (r.elapsed, -r.rank)).rank
+        slow = max(timed, key=lambda r: (r.elapsed, -r.rank))
+        fast = min(r.elapsed for r in timed)  # type: ignore[type-var]
+        if slow.elapsed - fast >= max(SLOWER_BY * fast, 0.05):  # type: ignore[operator]
+            return slow.rank
     return None
 
 

@@ -27,9 +27,12 @@ def test_formats():
 def test_slowest_is_least_progress_then_longest_finished():
     assert slowest_rank(rows_with(("running", 5, 10), ("running", 2, 10), ("running", 7, 10))) == 1
     assert slowest_rank(rows_with(("running", None, None), ("running", None, None))) is None
+    assert slowest_rank(rows_with(("running", 5, 10), ("running", 5, 10))) is None  # in step: nobody lags
     assert slowest_rank(rows_with(("done", None, None), ("running", None, None))) == 1
     finished = [replace(r, elapsed=e) for r, e in zip(rows_with(("done", 1, 1), ("done", 1, 1)), (2.0, 3.5))]
     assert slowest_rank(finished) == 1
+    finished[1] = replace(finished[1], elapsed=2.05)  # a few percent apart is noise, not a straggler
+    assert slowest_rank(finished) is None
 
 
 def test_stragglers_are_behind_the_median_or_still_running_after_others_finished():
