@@ -182,6 +182,8 @@ class CellHandle:
                 self._deliver_now()
         if self._all_done or self._lines:
             self._wake.notify_all()
+        if self._all_done:  # under the mesh lock: listeners see it before any waiter can
+            self.mesh._event("cell_done", cell_id=self.cell_id, handle=self)
 
     def _check_rank(self, rank: int) -> None:
         if rank in self.results_in and (not self.mesh._launcher.relays_output
@@ -843,7 +845,16 @@ class Mesh:
         return StackReport(chosen, replies, states)
 
     def add_listener(self, fn: Callable[[str, dict], None]) -> None:
-        """Call ``fn(kind, data)`` on every mesh event (from background threads; it must not block)."""
+        """Call ``fn(kind, data)`` on every mesh event (from background threads; it must not block, and some
+        events come while the mesh holds its lock: never wait there for another thread that takes it).
+
+        Events and their data: ``started`` (ready_seconds), ``stopped``, ``cell_started`` (cell_id, ranks,
+        handle), ``cell_done`` (cell_id, handle; under the lock), ``rank_result`` (rank, cell_id, status, error,
+        duration, ename, evalue), ``rank_state`` (rank, state: idle/dead/stopped, or breakpoint/running from the
+        debugger; returncode, host, device, pid where known), ``output`` (rank, stream, text, cell_id; under the
+        lock), ``progress`` (rank, cell_id, n, total, desc, postfix), ``heartbeat`` (rank, rss, cuda_allocated,
+        cuda_reserved; bytes).
+        """
         self._listeners.append(fn)
 
     def remove_listener(self, fn: Callable[[str, dict], None]) -> None:

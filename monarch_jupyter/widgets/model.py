@@ -320,7 +320,7 @@ class MeshMonitor:
             rank=info.rank, state=state, host=info.host, device=info.device, elapsed=elapsed,
             n=None if cell is None else cell.n, total=None if cell is None else cell.total,
             desc="" if cell is None else cell.desc, postfix="" if cell is None else cell.postfix,
-            last_line=(cell.last_line if cell is not None and cell_id is not None else info.last_line),
+            last_line=info.last_line if cell_id is None else (cell.last_line if cell is not None else ""),
             rss=info.rss, cuda_allocated=info.cuda_allocated, cuda_reserved=info.cuda_reserved, error=error,
         )
 

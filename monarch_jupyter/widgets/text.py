@@ -140,6 +140,8 @@ class TextLiveView(LiveView):
         Seconds a cell runs before the first progress line (fast cells print nothing).
     """
 
+    render_in_context = True  # its lines belong to the cell that made it
+
     def __init__(self, monitor: MeshMonitor, ranks: list[int] | None = None, *, follow_cell: bool = True,
                  interval: float = 2.0, quiet: float = 1.0, stream: Any = None) -> None:
         super().__init__(monitor, ranks, follow_cell=follow_cell)
