@@ -64,10 +64,10 @@ def choose_mode(mode: str = "auto") -> str:
     return "text"
 
 
-def _display(obj: Any) -> None:
+def _display(widget: Any) -> None:
     from IPython.display import display
 
-    display(obj)
+    display(widget._repr_mimebundle_(), raw=True)  # the bundle as is: no formatter pass
 
 
 def cell_view(mesh: Any, ranks: list[int] | None = None, *, mode: str = "auto",

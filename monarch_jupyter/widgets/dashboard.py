@@ -6,8 +6,8 @@ the cell's elapsed time. Past ``fold_threshold`` ranks the table folds into the 
 stragglers and failed ranks; the full table sits in a collapsed accordion, opened in the browser without a round
 trip to the (busy) kernel.
 
-The widget is a ``VBox`` of standard ipywidgets (HTML, Accordion), so every frontend with ipywidgets 8 shows it
-without an extension of ours. Its ``text/plain`` is stable (state per rank, no times) so saved notebooks compare
+The widget is one standard ``HTML`` widget (a ``VBox`` with an ``Accordion`` once folded), so every frontend with
+ipywidgets 8 shows it without an extension of ours, and a new cell's dashboard costs one comm. Its ``text/plain`` is stable (state per rank, no times) so saved notebooks compare
 under nbval; rows carry ``data-rank``/``data-state``/``data-n``/``data-total`` attributes for tests.
 """
 
@@ -17,13 +17,14 @@ import html
 from typing import Any
 
 import ipywidgets as widgets
+from ipywidgets.widgets.widget_string import HTMLStyle
 
 from ..kernel.ranks import format_ranks
 from .model import ATTENTION_STATES, MeshMonitor, RowView, Summary, stragglers
 from .text import fmt_memory, fmt_progress, fmt_seconds, stable_text
 from .view import LiveView
 
-__all__ = ["MeshDashboard", "DashboardView", "render_table", "render_header"]
+__all__ = ["MeshDashboard", "FoldedDashboard", "DashboardView", "render_table", "render_header", "render_folded"]
 
 STATE_COLORS = {
     "starting": "#8a8a8a", "queued": "#8a8a8a", "idle": "#8a8a8a", "stopped": "#8a8a8a",
@@ -120,64 +121,106 @@ def render_folded(rows: list[RowView], summary: Summary, limit: int = 8) -> str:
     return "".join(out)
 
 
-class MeshDashboard(widgets.VBox):
-    """The dashboard widget: a header and the per-rank table (folded past ``fold_threshold`` ranks).
+def _shared(name: str, factory: Any) -> Any:
+    """A Layout/Style widget shared by every dashboard (one comm for all of them, not one per cell)."""
+    widget = _SHARED.get(name)
+    if widget is None or getattr(widget, "comm", None) is None:  # first use, or closed (Widget.close_all)
+        widget = _SHARED[name] = factory()
+    return widget
 
-    Made and updated by ``DashboardView``; its state is plain HTML traits, updated at most 4 times a second
-    with ``hold_sync`` (one comm message per update).
+
+_SHARED: dict[str, Any] = {}
+
+
+def _page(body: str, final: bool) -> str:
+    return f'{_STYLE}<div class="mj-dashboard" data-final="{str(final).lower()}">{body}</div>'
+
+
+class MeshDashboard(widgets.HTML):
+    """The dashboard: one HTML widget with the header and the per-rank table.
+
+    Made and updated by ``DashboardView``, at most 4 times a second, one comm message per update. Its layout
+    and style models are shared by all dashboards, so a new cell's dashboard costs one comm. Its ``text/plain``
+    is ``plain``: stable text for saved notebooks (nbval compares it).
     """
 
-    def __init__(self, title: str = "mesh", fold_threshold: int = 16, plain: str | None = None,
-                 **kwargs: Any) -> None:
-        self.title = title
-        self.fold_threshold = fold_threshold
-        self.fixed_plain = plain  # a fixed text/plain (a cell's view is displayed before its state is known)
-        self._plain = plain or title
-        self.html = widgets.HTML(value="")
-        self.full: widgets.HTML | None = None  # the full table of a folded dashboard, made when first needed
-        self.more: widgets.Accordion | None = None
-        super().__init__(children=[self.html], _dom_classes=("monarch-dashboard",), **kwargs)
+    def __init__(self, value: str = "", plain: str = "mesh", **kwargs: Any) -> None:
+        super().__init__(value=value, layout=_shared("layout", widgets.Layout),
+                         style=_shared("style", HTMLStyle), _dom_classes=("monarch-dashboard",), **kwargs)
+        self.plain = plain
+        self.full: widgets.HTML | None = None  # set on folded dashboards (FoldedDashboard)
 
-    def update(self, rows: list[RowView], summary: Summary, final: bool) -> None:
-        folded = len(rows) > self.fold_threshold
-        body = render_header(summary, self.title)
-        body += render_folded(rows, summary) if folded else render_table(rows)
-        with self.hold_sync():
-            self.html.value = f'{_STYLE}<div class="mj-dashboard" data-final="{str(final).lower()}">{body}</div>'
-            if folded:
-                if self.full is None:
-                    self.full = widgets.HTML(value="")
-                    self.more = widgets.Accordion(children=[self.full], titles=("all ranks",),
-                                                  selected_index=None)
-                    self.children = (self.html, self.more)
-                self.full.value = f'{_STYLE}<div class="mj-dashboard">{render_table(rows)}</div>'
-                self.more.set_title(0, f"all {len(rows)} ranks")  # type: ignore[union-attr]
-        if self.fixed_plain is None:
-            self._plain = stable_text(rows, summary, title=self.title)
+    @property
+    def html(self) -> MeshDashboard:
+        return self
 
-    def _repr_mimebundle_(self, **kwargs: Any) -> Any:
-        bundle = super()._repr_mimebundle_(**kwargs)
-        if isinstance(bundle, dict):
-            bundle["text/plain"] = self._plain
-        return bundle
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict:
+        return {"text/plain": self.plain,
+                "application/vnd.jupyter.widget-view+json": {"version_major": 2, "version_minor": 0,
+                                                             "model_id": self._model_id}}
+
+
+class FoldedDashboard(widgets.VBox):
+    """A dashboard of many ranks: the header, the per-state summary and the ranks that need a look, then the
+    full table in a collapsed accordion, opened in the browser without a round trip to the (busy) kernel."""
+
+    def __init__(self, value: str = "", plain: str = "mesh", ranks: int = 0) -> None:
+        self.html = MeshDashboard(value, plain)
+        self.full = widgets.HTML(value="", layout=_shared("layout", widgets.Layout),
+                                 style=_shared("style", HTMLStyle))
+        self.more = widgets.Accordion(children=[self.full], titles=(f"all {ranks} ranks",), selected_index=None)
+        super().__init__(children=[self.html, self.more], layout=_shared("layout", widgets.Layout))
+
+    @property
+    def plain(self) -> str:
+        return self.html.plain
+
+    @plain.setter
+    def plain(self, text: str) -> None:
+        self.html.plain = text
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict:
+        return {"text/plain": self.plain,
+                "application/vnd.jupyter.widget-view+json": {"version_major": 2, "version_minor": 0,
+                                                             "model_id": self._model_id}}
 
     def close(self) -> None:
         for w in (self.html, self.full, self.more):
-            if w is not None:
-                w.close()
+            w.close()
         super().close()
 
 
 class DashboardView(LiveView):
-    """A live view rendered by a ``MeshDashboard``."""
+    """A live view rendered by a ``MeshDashboard`` (or, past ``fold_threshold`` ranks, a ``FoldedDashboard``).
+
+    ``plain`` fixes the widget's text/plain (a cell's view is displayed before its state is known); without it,
+    the text/plain follows the state (stable: no times).
+    """
 
     def __init__(self, monitor: MeshMonitor, ranks: list[int] | None = None, *, follow_cell: bool = False,
                  title: str = "mesh", fold_threshold: int = 16, plain: str | None = None) -> None:
         super().__init__(monitor, ranks, follow_cell=follow_cell)
-        self.widget = MeshDashboard(title=title, fold_threshold=fold_threshold, plain=plain)
+        self.title = title
+        self.fixed_plain = plain
+        rows, summary = self.snapshot()
+        self.folded = len(rows) > fold_threshold
+        value, text = self._html(rows, summary, False), plain or stable_text(rows, summary, title=title)
+        self.widget: MeshDashboard | FoldedDashboard = (
+            FoldedDashboard(value, text, len(rows)) if self.folded else MeshDashboard(value, text))
+
+    def _html(self, rows: list[RowView], summary: Summary, final: bool) -> str:
+        body = render_header(summary, self.title)
+        body += render_folded(rows, summary) if self.folded else render_table(rows)
+        return _page(body, final)
 
     def render(self, rows: list[RowView], summary: Summary, final: bool) -> None:
-        self.widget.update(rows, summary, final)
+        widget = self.widget
+        with widget.hold_sync():
+            widget.html.value = self._html(rows, summary, final)
+            if widget.full is not None:
+                widget.full.value = _page(render_table(rows), final)
+        if self.fixed_plain is None:
+            widget.plain = stable_text(rows, summary, title=self.title)
 
     def close(self) -> None:
         self.widget.close()

@@ -112,8 +112,7 @@ class LiveView:
         self._seen = -1
         self._last_render = 0.0
         self._active = False  # some shown rank was running at the last render (its clock moves)
-        self._listening = True
-        monitor.mesh.add_listener(self._on_mesh_event)
+        self._listening = False
 
     # ------------------------------------------------------------------ following (mesh threads)
 
@@ -144,7 +143,10 @@ class LiveView:
     # ------------------------------------------------------------------ public
 
     def start(self) -> LiveView:
-        """Render now and keep rendering on the ticker until final."""
+        """Start following (a cell view: the next cell submitted), render now, keep rendering until final."""
+        if not self._listening and not self.final:
+            self._listening = True
+            self.monitor.mesh.add_listener(self._on_mesh_event)
         finished = self._finished()
         with self._lock:
             if not self.final:
