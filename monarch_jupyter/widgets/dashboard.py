@@ -7,8 +7,8 @@ stragglers and failed ranks; the full table sits in a collapsed accordion, opene
 trip to the (busy) kernel.
 
 The widget is one standard ``HTML`` widget (a ``VBox`` with an ``Accordion`` once folded), so every frontend with
-ipywidgets 8 shows it without an extension of ours, and a new cell's dashboard costs one comm. Its ``text/plain`` is stable (state per rank, no times) so saved notebooks compare
-under nbval; rows carry ``data-rank``/``data-state``/``data-n``/``data-total`` attributes for tests.
+ipywidgets 8 shows it without an extension of ours, and a new cell's dashboard costs one comm. Its ``text/plain``
+is stable (state per rank, no times) so saved notebooks compare under nbval; rows carry ``data-rank``/``data-state``/``data-n``/``data-total`` attributes for tests.
 """
 
 from __future__ import annotations
@@ -99,8 +99,8 @@ def render_table(rows: list[RowView]) -> str:
         if row.error:
             last = f'<span class="mj-error">{_e(row.error[:300])}</span>'
         cells = (str(row.rank), _e(row.host), _e(row.device), _badge(row.state), _e(fmt_seconds(row.elapsed)),
-                 f"{_bar(row)} {_e(fmt_progress(row))}", f'<span class="mj-last" title="{_e(line[:500])}">{last}</span>',
-                 _e(fmt_memory(row)))
+                 f"{_bar(row)} {_e(fmt_progress(row))}",
+                 f'<span class="mj-last" title="{_e(line[:500])}">{last}</span>', _e(fmt_memory(row)))
         out.append(f'<tr class="mj-row" {attrs}>' + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     out.append("</tbody></table>")
     return "".join(out)

@@ -93,17 +93,21 @@ def _ranks_word(ranks: list[int]) -> str:
 
 
 def table_text(rows: list[RowView]) -> list[str]:
-    """One line per rank with everything (for terminals): state, device, host, time, progress, memory, output."""
-    out = [f"{'rank':>4}  {'state':<10} {'device':<7} {'host':<14} {'time':>8}  {'progress':<22} {'memory':<12} "
-           "last output"]
+    """One line per rank with everything (for terminals): state, device, host, time, progress, memory, output;
+    a failure (of the rank's latest cell) on a line of its own below."""
+    out = [f"{'rank':>4}  {'state':<10} {'device':<7} {'host':<14} {'time':>8}  {'progress':<30} "
+           f"{'memory':<10} last output"]
     for row in rows:
-        state = row.state + (f": {row.error}" if row.error else "")
         out.append(f"{row.rank:>4}  {row.state:<10} {row.device[:7]:<7} {row.host[:14]:<14} "
-                   f"{fmt_seconds(row.elapsed):>8}  {fmt_progress(row)[:22]:<22} {fmt_memory(row)[:12]:<12} "
-                   f"{row.last_line[:60]}")
+                   f"{fmt_seconds(row.elapsed):>8}  {_cut(fmt_progress(row), 30):<30} {_cut(fmt_memory(row), 10):<10} "
+                   f"{_cut(row.last_line, 60)}")
         if row.error:
-            out.append(f"{'':>6}{state}")
+            out.append(f"{'':>6}└ {row.error}")
     return out
+
+
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 class StatusText:
