@@ -202,6 +202,7 @@ class DashboardView(LiveView):
         super().__init__(monitor, ranks, follow_cell=follow_cell)
         self.title = title
         self.fixed_plain = plain
+        self._seen = monitor.version  # the widget starts with this state; start() renders only what changed
         rows, summary = self.snapshot()
         self.folded = len(rows) > fold_threshold
         value, text = self._html(rows, summary, False), plain or stable_text(rows, summary, title=title)

@@ -95,8 +95,9 @@ def _ranks_word(ranks: list[int]) -> str:
 def table_text(rows: list[RowView]) -> list[str]:
     """One line per rank with everything (for terminals): state, device, host, time, progress, memory, output;
     a failure (of the rank's latest cell) on a line of its own below."""
-    out = [f"{'rank':>4}  {'state':<10} {'device':<7} {'host':<14} {'time':>8}  {'progress':<30} "
-           f"{'memory':<10} last output"]
+    head = (f"{'rank':>4}  {'state':<10} {'device':<7} {'host':<14} {'time':>8}  {'progress':<30} "
+            f"{'memory':<10} last output")
+    out = [head]
     for row in rows:
         out.append(f"{row.rank:>4}  {row.state:<10} {row.device[:7]:<7} {row.host[:14]:<14} "
                    f"{fmt_seconds(row.elapsed):>8}  {_cut(fmt_progress(row), 30):<30} {_cut(fmt_memory(row), 10):<10} "

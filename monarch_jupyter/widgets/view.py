@@ -149,7 +149,7 @@ class LiveView:
             self.monitor.mesh.add_listener(self._on_mesh_event)
         finished = self._finished()
         with self._lock:
-            if not self.final:
+            if not self.final and (finished or self.monitor.version != self._seen):
                 self._render(final=finished)
         if self.final:
             self._stop_listening()
