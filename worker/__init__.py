@@ -6,6 +6,8 @@ ipywidgets or monarch_jupyter. Start a rank that joins a listening controller wi
 
 from __future__ import annotations
 
+from .live import progress
+
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = ["__version__", "progress"]

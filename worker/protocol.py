@@ -250,19 +250,24 @@ class Stacks(Message):
 @_register
 @dataclass(frozen=True)
 class Progress(Message):
-    """Progress of a loop in the rank (``monarch_worker.progress`` or tqdm)."""
+    """Progress of a loop in the rank (``monarch_worker.progress`` or tqdm).
+
+    ``n`` of ``total`` steps (``total`` None: unknown); ``postfix`` is shown after the count ("loss=0.25").
+    """
 
     TYPE: ClassVar[str] = "progress"
     cell_id: int
     n: float
     total: float | None
     desc: str = ""
+    postfix: str = ""
 
 
 @_register
 @dataclass(frozen=True)
 class Heartbeat(Message):
-    """Rank -> controller: alive; ``rss`` is the resident set size in bytes."""
+    """Rank -> controller: alive. Memory in bytes: ``rss`` (resident set size of the process) and, once the rank
+    uses CUDA, ``cuda_allocated`` / ``cuda_reserved`` (torch's caching allocator on the rank's device)."""
 
     TYPE: ClassVar[str] = "heartbeat"
     rss: int = 0

@@ -24,6 +24,7 @@ from typing import Any
 
 import zmq
 
+from . import live
 from . import protocol as P
 from .channel import Outbox, recv_frames, send_frames
 from .debugger import RankDebugger
@@ -133,7 +134,7 @@ class Rank:
                     self._send_now(*item)
             if now >= next_beat:
                 next_beat = now + self.config.heartbeat_interval
-                self._send_now(P.Heartbeat(rss=_rss_bytes()))
+                self._send_now(P.Heartbeat(rss=_rss_bytes(), **_cuda_memory(self.device)))
                 if now - self._last_heard > self.config.heartbeat_timeout:
                     sys.stderr.write(
                         f"monarch_worker rank {self.rank}: no word from the controller for "
@@ -267,6 +268,7 @@ class Rank:
                 self.debugger.cell_finished()
         except BaseException as e:  # noqa: BLE001 - report everything, KeyboardInterrupt included
             error, value, has_value = format_error(e), None, False
+        live.flush()  # the last progress report of the cell, held back by throttling
         result = P.Result(cell_id, "error" if error else "ok", has_value, error, time.perf_counter() - start)
         self._sync_output(cell_id)
         if reply is not None:
@@ -336,6 +338,21 @@ def _rss_bytes() -> int:
         return 0
 
 
+def _cuda_memory(device: Any) -> dict[str, int]:
+    """Allocated and reserved bytes of torch's CUDA caching allocator on the rank's device (device 0 for a CPU
+    rank whose code uses CUDA), once this process uses CUDA; empty otherwise (never initializes CUDA itself)."""
+    torch = sys.modules.get("torch")
+    try:
+        if torch is None or not torch.cuda.is_initialized():
+            return {}
+        on_gpu = device is not None and device.type == "cuda"
+        device = (device.index or 0) if on_gpu else 0
+        return {"cuda_allocated": int(torch.cuda.memory_allocated(device)),
+                "cuda_reserved": int(torch.cuda.memory_reserved(device))}
+    except Exception:  # noqa: BLE001 - a heartbeat must always go out
+        return {}
+
+
 def _unbuffered_std_streams() -> None:
     """Python-level prints go straight to fds 1 and 2, in order with C-level writes to the same fds."""
     import io
@@ -354,6 +371,7 @@ def run_rank(config: RankConfig) -> int:
     _unbuffered_std_streams()
     signal.signal(signal.SIGINT, signal.default_int_handler)
     rank = Rank(config)
+    live.install(rank.send, lambda: rank.current_cell)
     rank.start_io()
     try:
         rank.join()

@@ -211,6 +211,11 @@ class MeshDebugger(PostMortemMixin):
             if wake is not None:
                 wake.notify_all()
             mesh._cond.notify_all()
+        # The live view shows a rank stopped at a prompt ("breakpoint") and when it goes on ("running").
+        if isinstance(msg, P.DebugPrompt):
+            mesh._event("rank_state", rank=rank, state="breakpoint", cell_id=msg.cell_id)
+        elif isinstance(msg, P.DebugResumed):
+            mesh._event("rank_state", rank=rank, state="running", cell_id=stop.cell_id)
 
     def _on_event(self, kind: str, data: dict) -> None:
         with self.mesh._cond:

@@ -98,6 +98,8 @@ class RankInfo:
     returncode: int | None = None
     start_error: str = ""
     rss: int = 0
+    cuda_allocated: int = 0
+    cuda_reserved: int = 0
     last_heard: float = 0.0
     cells: deque = field(default_factory=deque)  # cells submitted to this rank, not yet finished on it
     last_lines: deque = field(default_factory=lambda: deque(maxlen=LAST_LINES))
@@ -181,6 +183,8 @@ class CellHandle:
                 self._deliver_now()
         if self._all_done or self._lines:
             self._wake.notify_all()
+        if self._all_done:  # under the mesh lock: listeners see it before any waiter can
+            self.mesh._event("cell_done", cell_id=self.cell_id, handle=self)
 
     def _check_rank(self, rank: int) -> None:
         if rank in self.results_in and (not self.mesh._launcher.relays_output
@@ -688,7 +692,7 @@ class Mesh:
                     info.state = RankState.RUNNING
                     identities.append(info.identity)
                 self._outbox.put((identities, msg, payload, buffers))
-        self._event("cell_started", cell_id=cell_id, ranks=ranks)
+        self._event("cell_started", cell_id=cell_id, ranks=ranks, handle=handle)
         return handle
 
     def _wait(self, cell: CellHandle, timeout: float | None, raise_on_timeout: bool) -> bool:
@@ -814,10 +818,12 @@ class Mesh:
     # ------------------------------------------------------------------ introspection
 
     def status(self) -> dict[int, dict[str, Any]]:
-        """rank -> {"state", "pid", "host", "device", "rss" (bytes), "returncode"}."""
+        """rank -> {"state", "pid", "host", "device", "rss", "cuda_allocated", "cuda_reserved" (bytes),
+        "returncode", "backend"}."""
         with self._cond:
             return {
                 r: {"state": i.state.value, "pid": i.pid, "host": i.host, "device": i.device, "rss": i.rss,
+                    "cuda_allocated": i.cuda_allocated, "cuda_reserved": i.cuda_reserved,
                     "returncode": i.returncode, "backend": i.backend}
                 for r, i in self._ranks.items()
             }
@@ -844,7 +850,16 @@ class Mesh:
         return StackReport(chosen, replies, states)
 
     def add_listener(self, fn: Callable[[str, dict], None]) -> None:
-        """Call ``fn(kind, data)`` on every mesh event (from background threads; it must not block)."""
+        """Call ``fn(kind, data)`` on every mesh event (from background threads; it must not block, and some
+        events come while the mesh holds its lock: never wait there for another thread that takes it).
+
+        Events and their data: ``started`` (ready_seconds), ``stopped``, ``cell_started`` (cell_id, ranks,
+        handle), ``cell_done`` (cell_id, handle; under the lock), ``rank_result`` (rank, cell_id, status, error,
+        duration, ename, evalue), ``rank_state`` (rank, state: idle/dead/stopped, or breakpoint/running from the
+        debugger; returncode, host, device, pid where known), ``output`` (rank, stream, text, cell_id; under the
+        lock), ``progress`` (rank, cell_id, n, total, desc, postfix), ``heartbeat`` (rank, rss, cuda_allocated,
+        cuda_reserved; bytes).
+        """
         self._listeners.append(fn)
 
     def remove_listener(self, fn: Callable[[str, dict], None]) -> None:
@@ -984,7 +999,7 @@ class Mesh:
             info.state = RankState.IDLE
             info.device, info.backend, info.host = msg.device, msg.backend, msg.host
             self._cond.notify_all()
-        self._event("rank_state", rank=rank, state="idle")
+        self._event("rank_state", rank=rank, state="idle", host=msg.host, device=msg.device, pid=msg.pid)
 
     def _on_start_failed(self, rank: int, msg: P.StartFailed, payload: bytes, bufs: list) -> None:
         with self._cond:
@@ -1017,7 +1032,8 @@ class Mesh:
                 cell.has_value[rank] = msg.has_value
             cell._check_rank(rank)
         self._event("rank_result", rank=rank, cell_id=msg.cell_id, status=msg.status,
-                    error=None if error is None else str(error))
+                    error=None if error is None else str(error), duration=msg.duration,
+                    ename=getattr(error, "ename", ""), evalue=getattr(error, "evalue", ""))
 
     def _on_stream(self, rank: int, msg: P.Stream, payload: bytes, bufs: list) -> None:
         self.on_output(rank, msg.name, msg.data.encode())
@@ -1032,13 +1048,16 @@ class Mesh:
         with self._cond:
             info = self._ranks[rank]
             info.rss = msg.rss
+            info.cuda_allocated, info.cuda_reserved = msg.cuda_allocated, msg.cuda_reserved
             info.last_heard = time.monotonic()
-        self._event("heartbeat", rank=rank, rss=msg.rss)
+        self._event("heartbeat", rank=rank, rss=msg.rss, cuda_allocated=msg.cuda_allocated,
+                    cuda_reserved=msg.cuda_reserved)
 
     def _on_progress(self, rank: int, msg: P.Progress, payload: bytes, bufs: list) -> None:
         with self._cond:
             self._ranks[rank].progress = (msg.n, msg.total, msg.desc)
-        self._event("progress", rank=rank, n=msg.n, total=msg.total, desc=msg.desc, cell_id=msg.cell_id)
+        self._event("progress", rank=rank, n=msg.n, total=msg.total, desc=msg.desc, cell_id=msg.cell_id,
+                    postfix=msg.postfix)
 
     # ------------------------------------------------------------------ launcher events (reader thread)
 
@@ -1074,7 +1093,8 @@ class Mesh:
             write_lines([(info.rank, stream, text)])
         else:
             target._emit(info.rank, stream, text)
-        self._event("output", rank=info.rank, stream=stream, text=text)
+        self._event("output", rank=info.rank, stream=stream, text=text,
+                    cell_id=None if target is None else target.cell_id)
 
     def on_exit(self, rank: int, returncode: int) -> None:
         with self._cond:

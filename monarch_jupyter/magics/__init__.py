@@ -61,6 +61,13 @@ class MeshMagics(TransferMagics, Magics):
         help="What ranks stopped at a pdb prompt do when the kernel is interrupted there: continue (the cell runs "
              "on, its later breakpoints are skipped) or raise (KeyboardInterrupt where they stopped; the cell is "
              "interrupted).").tag(config=True)
+    live_view = CaselessStrEnum(
+        ["auto", "widget", "text", "off"], "auto",
+        help="Live per-rank view under each %%mesh cell and in `%mesh status`: auto = a dashboard widget in a "
+             "Jupyter kernel, compact text in a terminal; widget, text, or off (`%%mesh --no-widget` turns it "
+             "off for one cell).").tag(config=True)
+    dashboard_fold = Int(16, help="Past this many ranks the dashboard folds into a per-state summary plus "
+                         "stragglers and failed ranks (the full table opens on demand).").tag(config=True)
     prewarm = Bool(True, help="Start the local fork server (which imports torch once) when the extension "
                    "loads, so the first `%mesh start` does not wait for `import torch`.").tag(config=True)
 
@@ -127,6 +134,9 @@ class MeshMagics(TransferMagics, Magics):
                 raise UsageError(str(e)) from None
             raise
         self.meshes.append(m)
+        from ..widgets import monitor_for
+
+        monitor_for(m)  # live views see every event from the start
         return m
 
     @magic_arguments()
@@ -136,7 +146,7 @@ class MeshMagics(TransferMagics, Magics):
         m = self._mesh()
         from ..widgets import status_view
 
-        return status_view(m)
+        return status_view(m, mode=self.live_view, fold_threshold=self.dashboard_fold)
 
     @magic_arguments()
     def _stop(self, rest: str) -> None:
@@ -175,14 +185,31 @@ class MeshMagics(TransferMagics, Magics):
     @argument("--on-interrupt", choices=["continue", "raise"], default=None,
               help="ranks stopped at a pdb prompt when the kernel is interrupted: continue or raise "
                    "(default: debug_on_interrupt)")
+    @argument("--no-widget", action="store_true", help="no live per-rank view for this cell")
+    @argument("--async", dest="async_", action="store_true",
+              help="return a CellHandle at once (done(), wait(timeout), result()); the live view keeps updating")
     def _cell(self, line: str, cell: str) -> Any:
-        """%%mesh [--ranks SPEC] [--timeout S] [--out NAME] [--order arrival|rank]: run the cell on the ranks."""
+        """%%mesh [--ranks SPEC] [--timeout S] [--out NAME] [--order arrival|rank] [--no-widget] [--async]:
+        run the cell on the ranks."""
         args = self._parse(self._cell, line, None)
         m = self._mesh()
         if args.out is not None and not args.out.isidentifier():
             raise UsageError(f"--out needs a Python name, got {args.out!r}")
+        if args.async_ and (args.out or args.timeout is not None):
+            raise UsageError("%%mesh --async returns a CellHandle: use handle.result(timeout=S) instead of "
+                             "--out / --timeout")
         count = getattr(self.shell, "execution_count", None)
         filename = f"<mesh In[{count}]>" if count is not None else None
+        view = None
+        if not args.no_widget:
+            from ..kernel.ranks import parse_ranks
+            from ..widgets import cell_view
+
+            try:
+                chosen = parse_ranks(args.ranks, m.nproc)
+            except ValueError as e:
+                raise UsageError(str(e)) from None
+            view = cell_view(m, chosen, mode=self.live_view, fold_threshold=self.dashboard_fold)
         try:
             with m.debugger.options(debug_magics.unquote(args.pdb_commands),
                                     args.on_interrupt or self.debug_on_interrupt):
@@ -193,6 +220,7 @@ class MeshMagics(TransferMagics, Magics):
                     namespace=self.shell.user_ns if self.shell is not None else None,
                     filename=filename,
                     order=args.order or self.stream_order,
+                    block=not args.async_,
                 )
         except ValueError as e:
             raise UsageError(str(e)) from None
@@ -200,6 +228,11 @@ class MeshMagics(TransferMagics, Magics):
             if args.out:
                 self.shell.user_ns[args.out] = e.results
             raise
+        finally:
+            if view is not None and (not args.async_ or view.handle is None):
+                view.finish()  # the final state, before the result or the traceback
+        if args.async_:
+            return result
         if args.out:
             self.shell.user_ns[args.out] = result if result is not None else {}
             return None

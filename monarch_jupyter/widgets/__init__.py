@@ -1,43 +1,125 @@
-"""Per-rank views of a mesh. The live dashboard listens to Mesh events; outside widget frontends the same
-information prints as compact text."""
+"""Per-rank views of a mesh: a live dashboard in widget frontends, compact text elsewhere.
+
+Every view listens to Mesh events only (through one ``MeshMonitor`` per mesh). The magics create and show
+views; the same works from Python::
+
+    from monarch_jupyter.widgets import cell_view
+    view = cell_view(mesh)             # before submitting: follows the next cell
+    handle = mesh.run(code, block=False)
+    ...                                # the view keeps updating on its own
+    view.finish()                      # optional: render the final state now
+
+``mode`` is "auto" (a dashboard in a Jupyter kernel with ipywidgets, text in a terminal or script), "widget",
+"text" or "off".
+"""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ..kernel.ranks import format_ranks
+from .model import MeshMonitor, monitor_for
+from .text import StatusText, TextLiveView
+from .view import LiveView
 
-__all__ = ["status_view", "StatusText"]
+log = logging.getLogger(__name__)
 
+__all__ = ["status_view", "cell_view", "choose_mode", "monitor_for", "MeshMonitor", "StatusText", "LiveView",
+           "TextLiveView", "MODES"]
 
-class StatusText:
-    """Plain-text status of a mesh: one line per rank. Its text/plain repr is stable (no times, no pids)
-    where ``stable`` is set, so notebooks compare under nbval."""
-
-    def __init__(self, mesh: Any) -> None:
-        self.mesh = mesh
-        self.status = mesh.status()
-
-    def text(self) -> str:
-        states: dict[str, list[int]] = {}
-        for r, s in self.status.items():
-            states.setdefault(s["state"], []).append(r)
-        head = f"mesh: world size {len(self.status)}; " + "; ".join(
-            f"{state}: {format_ranks(rs)}" for state, rs in states.items())
-        rows = [head, f"{'rank':>4}  {'state':<9} {'host':<16} {'device':<8} {'pid':>7} {'rss MiB':>8}"]
-        for r, s in self.status.items():
-            rss = f"{s['rss'] / 2**20:.0f}" if s["rss"] else "-"
-            rows.append(f"{r:>4}  {s['state']:<9} {s['host'][:16]:<16} {s['device']:<8} {s['pid'] or '-':>7} "
-                        f"{rss:>8}")
-        return "\n".join(rows)
-
-    def __repr__(self) -> str:
-        return self.text()
-
-    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
-        p.text(self.text())
+MODES = ("auto", "widget", "text", "off")
+LIVE_STATUS_VIEWS = 3  # `%mesh status` dashboards of one mesh that keep updating
 
 
-def status_view(mesh: Any) -> StatusText:
-    """What ``%mesh status`` shows."""
-    return StatusText(mesh)
+def _in_widget_frontend() -> bool:
+    """True inside a Jupyter kernel (ipykernel), where frontends render ipywidgets."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+def choose_mode(mode: str = "auto") -> str:
+    """Resolve ``mode`` to "widget", "text" or "off".
+
+    Raises
+    ------
+    ValueError
+        ``mode`` is not one of ``MODES``.
+    """
+    if mode not in MODES:
+        raise ValueError(f"live view mode must be one of {', '.join(MODES)}; got {mode!r}")
+    if mode != "auto":
+        return mode
+    if _in_widget_frontend():
+        try:
+            import ipywidgets  # noqa: F401
+        except ImportError:
+            log.info("ipywidgets is not installed; live views print text")
+            return "text"
+        return "widget"
+    return "text"
+
+
+def _display(widget: Any) -> None:
+    from IPython.display import display
+
+    display(widget._repr_mimebundle_(), raw=True)  # the bundle as is: no formatter pass
+
+
+def cell_view(mesh: Any, ranks: list[int] | None = None, *, mode: str = "auto",
+              fold_threshold: int = 16) -> LiveView | None:
+    """Show a live view of the next cell submitted to ``mesh`` (call it just before ``Mesh.run``).
+
+    Parameters
+    ----------
+    ranks:
+        The ranks the cell will run on (shown until the cell is submitted; default: all).
+    mode:
+        See ``choose_mode``; "off" returns None.
+    fold_threshold:
+        Past this many ranks the dashboard folds into a per-state summary plus stragglers and failed ranks.
+
+    Returns
+    -------
+    The view (already shown and updating), or None for mode "off". Call ``finish()`` after a blocking cell to
+    render its final state at once; a view of a non-blocking cell finishes by itself when the cell is done.
+    """
+    mode = choose_mode(mode)
+    if mode == "off":
+        return None
+    monitor = monitor_for(mesh)
+    chosen = list(ranks) if ranks is not None else list(range(mesh.nproc))
+    if mode == "text":
+        return TextLiveView(monitor, chosen, follow_cell=True).start()
+    from .dashboard import DashboardView
+
+    view = DashboardView(monitor, chosen, follow_cell=True, title="mesh cell", fold_threshold=fold_threshold,
+                         plain=f"mesh cell on ranks {format_ranks(chosen)} (live per-rank view)")
+    view.start()
+    _display(view.widget)
+    return view
+
+
+def status_view(mesh: Any, *, mode: str = "auto", fold_threshold: int = 16) -> Any:
+    """What ``%mesh status`` shows: a live dashboard of every rank (until the mesh stops), or ``StatusText``.
+
+    Returns the object to display (the magic returns it, so it becomes the cell's output).
+    """
+    mode = choose_mode(mode)
+    monitor = monitor_for(mesh)
+    if mode != "widget":
+        return StatusText(mesh, monitor)
+    from .dashboard import DashboardView
+
+    view = DashboardView(monitor, None, follow_cell=False, title="mesh", fold_threshold=fold_threshold)
+    view.start()
+    # A notebook may ask for the status many times; the latest few stay live, older ones keep their last state.
+    live = [v for v in monitor.status_views if not v.final]
+    for old in live[: max(0, len(live) - LIVE_STATUS_VIEWS + 1)]:
+        old.freeze()
+    monitor.status_views = [v for v in live if not v.final] + [view]
+    return view.widget

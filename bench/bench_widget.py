@@ -1,0 +1,250 @@
+"""Cost of the live per-rank dashboard, measured through a real Jupyter kernel (what a notebook user feels).
+
+    python bench/bench_widget.py [--n 4] [--cells 60] [--lines 10000] [--no-peers]
+
+For a mesh of N ranks in one ipykernel, driven by jupyter_client:
+- trivial cell (`x = 1`) round trip, execute request to idle, median of interleaved runs:
+  `%%mesh` (dashboard on) vs `%%mesh --no-widget` (off); the ratio is the dashboard's cost. Also the time the
+  kernel itself spends in the magic (timed inside the kernel, no client in the loop).
+- flood: every rank prints LINES lines in one cell, dashboard on vs off: cell time, lines received on IOPub
+  (each rank's lines counted and checked in order: none lost), dashboard updates sent, and the kernel's
+  responsiveness during the flood (max and median round trip of kernel_info on the control channel, sampled
+  every 100 ms). Then the same lines paced over ~2 s, where the dashboard ticks (at most 4 updates a second).
+- peer, same kernel, same run: ipyparallel's `%%px` with N engines for the trivial cell and the flood.
+Wall-clock numbers on a shared 2-core machine are noisy; compare ratios measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import re
+import statistics
+import sys
+import threading
+import time
+from typing import Any
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+class Kernel:
+    """A python3 kernel (inheriting this environment, PYTHONPATH included) and a client of it."""
+
+    def __init__(self) -> None:
+        from jupyter_client.manager import start_new_kernel
+
+        self.km, self.kc = start_new_kernel(kernel_name="python3", startup_timeout=120)
+
+    def execute(self, code: str, timeout: float = 300.0) -> tuple[float, list[dict]]:
+        """Run ``code``; (seconds from request to idle, IOPub messages of it). Raises on a cell error."""
+        t0 = time.perf_counter()
+        msg_id = self.kc.execute(code)
+        msgs = []
+        deadline = time.monotonic() + timeout
+        while True:
+            msg = self.kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            msgs.append(msg)
+            if msg["msg_type"] == "error":
+                raise RuntimeError("\n".join(msg["content"]["traceback"]))
+            if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+                return time.perf_counter() - t0, msgs
+
+    def close(self) -> None:
+        self.kc.stop_channels()
+        self.km.shutdown_kernel(now=False)
+
+
+class ControlProbe(threading.Thread):
+    """Round trips of kernel_info_request on the control channel every ``interval`` seconds, in seconds."""
+
+    def __init__(self, kc: Any, interval: float = 0.1) -> None:
+        super().__init__(daemon=True)
+        self.kc, self.interval = kc, interval
+        self.samples: list[float] = []
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        while not self._done.is_set():
+            msg = self.kc.session.msg("kernel_info_request")
+            t0 = time.perf_counter()
+            self.kc.control_channel.send(msg)
+            while True:
+                try:
+                    reply = self.kc.control_channel.get_msg(timeout=30)
+                except queue.Empty:
+                    self.samples.append(float("inf"))
+                    break
+                if reply["parent_header"].get("msg_id") == msg["header"]["msg_id"]:
+                    self.samples.append(time.perf_counter() - t0)
+                    break
+            self._done.wait(self.interval)
+
+    def stop(self) -> list[float]:
+        self._done.set()
+        self.join(40)
+        return self.samples
+
+
+def count_lines(msgs: list[dict], n: int, lines: int) -> tuple[int, bool]:
+    """Lines `L <rank> <i>` in the output; True when every rank's lines all came, in order.
+
+    Output is stream messages (ours), or display data updated in place by display id (ipyparallel's %%px): the
+    last version of each display counts.
+    """
+    parts, displays = [], {}
+    for m in msgs:
+        c = m["content"]
+        if m["msg_type"] == "stream":
+            parts.append(c["text"])
+        elif m["msg_type"] in ("display_data", "update_display_data"):
+            key = c.get("transient", {}).get("display_id") or id(m)
+            displays[key] = c["data"].get("text/plain", "")
+    text = "".join(parts) + "\n".join(displays.values())
+    per_rank: dict[int, list[int]] = {r: [] for r in range(n)}
+    for r, i in re.findall(r"L (\d+) (\d+)$", text, re.M):
+        per_rank.setdefault(int(r), []).append(int(i))
+    total = sum(len(v) for v in per_rank.values())
+    return total, all(v == list(range(lines)) for v in per_rank.values())
+
+
+def widget_updates(msgs: list[dict]) -> tuple[int, int]:
+    """(dashboard updates, bytes of their HTML) among ``msgs``."""
+    values = [m["content"]["data"].get("state", {}).get("value", "") for m in msgs if m["msg_type"] == "comm_msg"]
+    values = [v for v in values if isinstance(v, str) and "mj-dashboard" in v]
+    return len(values), sum(len(v) for v in values)
+
+
+FLOOD = "for i in range({lines}):\n    print(f'L {{rank}} {{i}}')\n"
+# The same lines in 20 bursts over about 2 s, so the dashboard ticks while output streams.
+PACED = "import time\nfor i in range({lines}):\n    print(f'L {{rank}} {{i}}')\n    if i % ({lines} // 20) == 0:\n" \
+        "        time.sleep(0.1)\n"
+
+
+def flood(kernel: Kernel, magic: str, n: int, lines: int, body: str = FLOOD) -> dict[str, Any]:
+    probe = ControlProbe(kernel.kc)
+    probe.start()
+    seconds, msgs = kernel.execute(f"{magic}\n" + body.format(lines=lines))
+    samples = probe.stop()
+    got, in_order = count_lines(msgs, n, lines)
+    updates, nbytes = widget_updates(msgs)
+    return {"s": seconds, "lines": got, "in_order": in_order, "updates": updates, "bytes": nbytes,
+            "control_max_s": max(samples) if samples else float("nan"),
+            "control_median_s": statistics.median(samples) if samples else float("nan")}
+
+
+def trivial(kernel: Kernel, magics: dict[str, str], cells: int) -> dict[str, float]:
+    """Median round trip of ``x = 1`` per magic line, the magics interleaved so drift hits them alike."""
+    for line in magics.values():
+        for _ in range(5):
+            kernel.execute(f"{line}\nx = 1")
+    times: dict[str, list[float]] = {k: [] for k in magics}
+    for _ in range(cells):
+        for key, line in magics.items():
+            times[key].append(kernel.execute(f"{line}\nx = 1")[0])
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+IN_KERNEL = """
+import json as _json, statistics as _st, time as _time
+_ip = get_ipython()
+_t = {{"on": [], "off": []}}
+for _ in range({cells}):
+    for _key, _line in (("on", ""), ("off", "--no-widget")):
+        _t0 = _time.perf_counter()
+        _ip.run_cell_magic("mesh", _line, "x = 1")
+        _t[_key].append(_time.perf_counter() - _t0)
+print("IN_KERNEL" + _json.dumps({{k: _st.median(v) for k, v in _t.items()}}))
+"""
+
+
+def trivial_in_kernel(kernel: Kernel, cells: int) -> dict[str, float]:
+    """Median seconds the kernel spends in ``%%mesh x = 1`` with the dashboard on and off (no client)."""
+    _, msgs = kernel.execute(IN_KERNEL.format(cells=cells))
+    text = "".join(m["content"]["text"] for m in msgs if m["msg_type"] == "stream")
+    import json
+
+    return json.loads(text.split("IN_KERNEL", 1)[1].splitlines()[0])
+
+
+PEER_START = """
+import sys
+sys.path.insert(0, {bench!r})
+import ipyparallel as ipp
+import peers  # bench/peers.py: stops the cluster and kills anything it left
+cluster = ipp.Cluster(n={n}, log_level=40)
+rc = cluster.start_and_connect_sync()
+rc[:].execute("import torch", block=True)
+rc[:].scatter("rank", rc.ids, flatten=True, block=True)
+_dv = rc[:]
+_dv.block = True  # %%px waits for the engines, as %%mesh does
+_dv.activate()
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=4, help="ranks (and ipyparallel engines)")
+    ap.add_argument("--cells", type=int, default=60, help="trivial cells timed per variant")
+    ap.add_argument("--lines", type=int, default=10000, help="lines each rank prints in the flood")
+    ap.add_argument("--no-peers", action="store_true", help="skip ipyparallel")
+    args = ap.parse_args()
+    n, lines = args.n, args.lines
+
+    kernel = Kernel()
+    peer_up = False
+    try:
+        kernel.execute("%load_ext monarch\n%config MeshMagics.stream_order = 'rank'")
+        kernel.execute(f"_m = %mesh start -n {n}")
+        magics = {"on": "%%mesh", "off": "%%mesh --no-widget"}
+        if not args.no_peers:
+            try:
+                kernel.execute(PEER_START.format(bench=BENCH_DIR, n=n))
+                peer_up = True
+                magics["ipyparallel"] = "%%px"
+            except RuntimeError as e:
+                print(f"ipyparallel: skipped ({str(e).splitlines()[-1][:200]})")
+        lat = trivial(kernel, magics, args.cells)
+        inner = trivial_in_kernel(kernel, args.cells)
+        floods = {"on": flood(kernel, "%%mesh", n, lines), "off": flood(kernel, "%%mesh --no-widget", n, lines)}
+        if peer_up:
+            floods["ipyparallel"] = flood(kernel, "%%px", n, lines)
+        paced = {"on": flood(kernel, "%%mesh", n, lines, PACED),
+                 "off": flood(kernel, "%%mesh --no-widget", n, lines, PACED)}
+    finally:
+        try:
+            if peer_up:
+                kernel.execute("peers._ipp_stop(cluster, rc)")
+            kernel.execute("%mesh stop")
+        finally:
+            kernel.close()
+
+    print(f"live dashboard cost: {n} ranks, {os.cpu_count()} CPUs, python {sys.version.split()[0]}, "
+          f"through a real kernel (execute request -> idle)")
+    print(f"  trivial cell, %%mesh (dashboard on)       {lat['on'] * 1e3:8.2f} ms")
+    print(f"  trivial cell, %%mesh --no-widget          {lat['off'] * 1e3:8.2f} ms   "
+          f"on/off = {lat['on'] / lat['off']:.2f}x  (+{(lat['on'] - lat['off']) * 1e3:.2f} ms)")
+    print(f"  same, time spent in the kernel's magic    on {inner['on'] * 1e3:.2f} ms, off {inner['off'] * 1e3:.2f} ms"
+          f"   on/off = {inner['on'] / inner['off']:.2f}x  (+{(inner['on'] - inner['off']) * 1e3:.2f} ms)")
+    if "ipyparallel" in lat:
+        print(f"  trivial cell, ipyparallel %%px           {lat['ipyparallel'] * 1e3:8.2f} ms   "
+              f"ours (on) / ipyparallel = {lat['on'] / lat['ipyparallel']:.2f}x")
+    want = n * lines
+    for title, runs in ((f"flood: {lines} lines per rank ({want} lines) as fast as they come", floods),
+                        ("paced flood: the same lines in 20 bursts over ~2 s", paced)):
+        print(f"  {title}")
+        for key, f in runs.items():
+            lost = "none lost, in order" if f["lines"] == want and f["in_order"] else f"LOST {want - f['lines']}"
+            extra = f"; {f['updates']} dashboard updates, {f['bytes'] / 1024:.0f} KiB" if key == "on" else ""
+            print(f"    {key:<12} {f['s']:7.2f} s  lines {f['lines']} ({lost}); control channel round trip "
+                  f"median {f['control_median_s'] * 1e3:.1f} ms, max {f['control_max_s'] * 1e3:.1f} ms{extra}")
+        print(f"    on/off time = {runs['on']['s'] / runs['off']['s']:.2f}x"
+              + (f"; ours (on) / ipyparallel time = {runs['on']['s'] / runs['ipyparallel']['s']:.2f}x"
+                 if "ipyparallel" in runs else ""))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,396 @@
+"""The live per-rank model behind every view: what each rank is doing, built from Mesh events only.
+
+A ``MeshMonitor`` listens to one mesh (``mesh.add_listener``) and keeps, per rank, the mesh-level facts (state,
+host, device, memory) and, per cell the rank ran recently, that cell's state, progress, last output line and
+failure. Views ask it for ``snapshot``s: immutable rows computed under its lock, so a view renders without
+holding any lock and a slow view never slows the mesh's threads.
+
+Events arrive on the mesh's threads (I/O thread, launcher reader thread, the submitting thread); some while the
+mesh holds its own lock. The handler therefore only updates plain fields under the monitor's lock and never
+calls back into the mesh while holding it.
+
+States of a rank in a cell (``CELL_STATES``): queued (submitted behind another cell on that rank), running,
+breakpoint (stopped at a breakpoint; reported by the debugger as a ``rank_state`` event), done, error, dead,
+stopped (the mesh was stopped). Mesh-level states: starting, idle, running, breakpoint, dead, stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import describe_returncode
+
+log = logging.getLogger(__name__)
+
+__all__ = ["MeshMonitor", "monitor_for", "RowView", "Summary", "CELL_STATES", "FAILED_STATES", "FINAL_STATES"]
+
+CELL_STATES = ("queued", "running", "breakpoint", "done", "error", "dead", "stopped")
+FINAL_STATES = frozenset({"done", "error", "dead", "stopped"})
+FAILED_STATES = frozenset({"error", "dead"})
+ATTENTION_STATES = frozenset({"error", "dead", "breakpoint"})  # always shown, even when the table is folded
+STATE_ORDER = ("starting", "queued", "running", "breakpoint", "error", "dead", "done", "idle", "stopped")
+CELLS_KEPT = 32  # cells remembered per rank
+BEHIND_BY = 0.02  # a running rank is "the slowest" when this fraction of the total behind the rank ahead
+SLOWER_BY = 0.1  # a finished rank is "the slowest" when it took this fraction longer than the fastest
+
+
+@dataclass
+class _CellRank:
+    """One rank's part in one cell (mutable; guarded by the monitor lock)."""
+
+    cell_id: int
+    submitted: float
+    started: float | None = None  # None while queued
+    ended: float | None = None
+    state: str = "running"
+    n: float | None = None
+    total: float | None = None
+    desc: str = ""
+    postfix: str = ""
+    last_line: str = ""
+    error: str = ""
+    duration: float | None = None  # seconds the rank itself measured
+
+
+@dataclass
+class _Rank:
+    rank: int
+    state: str = "starting"
+    host: str = ""
+    device: str = ""
+    pid: int | None = None
+    rss: int = 0
+    cuda_allocated: int = 0
+    cuda_reserved: int = 0
+    returncode: int | None = None
+    last_line: str = ""
+    cells: OrderedDict = field(default_factory=OrderedDict)  # cell id -> _CellRank, oldest first
+
+
+@dataclass(frozen=True)
+class RowView:
+    """What a view shows for one rank. Times in seconds, memory in bytes."""
+
+    rank: int
+    state: str
+    host: str
+    device: str
+    elapsed: float | None  # time in the cell (running: so far; finished: until it ended)
+    n: float | None
+    total: float | None
+    desc: str
+    postfix: str
+    last_line: str
+    rss: int
+    cuda_allocated: int
+    cuda_reserved: int
+    error: str  # "ZeroDivisionError: division by zero", "signal SIGKILL", ...
+
+    @property
+    def fraction(self) -> float | None:
+        """Progress in [0, 1], or None when the rank reported no total."""
+        if self.n is None or not self.total:
+            return None
+        return max(0.0, min(1.0, self.n / self.total))
+
+
+@dataclass(frozen=True)
+class Summary:
+    """The header line of a view: ranks per state, the slowest rank, the cell's elapsed time."""
+
+    ranks: tuple[int, ...]
+    world_size: int
+    by_state: dict[str, tuple[int, ...]]
+    slowest: int | None
+    elapsed: float | None
+    finished: bool
+
+    @property
+    def failed(self) -> tuple[int, ...]:
+        return tuple(sorted(r for s in FAILED_STATES for r in self.by_state.get(s, ())))
+
+
+class MeshMonitor:
+    """Per-rank live state of one mesh, fed by its events. Thread-safe; cheap per event.
+
+    ``version`` increases on every event that changes what a view shows; views re-render when it moved.
+    """
+
+    def __init__(self, mesh: Any) -> None:
+        self._mesh = weakref.ref(mesh)
+        self._lock = threading.Lock()
+        self.version = 0
+        self.world_size = mesh.nproc
+        self._ranks: dict[int, _Rank] = {}
+        self.status_views: list[Any] = []  # live `%mesh status` views of this mesh (see widgets.status_view)
+        self._reset(mesh.status())
+        self._handlers = {
+            "started": self._on_started,
+            "stopped": self._on_stopped,
+            "cell_started": self._on_cell_started,
+            "rank_result": self._on_rank_result,
+            "rank_state": self._on_rank_state,
+            "output": self._on_output,
+            "progress": self._on_progress,
+            "heartbeat": self._on_heartbeat,
+        }
+        mesh.add_listener(self.on_event)
+
+    @property
+    def mesh(self) -> Any:
+        return self._mesh()
+
+    def close(self) -> None:
+        mesh = self._mesh()
+        if mesh is not None:
+            mesh.remove_listener(self.on_event)
+
+    # ------------------------------------------------------------------ events (mesh threads)
+
+    def on_event(self, kind: str, data: dict) -> None:
+        if kind == "started":  # reads mesh.status(): outside our lock
+            mesh = self._mesh()
+            status = mesh.status() if mesh is not None else {}
+            with self._lock:
+                self._reset(status)
+                self.version += 1
+            return
+        handler = self._handlers.get(kind)
+        if handler is None:
+            return
+        with self._lock:
+            handler(data, time.monotonic())
+            self.version += 1
+
+    def _reset(self, status: dict[int, dict]) -> None:
+        self.world_size = len(status) or self.world_size
+        self._ranks = {}
+        for r, s in status.items():
+            self._ranks[r] = _Rank(r, state=s.get("state", "starting"), host=s.get("host", ""),
+                                   device=s.get("device", ""), pid=s.get("pid"), rss=s.get("rss", 0),
+                                   cuda_allocated=s.get("cuda_allocated", 0),
+                                   cuda_reserved=s.get("cuda_reserved", 0), returncode=s.get("returncode"))
+
+    def _rank(self, r: int) -> _Rank:
+        info = self._ranks.get(r)
+        if info is None:
+            info = self._ranks[r] = _Rank(r)
+        return info
+
+    def _on_started(self, data: dict, now: float) -> None:  # handled in on_event
+        pass
+
+    def _on_stopped(self, data: dict, now: float) -> None:
+        for info in self._ranks.values():
+            if info.state != "dead":
+                info.state = "stopped"
+            for c in info.cells.values():
+                if c.state not in FINAL_STATES:
+                    c.state, c.ended = "stopped", now
+                    c.error = c.error or "the mesh was stopped"
+
+    def _on_cell_started(self, data: dict, now: float) -> None:
+        cell_id = data["cell_id"]
+        for r in data["ranks"]:
+            info = self._rank(r)
+            busy = any(c.state not in FINAL_STATES for c in info.cells.values())
+            cell = _CellRank(cell_id, submitted=now, started=None if busy else now,
+                             state="queued" if busy else "running")
+            info.cells[cell_id] = cell
+            while len(info.cells) > CELLS_KEPT:
+                info.cells.popitem(last=False)
+            if info.state != "dead":
+                info.state = "running"
+
+    def _on_rank_result(self, data: dict, now: float) -> None:
+        info = self._rank(data["rank"])
+        cell = info.cells.get(data["cell_id"])
+        if cell is not None and cell.state not in FINAL_STATES:
+            cell.ended = now
+            cell.duration = data.get("duration")
+            if data.get("status") == "ok":
+                cell.state = "done"
+            else:
+                cell.state = "error"
+                ename, evalue = data.get("ename", ""), data.get("evalue", "")
+                cell.error = f"{ename}: {evalue}" if ename and evalue else (ename or str(data.get("error") or ""))
+        self._promote(info, now)
+
+    def _promote(self, info: _Rank, now: float) -> None:
+        """The next queued cell of a rank starts when the one before it ends."""
+        for c in info.cells.values():
+            if c.state == "queued":
+                c.state, c.started = "running", now
+                return
+            if c.state not in FINAL_STATES:
+                return
+        if info.state in ("running", "breakpoint"):
+            info.state = "idle"
+
+    def _on_rank_state(self, data: dict, now: float) -> None:
+        info = self._rank(data["rank"])
+        state = data["state"]
+        for key in ("host", "device", "pid"):
+            if data.get(key):
+                setattr(info, key, data[key])
+        if state in ("dead", "stopped"):
+            info.returncode = data.get("returncode", info.returncode)
+            why = describe_returncode(info.returncode) if state == "dead" else "the mesh was stopped"
+            for c in info.cells.values():
+                if c.state not in FINAL_STATES:
+                    c.state, c.ended, c.error = state, now, why
+            info.state = state
+        elif state in ("breakpoint", "running"):  # the debugger stopped or resumed the rank's current cell
+            for c in info.cells.values():
+                if c.state in ("running", "breakpoint"):
+                    c.state = state
+                    break
+            info.state = state
+        else:
+            if not (state == "idle" and any(c.state not in FINAL_STATES for c in info.cells.values())):
+                info.state = state
+
+    def _on_output(self, data: dict, now: float) -> None:
+        info = self._rank(data["rank"])
+        info.last_line = data["text"]
+        cell = info.cells.get(data.get("cell_id"))  # type: ignore[arg-type]
+        if cell is not None:
+            cell.last_line = data["text"]
+
+    def _on_progress(self, data: dict, now: float) -> None:
+        info = self._rank(data["rank"])
+        cell = info.cells.get(data.get("cell_id"))  # type: ignore[arg-type]
+        if cell is None:
+            return
+        cell.n, cell.total = data.get("n"), data.get("total")
+        cell.desc, cell.postfix = data.get("desc") or "", data.get("postfix") or ""
+
+    def _on_heartbeat(self, data: dict, now: float) -> None:
+        info = self._rank(data["rank"])
+        info.rss = data.get("rss", 0)
+        info.cuda_allocated = data.get("cuda_allocated", 0)
+        info.cuda_reserved = data.get("cuda_reserved", 0)
+
+    # ------------------------------------------------------------------ snapshots (any thread)
+
+    def ranks(self) -> list[int]:
+        with self._lock:
+            return sorted(self._ranks)
+
+    def snapshot(self, ranks: Iterable[int] | None = None, cell_id: int | None = None,
+                 now: float | None = None) -> tuple[list[RowView], Summary]:
+        """Rows for ``ranks`` (default: all) and the header summary.
+
+        With ``cell_id`` each row shows the rank's part in that cell; without, the rank's mesh-level state and
+        its latest cell.
+        """
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            chosen = sorted(self._ranks) if ranks is None else list(ranks)
+            rows = [self._row(self._rank(r), cell_id, now) for r in chosen]
+            world = self.world_size
+        return rows, _summarize(rows, world, cell_id is not None)
+
+    def _row(self, info: _Rank, cell_id: int | None, now: float) -> RowView:
+        if cell_id is not None:
+            cell = info.cells.get(cell_id)
+            state = cell.state if cell is not None else ("dead" if info.state == "dead" else "queued")
+        else:
+            cell = next(reversed(info.cells.values()), None) if info.cells else None
+            state = info.state
+        elapsed = None
+        if cell is not None and cell.started is not None:
+            elapsed = (cell.ended if cell.ended is not None else now) - cell.started
+            if cell.duration is not None and cell.state in ("done", "error"):
+                elapsed = cell.duration
+        error = ""
+        if cell is not None and (cell_id is not None or state in ATTENTION_STATES or cell.state in FAILED_STATES):
+            error = cell.error
+        if not error and state == "dead":
+            error = describe_returncode(info.returncode)
+        return RowView(
+            rank=info.rank, state=state, host=info.host, device=info.device, elapsed=elapsed,
+            n=None if cell is None else cell.n, total=None if cell is None else cell.total,
+            desc="" if cell is None else cell.desc, postfix="" if cell is None else cell.postfix,
+            last_line=info.last_line if cell_id is None else (cell.last_line if cell is not None else ""),
+            rss=info.rss, cuda_allocated=info.cuda_allocated, cuda_reserved=info.cuda_reserved, error=error,
+        )
+
+
+def _summarize(rows: list[RowView], world_size: int, per_cell: bool) -> Summary:
+    by_state: dict[str, list[int]] = {}
+    for row in rows:
+        by_state.setdefault(row.state, []).append(row.rank)
+    ordered = {s: tuple(by_state[s]) for s in STATE_ORDER if s in by_state}
+    ordered.update({s: tuple(rs) for s, rs in by_state.items() if s not in ordered})
+    finished = per_cell and all(row.state in FINAL_STATES for row in rows)
+    elapsed = max((row.elapsed for row in rows if row.elapsed is not None), default=None) if per_cell else None
+    return Summary(tuple(row.rank for row in rows), world_size, ordered, slowest_rank(rows), elapsed, finished)
+
+
+def slowest_rank(rows: list[RowView]) -> int | None:
+    """The rank holding the others up, or None.
+
+    While ranks run: the one with the least progress, when it is ``BEHIND_BY`` behind the rank ahead or other
+    ranks already finished (none while all keep pace or report no progress). When all finished: the one that
+    took longest, when it took ``SLOWER_BY`` longer than the fastest.
+    """
+    running = [r for r in rows if r.state in ("running", "breakpoint", "queued")]
+    if running:
+        with_progress = [r for r in running if r.fraction is not None]
+        if with_progress:
+            slow = min(with_progress, key=lambda r: (r.fraction, r.rank))
+            ahead = max(r.fraction for r in rows if r.fraction is not None)  # type: ignore[type-var]
+            if len(running) < len(rows) or ahead - slow.fraction >= BEHIND_BY:  # type: ignore[operator]
+                return slow.rank
+            return None
+        if len(running) < len(rows):
+            return running[0].rank
+        return None
+    timed = [r for r in rows if r.elapsed is not None and r.state == "done"]
+    if len(timed) > 1:
+        slow = max(timed, key=lambda r: (r.elapsed, -r.rank))
+        fast = min(r.elapsed for r in timed)  # type: ignore[type-var]
+        if slow.elapsed - fast >= max(SLOWER_BY * fast, 0.05):  # type: ignore[operator]
+            return slow.rank
+    return None
+
+
+def stragglers(rows: list[RowView], limit: int = 5) -> list[RowView]:
+    """Running ranks behind the others: below the median progress by more than 2 % of the total, or still
+    running while some ranks already finished. Slowest first, at most ``limit``."""
+    running = [r for r in rows if r.state in ("running", "queued")]
+    if not running:
+        return []
+    fractions = [r.fraction for r in rows if r.fraction is not None and r.state not in FAILED_STATES]
+    done = any(r.state == "done" for r in rows)
+    if fractions:
+        median = statistics.median(fractions)
+        behind = [r for r in running if (r.fraction if r.fraction is not None else 0.0) < median - 0.02]
+    else:
+        behind = []
+    if done:
+        behind = running
+    behind.sort(key=lambda r: (r.fraction if r.fraction is not None else -1.0, r.rank))
+    return behind[:limit]
+
+
+_monitors: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_monitors_lock = threading.Lock()
+
+
+def monitor_for(mesh: Any) -> MeshMonitor:
+    """The monitor of ``mesh`` (created and attached on first use; one per mesh)."""
+    with _monitors_lock:
+        monitor = _monitors.get(mesh)
+        if monitor is None:
+            monitor = _monitors[mesh] = MeshMonitor(mesh)
+        return monitor
