@@ -96,7 +96,14 @@ class Hello(Message):
 @_register
 @dataclass(frozen=True)
 class Welcome(Message):
-    """Controller -> rank: accepted. ``master_port`` 0 asks this rank (rank 0) to host the rendezvous store."""
+    """Controller -> rank: accepted.
+
+    ``master_port`` 0 asks this rank (rank 0) to host the rendezvous store (a c10d TCPStore) on
+    ``master_addr``, or, when ``master_addr`` is empty, on its own address toward the controller, and to answer
+    ``StoreReady``; -1 means the launcher's own rendezvous (MASTER_ADDR/MASTER_PORT in the rank's environment,
+    torch's ``env://``). ``settings`` are RankConfig fields a joined rank takes from the controller (backend,
+    timeouts, env).
+    """
 
     TYPE: ClassVar[str] = "welcome"
     rank: int
@@ -111,10 +118,11 @@ class Welcome(Message):
 @_register
 @dataclass(frozen=True)
 class StoreReady(Message):
-    """Rank 0 -> controller: the c10d TCPStore listens on ``port`` of ``master_addr``."""
+    """Rank 0 -> controller: the c10d TCPStore listens on ``port`` of ``addr`` (the other ranks' MASTER_ADDR)."""
 
     TYPE: ClassVar[str] = "store_ready"
     port: int
+    addr: str = ""
 
 
 @_register
@@ -193,6 +201,15 @@ class Ping(Message):
     """Controller heartbeat; a rank that hears nothing for its heartbeat window exits."""
 
     TYPE: ClassVar[str] = "ping"
+
+
+@_register
+@dataclass(frozen=True)
+class Rejected(Message):
+    """Controller -> joining rank: not admitted (``reason`` says why and what to do); the rank exits."""
+
+    TYPE: ClassVar[str] = "rejected"
+    reason: str
 
 
 @_register
@@ -438,6 +455,14 @@ class DebugReply(Message):
     state: str = ""
     where: str = ""
     cell_id: int = -1
+@_register
+@dataclass(frozen=True)
+class Goodbye(Message):
+    """Rank -> controller: this process exits now with ``returncode`` (how the controller learns that a rank on
+    another host ended, where no launcher reports exit statuses)."""
+
+    TYPE: ClassVar[str] = "goodbye"
+    returncode: int = 0
 
 
 # --------------------------------------------------------------------------------------------------------------

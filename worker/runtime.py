@@ -11,6 +11,7 @@ Threads
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -34,7 +35,14 @@ from .transfer import RankTransfers
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RankConfig", "Rank", "run_rank"]
+__all__ = ["RankConfig", "Rank", "run_rank", "JoinRejected"]
+
+# Welcome.settings keys a joined rank takes from the controller (it started with the launcher's environment only).
+CONTROLLER_SETTINGS = ("backend", "pg_timeout", "heartbeat_interval", "heartbeat_timeout", "env")
+
+
+class JoinRejected(RuntimeError):
+    """The controller did not admit this rank (the message says why)."""
 
 
 @dataclass(frozen=True)
@@ -56,7 +64,10 @@ class RankConfig:
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 30.0  # exit when the controller is silent this long
     relay_output: bool = False  # True: this process sends its own stdout/stderr (no fork server relays it)
+    relay_tee: bool = False  # with relay_output: also copy the output to this process's original fds 1 and 2
     env: dict = field(default_factory=dict)
+    curve_serverkey: str = ""  # the controller's CurveZMQ public key (Z85) when it encrypts; "" for plain TCP
+    launcher_env: dict = field(default_factory=dict)  # what the launcher told this rank (sent in Hello)
 
 
 class Rank:
@@ -75,8 +86,16 @@ class Rank:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 2000)
-        self._sock.setsockopt(zmq.IDENTITY, f"rank-{os.getpid()}-{os.urandom(4).hex()}".encode())
+        self._sock.setsockopt(zmq.IDENTITY, f"rank-{os.getpid()}-{os.urandom(8).hex()}".encode())
+        if config.curve_serverkey:  # encrypted and the controller authenticated by its key (CurveZMQ)
+            public, secret = zmq.curve_keypair()
+            self._sock.curve_serverkey = config.curve_serverkey.encode()
+            self._sock.curve_publickey = public
+            self._sock.curve_secretkey = secret
         self._sock.connect(config.controller)
+        self.relay: Any = None  # an OutputRelay (relay.py) when this rank sends its own output
+        self._joined = False  # the controller admitted this rank (heartbeat timeout applies from then on)
+        self._said_hello = False
         self._io = threading.Thread(target=self._io_loop, name="monarch-io", daemon=True)
         self._stop = threading.Event()
         self.ns: Namespace | None = None
@@ -131,16 +150,30 @@ class Rank:
                         self.work.put((msg, payload, bufs))
             if self.outbox.wake_fd in events:
                 for item in self.outbox.drain():
-                    self._send_now(*item)
-            if now >= next_beat:
+                    if item is not None:
+                        self._send_now(*item)
+            if now >= next_beat and self._said_hello:
                 next_beat = now + self.config.heartbeat_interval
                 self._send_now(P.Heartbeat(rss=_rss_bytes(), **_cuda_memory(self.device)))
-                if now - self._last_heard > self.config.heartbeat_timeout:
+                if self._joined and now - self._last_heard > self.config.heartbeat_timeout:
                     sys.stderr.write(
                         f"monarch_worker rank {self.rank}: no word from the controller for "
                         f"{self.config.heartbeat_timeout:.0f} s; exiting\n"
                     )
                     os._exit(3)
+        for item in self.outbox.drain():  # close(): what is left (Goodbye), then the socket
+            if item is not None:
+                self._send_now(*item)
+        self._sock.close(linger=1000)
+        self._ctx.term()
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Send what the outbox holds, then close the socket (waits up to ``timeout`` seconds; any thread but
+        the I/O thread)."""
+        self._stop.set()
+        self.outbox.put(None)
+        if self._io.is_alive():
+            self._io.join(timeout)
 
     def _on_interrupt(self, msg: P.Interrupt, payload: bytes, bufs: list) -> None:
         if self.debugger.on_interrupt(msg.cell_id):
@@ -162,22 +195,23 @@ class Rank:
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(f"rank {self.rank}: no {kind.TYPE} from the controller in {timeout:.0f} s")
+                raise TimeoutError(
+                    f"rank {self.rank}: no {kind.TYPE} from the controller at {self.config.controller} in "
+                    f"{timeout:.0f} s: it is not listening there, cannot be reached from this host, or ignores "
+                    "this rank because it does not hold the mesh's secret")
             try:
                 item = self.work.get(timeout=remaining)
             except queue.Empty:
                 continue
             if isinstance(item[0], kind):
                 return item
+            if isinstance(item[0], P.Rejected):
+                raise JoinRejected(item[0].reason)
             if isinstance(item[0], P.Shutdown):
                 os._exit(0)
 
     def join(self) -> None:
         """Handshake with the controller and initialize torch.distributed."""
-        import torch
-        import torch.distributed as dist
-        from datetime import timedelta
-
         cfg = self.config
         self.send(
             P.Hello(
@@ -187,16 +221,28 @@ class Rank:
                 local_rank=cfg.local_rank,
                 local_world_size=cfg.local_world_size,
                 world_size=cfg.world_size,
+                launcher_env=cfg.launcher_env,
             )
         )
+        self._said_hello = True  # heartbeats may follow (a controller ignores them from a stranger)
+        import torch
+        import torch.distributed as dist
+        from datetime import timedelta
+
         welcome, _, _ = self._wait_for(P.Welcome, cfg.join_timeout)
+        self._joined = True
         self.rank = welcome.rank
+        settings = {k: v for k, v in welcome.settings.items() if k in CONTROLLER_SETTINGS}
+        if settings:
+            os.environ.update(settings.pop("env", {}))
+            self.config = cfg = dataclasses.replace(cfg, **settings)
+        if self.relay is not None:
+            self.relay.release()  # output held while waiting to be admitted goes out now
         env = {
             "RANK": str(welcome.rank),
             "WORLD_SIZE": str(welcome.world_size),
             "LOCAL_RANK": str(welcome.local_rank),
             "LOCAL_WORLD_SIZE": str(welcome.local_world_size),
-            "MASTER_ADDR": welcome.master_addr,
         }
         os.environ.update(env)
         backend = cfg.backend
@@ -204,15 +250,25 @@ class Rank:
             cuda = torch.cuda.is_available() and torch.cuda.device_count() >= welcome.local_world_size
             backend = "nccl" if cuda else "gloo"
         timeout = timedelta(seconds=cfg.pg_timeout)
-        if welcome.master_port == 0:
-            store = dist.TCPStore(welcome.master_addr, 0, welcome.world_size, is_master=True,
+        store: Any = None
+        if welcome.master_port < 0:  # the launcher's rendezvous (torchrun's store, or MASTER_ADDR/PORT): env://
+            addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        elif welcome.master_port == 0:
+            if welcome.master_addr:
+                addr = welcome.master_addr
+            else:  # an address the other ranks can reach: ours toward the controller
+                from .join import address_toward
+
+                addr = address_toward(cfg.controller)
+            store = dist.TCPStore(addr, 0, welcome.world_size, is_master=True,
                                   timeout=timedelta(seconds=cfg.join_timeout), wait_for_workers=False)
             port = store.port
-            self.send(P.StoreReady(port=port))
+            self.send(P.StoreReady(port=port, addr=addr))
         else:
-            port = welcome.master_port
-            store = dist.TCPStore(welcome.master_addr, port, welcome.world_size, is_master=False,
+            addr, port = welcome.master_addr, welcome.master_port
+            store = dist.TCPStore(addr, port, welcome.world_size, is_master=False,
                                   timeout=timedelta(seconds=cfg.join_timeout))
+        os.environ["MASTER_ADDR"] = addr
         os.environ["MASTER_PORT"] = str(port)
         if backend == "nccl":
             torch.cuda.set_device(welcome.local_rank)
@@ -222,8 +278,12 @@ class Rank:
         kwargs: dict[str, Any] = {}
         if backend == "nccl":
             kwargs["device_id"] = device
-        dist.init_process_group(backend, store=store, rank=welcome.rank, world_size=welcome.world_size,
-                                timeout=timeout, **kwargs)
+        if store is None:
+            kwargs["init_method"] = "env://"
+        else:
+            kwargs["store"] = store
+        dist.init_process_group(backend, rank=welcome.rank, world_size=welcome.world_size, timeout=timeout,
+                                **kwargs)
         self.device = device
         self.ns = Namespace({
             "rank": welcome.rank,
@@ -292,6 +352,9 @@ class Rank:
             except Exception:  # noqa: BLE001 - a user may have replaced or closed it
                 pass
         marker = P.sync_marker(cell_id)
+        if self.relay is not None:
+            self.relay.mark(marker, 1.0)  # the cell's output (and markers) is queued before its Result
+            return
         for fd in (1, 2):
             try:
                 os.write(fd, marker)
@@ -366,23 +429,42 @@ def _unbuffered_std_streams() -> None:
 
 
 def run_rank(config: RankConfig) -> int:
-    """Run one rank to completion; returns the process exit code."""
+    """Run one rank to completion; returns the process exit code (2: the controller did not admit it)."""
     os.environ.update(config.env)
+    relay = None
+    if config.relay_output:
+        from .relay import OutputRelay
+
+        relay = OutputRelay(tee=config.relay_tee)  # fds 1 and 2 feed it from now on
     _unbuffered_std_streams()
     signal.signal(signal.SIGINT, signal.default_int_handler)
     rank = Rank(config)
     live.install(rank.send, lambda: rank.current_cell)
+    if relay is not None:
+        relay.start(rank.outbox)
+        rank.relay = relay
     rank.start_io()
+    code = 0
     try:
         rank.join()
+    except JoinRejected as e:
+        sys.stderr.write(f"monarch_worker: not admitted to the mesh: {e}\n")
+        code = 2
     except BaseException as e:  # noqa: BLE001 - tell the controller why, then exit
         err = format_error(e)
         sys.stderr.write(err["traceback"])
         rank.send(P.StartFailed(error=err["traceback"]))
-        time.sleep(0.2)  # let the I/O thread send it
-        return 1
-    rank.debugger.install()
-    rank.serve()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    return 0
+        code = 1
+    else:
+        rank.debugger.install()
+        rank.serve()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a user may have replaced or closed it
+            pass
+    if relay is not None:
+        relay.flush(1.0)
+    rank.send(P.Goodbye(returncode=code))
+    rank.close(2.0)
+    return code
