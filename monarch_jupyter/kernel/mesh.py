@@ -47,9 +47,11 @@ from ..errors import (
     describe_returncode,
 )
 from .debugger import MeshDebugger
+from .join import Listener
 from .launcher import Launcher, LocalLauncher
 from .output import StreamSplitter, write_lines
 from .ranks import RankMap, format_ranks, parse_ranks
+from .remote import JoinCommands, make_launcher
 from .transfer import Transfers
 
 log = logging.getLogger(__name__)
@@ -245,6 +247,21 @@ class Mesh:
         Extra environment variables for the ranks.
     start:
         Start at once (default). Otherwise call ``start()``.
+    launcher:
+        "local" (default: a fork server on this host), "join" (ranks started elsewhere join; see ``listen``),
+        "torchrun" (torchrun on this host), "slurm" (srun inside an allocation), or a launcher object
+        (``JoinLauncher``, ``TorchrunLauncher(...)``, ``SlurmLauncher(nodes=..., srun_args=...)``).
+        docs/multihost.md explains each.
+    address:
+        Where the controller listens for ranks that join (not "local"): None (loopback), an interface name
+        (``eth0``), an address or host name of this host, or ``*``. Anything but loopback must be asked for.
+    port:
+        TCP port to listen on for joining ranks (0: any free port).
+    encrypt:
+        Encrypt joining ranks' connections with CurveZMQ (for networks you do not trust; the secret always
+        authenticates both sides).
+    secret_file:
+        Where to write the per-mesh secret (mode 0600) for joining ranks (default: Jupyter's runtime dir).
 
     Ranks see RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT as torchrun sets them,
     and names ``rank``, ``world_size``, ``local_rank``, ``device``, ``dist`` and ``torch`` in their namespace.
@@ -269,6 +286,11 @@ class Mesh:
         interrupt_grace: float = 5.0,
         env: dict[str, str] | None = None,
         start: bool = True,
+        launcher: str | Launcher = "local",
+        address: str | None = None,
+        port: int = 0,
+        encrypt: bool = False,
+        secret_file: str | None = None,
     ) -> None:
         if not isinstance(nproc, int) or nproc < 1:
             raise ValueError(f"nproc must be a positive number of ranks, got {nproc!r}")
@@ -285,6 +307,12 @@ class Mesh:
         self.pg_timeout = float(pg_timeout)
         self.interrupt_grace = float(interrupt_grace)
         self.env = dict(env or {})
+        self._listener: Listener | None = None  # ranks that join (launcher other than "local"); see join.py
+        if launcher != "local":
+            self._listener = Listener(self, make_launcher(launcher, nproc), address, port, encrypt, secret_file)
+        elif address not in (None, "127.0.0.1", "localhost") or encrypt:
+            raise ValueError("address and encrypt are for ranks that join (launcher 'join', 'torchrun' or 'slurm'); "
+                             "local ranks always talk to the controller over loopback")
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)  # mesh-wide changes: ranks joining, dying, stack replies
         self._ranks: dict[int, RankInfo] = {}
@@ -315,8 +343,84 @@ class Mesh:
     def running(self) -> bool:
         return self._running
 
-    def start(self) -> Mesh:
+    @property
+    def listening(self) -> bool:
+        """True while the mesh waits for ranks to join (``listen``); ``run`` then waits for them first."""
+        return (not self._running and self._listener is not None and self._listener.is_open
+                and not self._listener.failed)
+
+    @property
+    def start_failure(self) -> str:
+        """Why the ranks of a listening mesh did not all join in time ("" when they did or are still joining);
+        the next ``run`` or ``wait_ready`` raises it as MeshStartError and stops the mesh."""
+        return self._listener.failed if self._listener is not None and self._listener.is_open else ""
+
+    @classmethod
+    def listen(cls, world_size: int, *, address: str | None = None, timeout: float = 300.0, port: int = 0,
+               encrypt: bool = False, nproc_per_node: int | None = None, secret_file: str | None = None,
+               show: bool = True, **kwargs: Any) -> Mesh:
+        """Open the controller to ``world_size`` ranks started elsewhere, print the commands that start them
+        (torchrun, sbatch/srun, plain python) and return at once; the mesh is ready when all have joined.
+
+        ``address``, ``port``, ``encrypt``, ``secret_file`` as for ``Mesh``; ``timeout``: seconds for every
+        rank to join (after it, the report says who is missing); ``nproc_per_node``: ranks per host in the
+        printed commands; other keyword arguments go to ``Mesh``. ``wait_ready()`` (or the first ``run``)
+        waits for the ranks; ``join_commands()`` returns the commands again.
+
+        Raises
+        ------
+        ValueError
+            Bad address, port or world size.
+        """
+        from .remote import JoinLauncher
+
+        mesh = cls(world_size, launcher=JoinLauncher(nproc_per_node), address=address, port=port,
+                   encrypt=encrypt, secret_file=secret_file, start_timeout=timeout, start=False, **kwargs)
+        mesh.start(wait=False)
+        if show:
+            print(mesh.join_commands())
+        return mesh
+
+    def join_commands(self) -> JoinCommands:
+        """The commands that start this mesh's ranks elsewhere (a mesh with a launcher other than "local").
+
+        Raises MeshNotRunningError when the mesh is not listening."""
+        if self._listener is None or self._listener.commands is None or not self._listener.is_open:
+            raise MeshNotRunningError("this mesh does not listen for ranks: use Mesh.listen(N) or  %mesh listen")
+        return self._listener.commands
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds (None: until the start timeout passed) for every rank of a listening
+        mesh to join; True when the mesh is running.
+
+        Raises
+        ------
+        MeshStartError
+            The start timeout passed first (the message names who joined and who is missing) or a rank failed;
+            the mesh is stopped then.
+        """
+        if self._running:
+            return True
+        if self._listener is None or not self._listener.is_open:
+            raise MeshNotRunningError("this mesh is not running: start it with  %mesh start -n N  (or restart())")
+        if timeout is None:  # until the start timeout passed and the report is out
+            deadline = self._listener.deadline + 3 * self.heartbeat_interval + 2
+        else:
+            deadline = time.monotonic() + timeout
+        try:
+            ready = self._listener.wait_ready(deadline)
+        except MeshStartError:
+            self._teardown(graceful=False)
+            raise
+        if ready:
+            self._mark_started(self._listener.opened_at)
+        return ready
+
+    def start(self, wait: bool | None = None) -> Mesh:
         """Start every rank and wait until each has joined the process group (``start_timeout`` seconds).
+
+        ``wait`` False (the default for launcher "join", where someone else starts the ranks) returns once the
+        controller listens; ``wait_ready`` or the first ``run`` waits for the ranks.
 
         Raises
         ------
@@ -335,8 +439,9 @@ class Mesh:
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        port = self._router.bind_to_random_port("tcp://127.0.0.1")
-        self.address = f"tcp://127.0.0.1:{port}"
+        if self._listener is None:
+            port = self._router.bind_to_random_port("tcp://127.0.0.1")
+            self.address = f"tcp://127.0.0.1:{port}"
         self._ranks = {r: RankInfo(r) for r in range(self.nproc)}
         self._store_port: int | None = None
         self._xfer = Transfers(self)
@@ -345,6 +450,19 @@ class Mesh:
         self._io.start()
         deadline = t0 + self.start_timeout
         try:
+            if self._listener is not None:  # ranks that join (join.py)
+                self.address = self._listener.open(self._router, self._secret)
+                self._launcher = self._listener.launch(self._launch_env())
+                if wait is None:
+                    wait = self._listener.launcher.starts_ranks
+                if not wait:
+                    _current = self
+                    return self
+                if not self._listener.wait_ready(deadline):
+                    raise MeshStartError(f"the ranks did not join within {self.start_timeout:g} s; "
+                                         f"{self._listener.missing_report()}")
+                self._mark_started(t0)
+                return self
             self._launcher = LocalLauncher(self.start_timeout)
             env = self._rank_env()
             for r in range(self.nproc):
@@ -367,12 +485,24 @@ class Mesh:
         except BaseException:
             self._teardown(graceful=False)
             raise
+        self._mark_started(t0)
+        return self
+
+    def _mark_started(self, t0: float) -> None:
+        global _current
         self._running = True
         self.ready_seconds = time.monotonic() - t0
         self.started_at = time.time()
         _current = self
         self._event("started", ready_seconds=self.ready_seconds)
-        return self
+
+    def _launch_env(self) -> dict[str, str]:
+        """Environment of an engine that starts joining ranks (torchrun, srun): this one plus ``env``."""
+        env = dict(os.environ)
+        env.update(self.env)
+        for key in ("JPY_PARENT_PID", "MPLBACKEND"):
+            env.pop(key, None)
+        return env
 
     def _rank_env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -422,9 +552,14 @@ class Mesh:
         self._event("stopped")
 
     def restart(self) -> Mesh:
-        """Stop and start again: fresh processes, fresh namespaces, a fresh process group."""
+        """Stop and start again: fresh processes, fresh namespaces, a fresh process group.
+
+        A mesh whose ranks were started elsewhere (``listen``) listens again and prints the new commands."""
         self._teardown(graceful=True)
-        return self.start()
+        self.start()
+        if self.listening:
+            print(self.join_commands())
+        return self
 
     def _teardown(self, graceful: bool) -> None:
         self._stopping = True
@@ -442,6 +577,8 @@ class Mesh:
         if launcher is not None:
             launcher.kill()
             launcher.wait(5.0)
+        if self._listener is not None:
+            self._listener.reject_pending("the mesh was stopped")
         if self._io is not None and self._io.is_alive():
             self._io_stop.set()
             self._outbox.put(None)
@@ -458,10 +595,13 @@ class Mesh:
             self._cells.clear()
             self._cond.notify_all()
         if self._ctx is not None:
-            self._router.close(0)
+            # Joined ranks may be on other hosts: give Shutdown/Rejected up to 1 s to leave.
+            self._router.close(0 if self._listener is None else 1000)
             self._ctx.term()
             self._ctx = None
             self._outbox.close()
+        if self._listener is not None:
+            self._listener.close()
 
     def __enter__(self) -> Mesh:
         return self
@@ -828,6 +968,13 @@ class Mesh:
                 for r, i in self._ranks.items()
             }
 
+    def hosts(self) -> dict[str, list[int]]:
+        """host name -> its ranks (the ranks that joined, or all of this host's for a local mesh)."""
+        out: dict[str, list[int]] = {}
+        for r, s in self.status().items():
+            out.setdefault(s["host"] or "?", []).append(r)
+        return out
+
     def stacks(self, ranks: str | int | Iterable[int] | None = None, timeout: float = 5.0) -> StackReport:
         """Where each rank's main thread is now, asked of its I/O thread (works while it blocks in a
         collective). Identical stacks are grouped. ``timeout`` in seconds."""
@@ -884,6 +1031,8 @@ class Mesh:
         return f"<Mesh world_size={self.nproc} backend={backend} ({summary})>"
 
     def _check_running(self) -> None:
+        if not self._running and self._listener is not None and self._listener.is_open:
+            self.wait_ready()  # ranks started elsewhere: wait until all joined (or the start timeout passes)
         if not self._running:
             raise MeshNotRunningError("this mesh is not running: start it with  %mesh start -n N  "
                                       "(or mesh.start() / mesh.restart())")
@@ -914,6 +1063,7 @@ class Mesh:
             P.DebugPrompt: self.debugger.on_message,
             P.DebugResumed: self.debugger.on_message,
             P.DebugReply: self.debugger.on_message,
+            P.Goodbye: self._on_goodbye,
         }
         by_identity: dict[bytes, int] = {}
         next_ping = 0.0
@@ -931,6 +1081,8 @@ class Mesh:
                         self._on_hello(identity, msg, by_identity)
                         continue
                     rank = by_identity.get(identity)
+                    if rank is None and self._listener is not None and self._listener.on_unknown(identity, msg):
+                        continue  # a rank waiting for the others to join
                     if rank is None:
                         log.warning("dropped %s from a peer that did not say hello", msg.TYPE)
                         continue
@@ -960,6 +1112,42 @@ class Mesh:
                               if i.identity and i.state is not RankState.DEAD]
                 for ident in idents:
                     send_frames(self._router, [ident, *self._signer.pack(P.Ping())])
+                self._check_heartbeats(now)
+                if self._listener is not None:
+                    self._listener.check(now)
+        self._send_outbox()  # what was queued while stopping (Shutdown, Rejected)
+
+    def _send_outbox(self) -> None:
+        for item in self._outbox.drain():
+            if item is None:
+                continue
+            identities, msg, payload, buffers = item
+            frames = self._signer.pack(msg, payload, buffers)
+            for identity in identities:
+                if identity is not None:
+                    send_frames(self._router, [identity, *frames])
+
+    def _check_heartbeats(self, now: float) -> None:
+        """I/O thread: a rank silent for ``heartbeat_timeout`` seconds is dead (a remote host vanished, or the
+        process hangs holding the GIL); where the launcher can, it is killed.
+
+        A minimal stand-in for the failure-handling work (RecoveryMixin._check_heartbeats on the faults branch):
+        when that lands, delete this method, or it shadows the mixin's."""
+        if self.heartbeat_timeout <= 0 or self._stopping or not self._running:
+            return
+        with self._cond:
+            lost = [i for i in self._ranks.values() if i.identity is not None and i.last_heard > 0
+                    and i.state in (RankState.IDLE, RankState.RUNNING)
+                    and now - i.last_heard > self.heartbeat_timeout]
+            for info in lost:
+                info.last_lines.append(f"(no heartbeat for {self.heartbeat_timeout:g} s: the process hangs, was "
+                                       "stopped, or its host is unreachable)")
+        for info in lost:
+            log.warning("rank %d (host %s): no heartbeat for %g s; declared dead", info.rank, info.host,
+                        self.heartbeat_timeout)
+            self.on_exit(info.rank, None)  # type: ignore[arg-type]
+            if self._launcher is not None:
+                self._launcher.signal(info.rank, 9)
 
     def _welcome(self, info: RankInfo, port: int) -> None:
         msg = P.Welcome(rank=info.rank, world_size=self.nproc, local_rank=info.rank, local_world_size=self.nproc,
@@ -967,6 +1155,9 @@ class Mesh:
         send_frames(self._router, [info.identity, *self._signer.pack(msg)])
 
     def _on_hello(self, identity: bytes, msg: P.Hello, by_identity: dict[bytes, int]) -> None:
+        if self._listener is not None:
+            self._listener.on_hello(identity, msg, by_identity)
+            return
         if msg.version != P.PROTOCOL_VERSION:
             log.warning("rank %d speaks protocol %d, controller %d; ignored", msg.rank, msg.version,
                         P.PROTOCOL_VERSION)
@@ -987,6 +1178,9 @@ class Mesh:
                 self._welcome(info, self._store_port)
 
     def _on_store_ready(self, rank: int, msg: P.StoreReady, payload: bytes, bufs: list) -> None:
+        if self._listener is not None:
+            self._listener.on_store_ready(rank, msg)
+            return
         with self._cond:
             self._store_port = msg.port
             for info in self._ranks.values():
@@ -1052,6 +1246,10 @@ class Mesh:
             info.last_heard = time.monotonic()
         self._event("heartbeat", rank=rank, rss=msg.rss, cuda_allocated=msg.cuda_allocated,
                     cuda_reserved=msg.cuda_reserved)
+
+    def _on_goodbye(self, rank: int, msg: P.Goodbye, payload: bytes, bufs: list) -> None:
+        if self._listener is not None:  # local ranks' exits come from the fork server
+            self._listener.on_goodbye(rank, msg)
 
     def _on_progress(self, rank: int, msg: P.Progress, payload: bytes, bufs: list) -> None:
         with self._cond:

@@ -15,7 +15,7 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
-from traitlets import Bool, CaselessStrEnum, Float, Int
+from traitlets import Bool, CaselessStrEnum, Float, Int, Unicode
 
 from .. import errors
 from ..kernel import mesh as mesh_mod
@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["MeshMagics", "load", "unload"]
 
-SUBCOMMANDS = ("start", "status", "stop", "restart", "stacks", *transfer.SUBCOMMANDS, "debug", "inspect")
+SUBCOMMANDS = ("start", "listen", "status", "stop", "restart", "stacks", *transfer.SUBCOMMANDS, "debug",
+               "inspect")
 
 
 def _rest(line: str) -> tuple[str, str]:
@@ -68,6 +69,10 @@ class MeshMagics(TransferMagics, Magics):
              "off for one cell).").tag(config=True)
     dashboard_fold = Int(16, help="Past this many ranks the dashboard folds into a per-state summary plus "
                          "stragglers and failed ranks (the full table opens on demand).").tag(config=True)
+    listen_timeout = Float(300.0, help="Seconds `%mesh listen` waits for every rank to join before it reports who "
+                           "is missing.").tag(config=True)
+    listen_address = Unicode("", help="Default --address of `%mesh listen` and remote launchers: an interface "
+                             "(eth0), an address or host name of this host; empty: loopback only.").tag(config=True)
     prewarm = Bool(True, help="Start the local fork server (which imports torch once) when the extension "
                    "loads, so the first `%mesh start` does not wait for `import torch`.").tag(config=True)
 
@@ -79,7 +84,7 @@ class MeshMagics(TransferMagics, Magics):
 
     @line_cell_magic
     def mesh(self, line: str, cell: str | None = None) -> Any:
-        """%mesh start|status|stop|restart|stacks|push|pull|scatter|gather|debug|inspect ...   and   %%mesh ...
+        """%mesh start|listen|status|stop|restart|stacks|push|pull|scatter|gather|debug|inspect ...   and   %%mesh ...
 
         Run `%mesh SUBCOMMAND --help` for each subcommand's options, `%%mesh --help` for the cell magic.
         """
@@ -88,6 +93,7 @@ class MeshMagics(TransferMagics, Magics):
         sub, rest = _rest(line)
         handler = {
             "start": self._start,
+            "listen": self._listen,
             "status": self._status,
             "stop": self._stop,
             "restart": self._restart,
@@ -111,33 +117,104 @@ class MeshMagics(TransferMagics, Magics):
     @argument("-n", "--nproc", type=int, default=None, help="number of ranks (world size)")
     @argument("--backend", choices=["auto", "gloo", "nccl"], default=None, help="torch.distributed backend")
     @argument("--timeout", type=float, default=None, help="seconds for every rank to start and join")
+    @argument("--launcher", choices=["local", "torchrun", "slurm"], default="local",
+              help="local: fork server on this host; torchrun: torchrun on this host; slurm: srun (in an allocation)")
+    @argument("--nodes", type=int, default=None, help="slurm: nodes for srun (--nodes)")
+    @argument("--srun-args", default="", help='slurm: extra srun arguments, quoted: --srun-args "--partition gpu"')
+    @argument("--nnodes", type=int, default=1, help="torchrun: must be 1 (use %%mesh listen for several hosts)")
+    @argument("--nproc-per-node", type=int, default=None, help="torchrun/slurm: ranks per node")
+    @argument("--address", default=None, help="slurm/torchrun: interface or address the ranks connect to")
+    @argument("--port", type=int, default=0, help="slurm/torchrun: TCP port to listen on (0: any)")
+    @argument("--encrypt", action="store_true", help="slurm/torchrun: encrypt connections (CurveZMQ)")
     def _start(self, rest: str) -> Mesh:
-        """%mesh start [-n N] [--backend gloo|nccl] [--timeout S]: start N ranks on this host."""
+        """%mesh start [-n N] [--backend gloo|nccl] [--timeout S] [--launcher local|torchrun|slurm] [...]: start N
+        ranks on this host, under torchrun, or with srun inside a SLURM allocation."""
         args = self._parse(self._start, rest, "start")
-        running = mesh_mod._current
-        if running is not None and running.running:
-            raise UsageError(f"a mesh is already running ({running!r}); use  %mesh restart  for fresh ranks or "
-                             "%mesh stop  first")
-        nproc = args.nproc if args.nproc is not None else self.default_nproc
-        if nproc < 1:
-            raise UsageError(f"-n must be at least 1 rank, got {nproc}")
+        self._check_none_running()
+        nproc = args.nproc
+        launcher: Any = "local"
+        address = args.address if args.address is not None else (self.listen_address or None)
         try:
+            if args.launcher == "torchrun":
+                from ..kernel.torchrun import TorchrunLauncher
+
+                if nproc is None:
+                    nproc = (args.nproc_per_node or self.default_nproc) * args.nnodes
+                launcher = TorchrunLauncher(args.nproc_per_node, args.nnodes)
+            elif args.launcher == "slurm":
+                from ..kernel.slurm import SlurmLauncher
+
+                if address is None:
+                    raise UsageError("--launcher slurm starts ranks on other hosts: give --address with an interface "
+                                     "or address of this host that they reach (e.g. --address ib0; --address "
+                                     "127.0.0.1 when the allocation is this host only). Nothing listens beyond "
+                                     "loopback unless asked.")
+                launcher = SlurmLauncher(args.nodes, args.srun_args, args.nproc_per_node)
+            elif (args.address, args.port, args.encrypt, args.nodes, args.srun_args, args.nproc_per_node) != (
+                    None, 0, False, None, "", None) or args.nnodes != 1:
+                raise UsageError("--address/--port/--encrypt/--nodes/--srun-args/--nnodes/--nproc-per-node are for "
+                                 "--launcher torchrun or slurm (local ranks use the fork server over loopback)")
+            nproc = nproc if nproc is not None else self.default_nproc
+            if nproc < 1:
+                raise UsageError(f"-n must be at least 1 rank, got {nproc}")
             m = Mesh(
                 nproc,
                 backend=args.backend or self.default_backend,
                 start_timeout=args.timeout if args.timeout is not None else self.start_timeout,
                 timeout=self.cell_timeout or None,
                 heartbeat_timeout=self.heartbeat_timeout,
+                launcher=launcher,
+                address=address if args.launcher != "local" else None,
+                port=args.port,
+                encrypt=args.encrypt,
             )
-        except (ValueError, errors.MeshStartError) as e:
-            if isinstance(e, ValueError):
-                raise UsageError(str(e)) from None
-            raise
+        except ValueError as e:
+            raise UsageError(str(e)) from None
         self.meshes.append(m)
         from ..widgets import monitor_for
 
         monitor_for(m)  # live views see every event from the start
         return m
+
+    @magic_arguments()
+    @argument("-n", "--world-size", type=int, required=True, help="number of ranks that will join")
+    @argument("--address", default=None, help="interface (eth0), address or host name of this host that the ranks "
+              "reach (default: loopback only)")
+    @argument("--port", type=int, default=0, help="TCP port (0: any free port)")
+    @argument("--timeout", type=float, default=None, help="seconds for every rank to join (then: who is missing)")
+    @argument("--nproc-per-node", type=int, default=None, help="ranks per host in the printed commands")
+    @argument("--encrypt", action="store_true", help="encrypt the connections (CurveZMQ)")
+    @argument("--backend", choices=["auto", "gloo", "nccl"], default=None, help="torch.distributed backend")
+    def _listen(self, rest: str) -> None:
+        """%mesh listen --world-size N [--address HOST_OR_INTERFACE] [--timeout S] [--port P] [--nproc-per-node P]
+        [--encrypt]: wait for N ranks started elsewhere (torchrun, srun, ...); prints the commands that start
+        them. Cells run once all joined."""
+        args = self._parse(self._listen, rest, "listen")
+        self._check_none_running()
+        address = args.address if args.address is not None else (self.listen_address or None)
+        try:
+            m = Mesh.listen(
+                args.world_size,
+                address=address,
+                port=args.port,
+                timeout=args.timeout if args.timeout is not None else self.listen_timeout,
+                encrypt=args.encrypt,
+                nproc_per_node=args.nproc_per_node,
+                backend=args.backend or self.default_backend,
+                heartbeat_timeout=self.heartbeat_timeout,
+            )
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        m.timeout = self.cell_timeout or None
+        self.meshes.append(m)
+
+    def _check_none_running(self) -> None:
+        running = mesh_mod._current
+        if running is not None and running.start_failure:
+            running.stop()  # a listen whose ranks did not all come (it said so in its cell): release it
+        if running is not None and (running.running or running.listening):
+            raise UsageError(f"a mesh is already running ({running!r}); use  %mesh restart  for fresh ranks or "
+                             "%mesh stop  first")
 
     @magic_arguments()
     def _status(self, rest: str) -> Any:
@@ -257,7 +334,7 @@ class MeshMagics(TransferMagics, Magics):
             m = self.meshes[-1]
         if m is None:
             raise UsageError("no mesh is running: start one with  %mesh start -n 4")
-        if require_running and not m.running:
+        if require_running and not m.running and not m.listening:
             raise UsageError("the mesh is stopped: start it with  %mesh restart  (or  %mesh start -n N)")
         return m
 

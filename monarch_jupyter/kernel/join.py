@@ -1,0 +1,509 @@
+"""Ranks that join: started on any host by an engine (torchrun, srun, a Kubernetes Job, a shell), they connect to
+the controller, prove the per-mesh secret and are admitted.
+
+``Listener`` is the controller's side, one per Mesh that does not use the local fork server. Per generation
+(start/restart) it binds the controller's socket to an explicitly chosen address (loopback unless told
+otherwise; CurveZMQ encryption on request), writes the secret to a 0600 file, and runs the admission: every
+``Hello`` is checked (protocol version, world size, rank taken), held until all ``world_size`` ranks are
+there, then numbered where the launcher did not number it (grouped by host), and welcomed. Rank 0 hosts the
+c10d store on its address toward the controller, or, when the launcher set MASTER_ADDR/MASTER_PORT
+(torchrun), every rank uses ``env://``. When the start timeout passes first, the report names who joined and
+who is missing.
+
+The launchers (who starts the ranks) and the printed commands are in remote.py.
+
+Threads: methods marked (I/O) run on the mesh's I/O thread (which owns the socket); ``wait_ready`` and
+``wait_exited`` on the caller's thread; launcher exit events on the launcher's waiter thread. State is
+guarded by the mesh's lock.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextvars
+import logging
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from monarch_worker import protocol as P
+from monarch_worker.channel import send_frames
+
+from ..errors import MeshStartError, describe_returncode
+from .ranks import format_ranks
+from .remote import JoinCommands, JoinLauncher, ProcessLauncher, _default_nproc_per_node, resolve_address
+
+if TYPE_CHECKING:
+    from .mesh import Mesh
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Listener"]
+
+PENDING_SILENCE = 10.0  # seconds without a heartbeat after which a rank waiting for the others is dropped
+RDZV_LINGER = 30.0  # seconds torchrun's rendezvous store stays up after the mesh stopped (agents leave it)
+
+
+# ---------------------------------------------------------------------------------------------------- listener
+
+
+@dataclass
+class _Joiner:
+    identity: bytes
+    hello: P.Hello
+    arrival: int
+    last_heard: float
+    rank: int = -1
+    local_rank: int = -1
+    local_world_size: int = -1
+
+
+class Listener:
+    """The controller's side of joined ranks (see the module docstring).
+
+    Parameters
+    ----------
+    mesh:
+        The mesh it admits ranks to.
+    launcher:
+        A JoinLauncher (or a subclass that starts the ranks: torchrun, srun).
+    address:
+        Where to listen: None (loopback), an interface, an address or host name of this host, or ``*``.
+    port:
+        TCP port (0: any free port).
+    encrypt:
+        Encrypt and authenticate the connections with CurveZMQ (needs libzmq with CURVE).
+    secret_file:
+        Where to write the secret (default: a new file in Jupyter's runtime directory); removed at stop.
+
+    Raises
+    ------
+    ValueError
+        Bad address or port, or encryption asked for without CURVE support.
+    """
+
+    def __init__(self, mesh: Mesh, launcher: JoinLauncher, address: str | None, port: int, encrypt: bool,
+                 secret_file: str | None) -> None:
+        if not 0 <= port < 65536:
+            raise ValueError(f"port must be 0 (any) or 1-65535, got {port}")
+        if encrypt and not zmq.has("curve"):
+            raise ValueError("encrypt=True needs libzmq built with CURVE (libsodium); this pyzmq has none")
+        self.mesh = mesh
+        self.launcher = launcher
+        launcher.listener = self
+        self.bind_ip, self.advertised = resolve_address(address)
+        self.port = port
+        self.encrypt = encrypt
+        self.secret_file_option = secret_file
+        self.commands: JoinCommands | None = None
+        self.is_open = False
+        self.opened_at = 0.0
+        self.deadline = 0.0
+        self.failed = ""
+        self._pending: dict[bytes, _Joiner] = {}
+        self._placement: dict[int, _Joiner] = {}
+        self._arrivals = 0
+        self._complete = False
+        self._launcher_rc: int | None = None
+        self._secret_path = ""
+        self._curve_public = ""
+        self._rdzv_store: Any = None
+        self._ctx = contextvars.copy_context()
+        self.waiting = False
+
+    @property
+    def loopback(self) -> bool:
+        return self.bind_ip.startswith("127.")
+
+    # ---- generation (caller thread)
+
+    def open(self, router: zmq.Socket, secret: bytes) -> str:
+        """Bind ``router`` and write the secret file; returns the address ranks connect to."""
+        self._pending, self._placement, self._arrivals = {}, {}, 0
+        self._complete, self._launcher_rc, self.failed = False, None, ""
+        router.setsockopt(zmq.ROUTER_HANDOVER, 0)  # a second connection can never take over a rank's identity
+        if self.encrypt:
+            public, secret_key = zmq.curve_keypair()
+            router.curve_server = True
+            router.curve_secretkey = secret_key
+            self._curve_public = public.decode()
+        try:
+            if self.port:
+                router.bind(f"tcp://{self.bind_ip}:{self.port}")
+                port = self.port
+            else:
+                port = router.bind_to_random_port(f"tcp://{self.bind_ip}")
+        except zmq.ZMQError as e:
+            raise MeshStartError(f"cannot listen on {self.bind_ip}:{self.port or 'any port'}: {e}") from None
+        url = f"tcp://{self.advertised}:{port}"
+        self._secret_path = self._write_secret(secret)
+        atexit.register(self._remove_secret)  # also when the kernel exits without stopping the mesh
+        world = self.mesh.nproc
+        per_node = self.launcher.nproc_per_node or _default_nproc_per_node(world)
+        if world % per_node:
+            raise ValueError(f"nproc_per_node {per_node} does not divide the world size {world}")
+        rdzv = ""
+        gen = os.urandom(4).hex()
+        if world // per_node > 1 and not self.launcher.starts_ranks:
+            rdzv = self._open_rdzv_store()
+        self.commands = JoinCommands(url, self._secret_path, world, per_node, self._curve_public, rdzv,
+                                     f"monarch-{gen}", sys.executable)
+        self.is_open = True
+        self.opened_at = time.monotonic()
+        self.deadline = self.opened_at + self.mesh.start_timeout
+        self._ctx = contextvars.copy_context()
+        if not self.loopback:
+            log.info("the mesh listens on %s (bound to %s)", url, self.bind_ip)
+        return url
+
+    def _write_secret(self, secret: bytes) -> str:
+        path = self.secret_file_option
+        if path is None:
+            try:
+                from jupyter_core.paths import jupyter_runtime_dir
+
+                folder = jupyter_runtime_dir()
+            except ImportError:
+                folder = os.path.join(os.path.expanduser("~"), ".local", "share", "jupyter", "runtime")
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+            path = os.path.join(folder, f"monarch-mesh-{os.getpid()}-{os.urandom(4).hex()}.key")
+        path = os.path.abspath(path)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secret.hex() + "\n")
+        return path
+
+    def _open_rdzv_store(self) -> str:
+        """A c10d store for torchrun's rendezvous, hosted here so the torchrun command is the same on every host.
+
+        c10d stores listen on every interface and do not authenticate; they carry only torchrun's rendezvous."""
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        self._rdzv_store = dist.TCPStore(self.advertised, 0, is_master=True, wait_for_workers=False,
+                                         timeout=timedelta(seconds=max(self.mesh.start_timeout, 60)))
+        return f"{self.advertised}:{self._rdzv_store.port}"
+
+    def launch(self, env: dict[str, str]) -> JoinLauncher:
+        assert self.commands is not None
+        self.launcher.launch(self.commands, env, self.mesh._secret.hex(), self)
+        return self.launcher
+
+    def close(self) -> None:
+        """After the mesh's socket closed: remove the secret file and the rendezvous store."""
+        self.is_open = False
+        atexit.unregister(self._remove_secret)
+        self._remove_secret()
+        if self._rdzv_store is not None:  # torchrun agents still leave its rendezvous for a moment
+            store, self._rdzv_store = self._rdzv_store, None
+            timer = threading.Timer(RDZV_LINGER, lambda: store)  # holds the last reference until it fires
+            timer.daemon = True
+            timer.start()
+        if isinstance(self.launcher, ProcessLauncher):
+            self.launcher.cleanup()
+
+    def _remove_secret(self) -> None:
+        if self._secret_path:
+            try:
+                os.unlink(self._secret_path)
+            except OSError:
+                pass
+            self._secret_path = ""
+
+    # ---- admission (I/O thread)
+
+    def on_hello(self, identity: bytes, msg: P.Hello, by_identity: dict[bytes, int]) -> None:
+        reason = self._admission(identity, msg)
+        if reason:
+            log.warning("rejected a rank from %s (pid %d): %s", msg.host, msg.pid, reason)
+            self._send(identity, P.Rejected(reason))
+            return
+        with self.mesh._cond:
+            self._arrivals += 1
+            self._pending[identity] = _Joiner(identity, msg, self._arrivals, time.monotonic(), msg.rank)
+            if msg.rank >= 0:  # numbered by its launcher: %mesh status shows where it is while others come
+                info = self.mesh._ranks[msg.rank]
+                info.host, info.pid = msg.host, msg.pid
+            self.mesh._cond.notify_all()
+        self.mesh._event("rank_joined", host=msg.host, pid=msg.pid, rank=msg.rank, joined=len(self._pending),
+                         world_size=self.mesh.nproc)
+        if len(self._pending) == self.mesh.nproc:
+            self._admit(by_identity)
+
+    def _admission(self, identity: bytes, msg: P.Hello) -> str:
+        world = self.mesh.nproc
+        if msg.version != P.PROTOCOL_VERSION:
+            return (f"this rank speaks protocol {msg.version}, the controller {P.PROTOCOL_VERSION}: install the "
+                    "same monarch_jupyter version on every host")
+        if self.failed:
+            return f"the mesh stopped waiting for ranks ({self.failed.splitlines()[0]}); %mesh restart listens again"
+        if self._complete or len(self._pending) >= world:
+            return f"the mesh already has its {world} ranks"
+        if identity in self._pending:
+            return "said hello twice"
+        if msg.world_size not in (-1, world):
+            return (f"launched with world size {msg.world_size}, but the mesh listens for {world} ranks: launch "
+                    f"{world} ranks, or listen with --world-size {msg.world_size}")
+        if msg.rank >= world:
+            return f"rank {msg.rank} is outside the mesh's world size {world}"
+        if msg.rank >= 0:
+            for j in self._pending.values():
+                if j.rank == msg.rank:
+                    return (f"rank {msg.rank} already joined from {j.hello.host} (pid {j.hello.pid}); are two launches "
+                            "running at once?")
+        return ""
+
+    def _admit(self, by_identity: dict[bytes, int]) -> None:
+        """Every rank is here: number the unnumbered ones (grouped by host), then welcome them."""
+        joiners = list(self._pending.values())
+        free = iter(sorted(set(range(self.mesh.nproc)) - {j.rank for j in joiners if j.rank >= 0}))
+        for j in sorted((j for j in joiners if j.rank < 0), key=lambda j: (j.hello.host, j.arrival)):
+            j.rank = next(free)
+        hosts: dict[str, list[_Joiner]] = {}
+        for j in sorted(joiners, key=lambda j: j.rank):
+            hosts.setdefault(j.hello.host, []).append(j)
+        for group in hosts.values():
+            for i, j in enumerate(group):
+                j.local_rank = j.hello.local_rank if j.hello.local_rank >= 0 else i
+                j.local_world_size = j.hello.local_world_size if j.hello.local_world_size > 0 else len(group)
+        masters = {(j.hello.launcher_env.get("MASTER_ADDR"), j.hello.launcher_env.get("MASTER_PORT"))
+                   for j in joiners}
+        use_env = len(masters) == 1 and None not in next(iter(masters)) and all(j.hello.rank >= 0 for j in joiners)
+        now = time.monotonic()
+        with self.mesh._cond:
+            for j in joiners:
+                info = self.mesh._ranks[j.rank]
+                info.identity, info.host, info.pid, info.last_heard = j.identity, j.hello.host, j.hello.pid, now
+                by_identity[j.identity] = j.rank
+                self._placement[j.rank] = j
+            self._pending = {}
+            self._complete = True
+        for j in joiners:
+            self.launcher.note_rank(j.rank, j.hello.pid, j.hello.host)
+        log.info("all %d ranks joined (%s); rendezvous %s", len(joiners), self.hosts_text(),
+                 "env:// (the launcher's)" if use_env else "a store on rank 0")
+        if use_env:
+            for j in joiners:
+                self._welcome(j, "", -1)
+        else:
+            self._welcome(self._placement[0], "", 0)
+
+    def on_store_ready(self, rank: int, msg: P.StoreReady) -> None:
+        """(I/O) Rank 0 hosts the store: the others can join it."""
+        for r, j in self._placement.items():
+            if r != 0:
+                self._welcome(j, msg.addr, msg.port)
+
+    def _welcome(self, j: _Joiner, addr: str, port: int) -> None:
+        m = self.mesh
+        settings = {"backend": m.backend, "pg_timeout": m.pg_timeout, "heartbeat_interval": m.heartbeat_interval,
+                    "heartbeat_timeout": m.heartbeat_timeout, "env": dict(m.env)}
+        self._send(j.identity, P.Welcome(rank=j.rank, world_size=m.nproc, local_rank=j.local_rank,
+                                         local_world_size=j.local_world_size, master_addr=addr, master_port=port,
+                                         settings=settings))
+
+    def _send(self, identity: bytes, msg: P.Message) -> None:
+        send_frames(self.mesh._router, [identity, *self.mesh._signer.pack(msg)])
+
+    def on_unknown(self, identity: bytes, msg: P.Message) -> bool:
+        """(I/O) A verified message from a rank not numbered yet; True when it belongs to a waiting joiner."""
+        j = self._pending.get(identity)
+        if j is None:
+            return False
+        j.last_heard = time.monotonic()
+        if isinstance(msg, (P.Goodbye, P.StartFailed)):
+            self._forget(identity)
+            log.warning("a rank from %s (pid %d) left before the mesh was complete", j.hello.host, j.hello.pid)
+        return True
+
+    def _forget(self, identity: bytes) -> None:
+        """A rank that waited to be admitted is gone."""
+        with self.mesh._cond:
+            j = self._pending.pop(identity, None)
+            if j is not None and j.rank >= 0:
+                info = self.mesh._ranks[j.rank]
+                info.host, info.pid = "", None
+
+    def on_goodbye(self, rank: int, msg: P.Goodbye) -> None:
+        """(I/O) A joined rank exits."""
+        self._rank_exited(rank, msg.returncode)
+
+    def _rank_exited(self, rank: int, returncode: int) -> None:
+        from .mesh import RankState
+
+        with self.mesh._cond:
+            info = self.mesh._ranks.get(rank)
+            if info is None or info.state in (RankState.DEAD, RankState.STOPPED):
+                return
+        self.launcher.note_exit(rank)
+        self.mesh.on_exit(rank, returncode)
+
+    def on_launcher_exit(self, returncode: int) -> None:
+        """(launcher's waiter thread) The engine exited: so did every rank it ran."""
+        with self.mesh._cond:
+            self._launcher_rc = returncode
+            ranks = list(self.mesh._ranks)
+            self.mesh._cond.notify_all()
+        for r in ranks:
+            self._rank_exited(r, returncode)
+
+    # LauncherEvents, for launchers that report per rank
+    def on_spawned(self, rank: int, pid: int) -> None:
+        self.mesh.on_spawned(rank, pid)
+
+    def on_output(self, rank: int, stream: str, data: bytes) -> None:
+        self.mesh.on_output(rank, stream, data)
+
+    def on_exit(self, rank: int, returncode: int) -> None:
+        self._rank_exited(rank, returncode)
+
+    def check(self, now: float) -> None:
+        """(I/O, once per heartbeat interval) Drop waiting joiners that went silent; give up at the deadline."""
+        if not self.is_open or self.failed or self.mesh._running:
+            return
+        for identity, j in list(self._pending.items()):
+            if now - j.last_heard > max(PENDING_SILENCE, 5 * self.mesh.heartbeat_interval):
+                self._forget(identity)
+                log.warning("a rank from %s (pid %d) went silent before the mesh was complete", j.hello.host,
+                            j.hello.pid)
+        if now > self.deadline:
+            report = self.missing_report()
+            for identity in list(self._pending):
+                self._send(identity, P.Rejected(f"the mesh did not get all its ranks in time: {report}"))
+            with self.mesh._cond:
+                self.failed = report
+                self.mesh._cond.notify_all()
+                waiting = self.waiting
+            if not waiting:  # %mesh listen returned long ago: say it in that cell's output
+                self._ctx.run(lambda: sys.stderr.write(f"mesh: {report}\n"))
+
+    def reject_pending(self, reason: str) -> None:
+        """(any thread) Tell the ranks still waiting to be admitted to exit."""
+        with self.mesh._cond:
+            identities = list(self._pending)
+        if identities:
+            self.mesh._outbox.put((identities, P.Rejected(reason), b"", []))
+
+    # ---- reports
+
+    def hosts_text(self) -> str:
+        hosts: dict[str, list[int]] = {}
+        for r, j in sorted(self._placement.items()):
+            hosts.setdefault(j.hello.host, []).append(r)
+        return ", ".join(f"{h}: ranks {format_ranks(rs)}" for h, rs in hosts.items())
+
+    def missing_report(self) -> str:
+        """Who joined and who is missing, for a start that timed out."""
+        from .mesh import RankState
+
+        world = self.mesh.nproc
+        if self._complete:  # everyone came; some did not get through the process group's rendezvous
+            late = [r for r, i in self.mesh._ranks.items() if i.state is not RankState.IDLE]
+            where = ", ".join(f"{r} on {self._placement[r].hello.host}" for r in late if r in self._placement)
+            return (f"all {world} ranks joined, but rank(s) {where} did not join the process group within "
+                    f"{self.mesh.start_timeout:g} s: can the hosts reach each other (rank 0's store, gloo: set "
+                    "GLOO_SOCKET_IFNAME to the right interface)? See docs/multihost.md")
+        joined = list(self._pending.values())
+        numbered = sorted(j.rank for j in joined if j.rank >= 0)
+        unnumbered = [j for j in joined if j.rank < 0]
+        waited = self.mesh.start_timeout
+        lines = [f"{len(joined)} of {world} ranks joined within {waited:g} s"]
+        by_host: dict[str, list[str]] = {}
+        for j in sorted(joined, key=lambda j: (j.hello.host, j.rank < 0, j.rank, j.arrival)):
+            by_host.setdefault(j.hello.host, []).append(str(j.rank) if j.rank >= 0 else "?")
+        for host, ranks in by_host.items():
+            lines.append(f"  {host}: rank(s) {', '.join(ranks)}")
+        missing = sorted(set(range(world)) - set(numbered))
+        if unnumbered:
+            lines.append(f"  missing: {world - len(joined)} rank(s) (ranks without RANK are numbered once all joined)")
+        elif missing:
+            lines.append(f"  missing: rank(s) {format_ranks(missing)}")
+        lines.append(f"Check that the launch ran on every host and that those hosts reach {self.mesh.address} "
+                     "(firewall? an address of the controller that they cannot route to?).")
+        tail = self.launcher.log_tail()
+        if tail:
+            lines.append(f"{self.launcher.name} output ({getattr(self.launcher, 'log_path', '')}):")
+            lines += [f"  {line}" for line in tail.splitlines()]
+        return "\n".join(lines)
+
+    # ---- waiting (caller thread)
+
+    def wait_ready(self, deadline: float) -> bool:
+        """Wait until every rank joined the process group (True), ``deadline`` (monotonic) passed (False), or
+        the start failed.
+
+        Raises
+        ------
+        MeshStartError
+            The start timeout passed first (the report names who is missing), a rank failed to join, or the
+            launcher exited.
+        """
+        from .mesh import RankState
+
+        m = self.mesh
+        with m._cond:
+            self.waiting = True
+            try:
+                while True:
+                    if self.failed:
+                        first = next((r for r in range(m.nproc) if m._ranks[r].state is not RankState.IDLE), -1)
+                        raise MeshStartError(f"the mesh did not start: {self.failed}", first)
+                    if self._launcher_rc is not None and not all(i.state is RankState.IDLE for i in m._ranks.values()):
+                        raise MeshStartError(
+                            f"{self.launcher.name} exited ({describe_returncode(self._launcher_rc)}) before every rank "
+                            f"joined; {self.missing_report()}")
+                    bad = [i for i in m._ranks.values() if i.start_error or i.state is RankState.DEAD]
+                    if bad:
+                        info = bad[0]
+                        why = ("failed to join" if info.start_error
+                               else f"exited ({describe_returncode(info.returncode)})")
+                        detail = info.start_error or "\n".join(info.last_lines)
+                        tail = self.launcher.log_tail()
+                        if tail:
+                            detail += f"\n{self.launcher.name} output:\n{tail}"
+                        raise MeshStartError(f"rank {info.rank} (host {info.host or '?'}) {why} while the mesh was "
+                                             "starting", info.rank, detail.strip("\n"))
+                    if all(i.state is RankState.IDLE for i in m._ranks.values()):
+                        return True
+                    now = time.monotonic()
+                    if now > self.deadline + 3 * m.heartbeat_interval + 1:  # the I/O thread should have said so
+                        self.failed = self.missing_report()
+                        continue
+                    if now >= deadline:
+                        return False
+                    m._cond.wait(min(deadline - now, 0.1))
+            finally:
+                self.waiting = False
+
+    def wait_exited(self, timeout: float) -> bool:
+        """Wait until every admitted rank exited (said goodbye), up to ``timeout`` seconds."""
+        from .mesh import RankState
+
+        m = self.mesh
+        end = time.monotonic() + timeout
+        with m._cond:
+            while any(i.identity is not None and i.state not in (RankState.DEAD, RankState.STOPPED)
+                      for i in m._ranks.values()):
+                remaining = end - time.monotonic()
+                if remaining <= 0:
+                    return False
+                m._cond.wait(min(remaining, 0.05))
+        return True
+
+    def placement(self) -> dict[int, dict[str, Any]]:
+        """rank -> {"host", "local_rank", "local_world_size", "launcher_env"} of the admitted ranks."""
+        return {r: {"host": j.hello.host, "local_rank": j.local_rank, "local_world_size": j.local_world_size,
+                    "launcher_env": dict(j.hello.launcher_env)} for r, j in sorted(self._placement.items())}
+
+    def joined_count(self) -> int:
+        return len(self._placement) if self._complete else len(self._pending)

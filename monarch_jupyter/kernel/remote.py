@@ -1,0 +1,353 @@
+"""Launchers for ranks that join (monarch_jupyter.kernel.join), and what a person needs to start them.
+
+``JoinLauncher`` starts nothing: ``%mesh listen`` prints the commands (``JoinCommands``: torchrun, an sbatch
+script, plain ``python -m monarch_worker``) for a person or a scheduler to run. ``ProcessLauncher`` is the
+base of the engines the controller runs itself (torchrun.TorchrunLauncher, slurm.SlurmLauncher): one process
+for the whole world, its log kept in a file, its exit reported as the exit of every rank still running.
+``resolve_address`` turns ``--address`` (an interface, an address, a host name, ``*``) into where to bind.
+
+Threads: ``launch``/``kill``/``wait`` on the caller's thread; ``note_rank`` on the mesh's I/O thread; a
+ProcessLauncher's exit event on its waiter thread.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import shlex
+import signal
+import socket
+import struct
+import subprocess
+import tempfile
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from monarch_worker import join as wjoin
+
+from .launcher import Launcher, LaunchError
+
+if TYPE_CHECKING:
+    from .join import Listener
+
+log = logging.getLogger(__name__)
+
+__all__ = ["JoinLauncher", "ProcessLauncher", "JoinCommands", "resolve_address", "make_launcher"]
+
+LOOPBACK = ("", "127.0.0.1", "localhost", "lo")
+LOG_TAIL = 30  # lines of a launcher's log shown when it fails
+
+# ---------------------------------------------------------------------------------------------------- addresses
+
+
+def _interface_ipv4(name: str) -> str | None:
+    SIOCGIFADDR = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            res = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+        except OSError:
+            return None
+    return socket.inet_ntoa(res[20:24])
+
+
+def resolve_address(address: str | None) -> tuple[str, str]:
+    """(address to bind, address ranks connect to) for ``address``: None or loopback, an interface name
+    (``eth0``, ``ib0``), an IPv4 address or host name of this host, or ``*`` / ``0.0.0.0`` (every interface;
+    ranks are told the address of the interface of the default route).
+
+    Raises
+    ------
+    ValueError
+        Not an interface, address or resolvable host name (the message lists this host's interfaces).
+    """
+    address = (address or "").strip()
+    if address in LOOPBACK:
+        return "127.0.0.1", "127.0.0.1"
+    if address in ("*", "0.0.0.0"):
+        try:
+            advertised = wjoin.address_toward("tcp://192.0.2.1:9")  # the default route's address; sends nothing
+        except OSError:
+            advertised = socket.gethostname()
+        return "0.0.0.0", advertised
+    names = [n for _, n in socket.if_nameindex()]
+    if address in names:
+        ip = _interface_ipv4(address)
+        if ip is None:
+            raise ValueError(f"interface {address} has no IPv4 address; choose another of: {', '.join(names)}")
+        return ip, ip
+    try:
+        ip = socket.getaddrinfo(address, None, socket.AF_INET)[0][4][0]
+    except (OSError, IndexError):
+        raise ValueError(f"address {address!r} is neither an interface of this host ({', '.join(names)}) nor an "
+                         "IPv4 address or a host name that resolves") from None
+    return ip, ip
+
+
+# ---------------------------------------------------------------------------------------------------- commands
+
+
+@dataclass(frozen=True)
+class JoinCommands:
+    """Ready-to-paste commands that start the ranks of a listening mesh. None of them holds the secret: they
+    name the 0600 file that holds it (on a shared filesystem), or the ranks' environment carries it.
+
+    ``rdzv_endpoint`` is a c10d store that the controller hosts for torchrun's own rendezvous, so that the
+    torchrun command is the same on every host ("" when the mesh fits one host: ``--standalone``).
+    """
+
+    controller: str
+    secret_file: str
+    world_size: int
+    nproc_per_node: int
+    curve_serverkey: str = ""
+    rdzv_endpoint: str = ""
+    rdzv_id: str = ""
+    python: str = "python"
+    env_extra: dict = field(default_factory=dict)
+
+    @property
+    def nnodes(self) -> int:
+        return self.world_size // self.nproc_per_node
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment every rank needs (no secret in it: the secret's file)."""
+        env = {wjoin.ENV_CONTROLLER: self.controller, wjoin.ENV_SECRET_FILE: self.secret_file}
+        if self.curve_serverkey:
+            env[wjoin.ENV_CURVE_SERVERKEY] = self.curve_serverkey
+        env.update(self.env_extra)
+        return env
+
+    def torchrun_args(self) -> list[str]:
+        """torchrun's arguments (after ``torchrun``), the same on every host."""
+        if self.nnodes == 1:
+            rdzv = ["--standalone"]
+        else:
+            rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", self.rdzv_endpoint, "--rdzv-id", self.rdzv_id]
+        return ["--nnodes", str(self.nnodes), "--nproc-per-node", str(self.nproc_per_node), *rdzv,
+                "--max-restarts", "0", "-m", "monarch_worker"]
+
+    @property
+    def torchrun(self) -> str:
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
+        return f"{env} \\\n  torchrun {shlex.join(self.torchrun_args())}"
+
+    @property
+    def sbatch(self) -> str:
+        lines = ["#!/bin/bash", "#SBATCH --job-name=monarch-mesh", f"#SBATCH --ntasks={self.world_size}",
+                 f"#SBATCH --ntasks-per-node={self.nproc_per_node}"]
+        lines += [f"export {k}={shlex.quote(v)}" for k, v in self.env.items()]
+        lines.append(f"srun {self.python} -m monarch_worker")
+        return "\n".join(lines)
+
+    @property
+    def generic(self) -> str:
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
+        return f"{env} {self.python} -m monarch_worker"
+
+    def __str__(self) -> str:
+        enc = "; encrypted (CurveZMQ)" if self.curve_serverkey else ""
+        return "\n".join([
+            f"The mesh listens on {self.controller} for {self.world_size} ranks{enc}. Start them with one of:",
+            "",
+            f"# torchrun: on each of {self.nnodes} host(s) ({self.nproc_per_node} ranks per host)",
+            self.torchrun,
+            "",
+            "# SLURM: sbatch this script (or run its srun line inside salloc)",
+            self.sbatch,
+            "",
+            "# any launcher, once per rank (RANK/WORLD_SIZE/LOCAL_RANK optional: without them the mesh numbers "
+            "ranks by host)",
+            self.generic,
+            "",
+            f"# The secret is in {self.secret_file} (mode 0600); hosts without that file can get it in "
+            f"{wjoin.ENV_SECRET} instead (export MONARCH_SECRET=$(cat FILE); never on a command line).",
+        ])
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(str(self))
+
+
+def _default_nproc_per_node(world_size: int) -> int:
+    """The largest divisor of ``world_size`` up to 8 (a typical host)."""
+    return max(d for d in range(1, min(world_size, 8) + 1) if world_size % d == 0)
+
+
+# ---------------------------------------------------------------------------------------------------- launchers
+
+
+class JoinLauncher(Launcher):
+    """Ranks started by someone else with the commands of ``%mesh listen``; nothing is started here.
+
+    Parameters
+    ----------
+    nproc_per_node:
+        Ranks per host in the printed torchrun and sbatch commands (default: the largest divisor of the world
+        size up to 8).
+    """
+
+    joins = True
+    name = "join"
+    #: True when the controller starts the ranks itself (start() then waits until they joined)
+    starts_ranks = False
+
+    def __init__(self, nproc_per_node: int | None = None) -> None:
+        if nproc_per_node is not None and nproc_per_node < 1:
+            raise ValueError(f"nproc_per_node must be at least 1, got {nproc_per_node}")
+        self.nproc_per_node = nproc_per_node
+        self.listener: Listener | None = None
+        self._ranks: dict[int, tuple[int, str]] = {}  # rank -> (pid, host)
+        self._killed = False
+
+    def launch(self, commands: JoinCommands, env: dict[str, str], secret: str, sink: Any) -> None:
+        """Start the whole world (engines that place ranks themselves); here: nothing, a person runs the
+        commands. ``secret`` goes only into the environment of what is started, never on its command line."""
+        self._ranks = {}
+        self._killed = False
+
+    def note_rank(self, rank: int, pid: int, host: str) -> None:
+        """The controller admitted ``rank`` (I/O thread)."""
+        self._ranks[rank] = (pid, host)
+
+    def note_exit(self, rank: int) -> None:
+        """``rank`` exited (it said goodbye, or its engine ended): no signal goes to its pid any more."""
+        self._ranks.pop(rank, None)
+
+    def signal(self, rank: int, sig: int) -> None:
+        """Signals reach only ranks on this host (by pid); others are told through the protocol."""
+        here = socket.gethostname()
+        for r, (pid, host) in list(self._ranks.items()):
+            if rank in (-1, r) and host == here:
+                try:
+                    os.kill(pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+    def kill(self) -> None:
+        """SIGKILL the ranks on this host; ranks elsewhere exit when the controller's heartbeats stop."""
+        self.signal(-1, signal.SIGKILL)
+        self._killed = True
+
+    def wait(self, timeout: float) -> bool:
+        """Wait until every admitted rank said goodbye (exited), up to ``timeout`` seconds (not after kill:
+        a killed rank says nothing)."""
+        if self._killed or self.listener is None:
+            return True
+        return self.listener.wait_exited(timeout)
+
+    def log_tail(self) -> str:
+        """The last lines of the launcher's own output ("" when there is none)."""
+        return ""
+
+
+class ProcessLauncher(JoinLauncher):
+    """An engine the controller runs as one process for the whole world (torchrun, srun).
+
+    The process's stdout and stderr go to a log file (the ranks send their own output to the notebook); when
+    it exits, every rank not yet gone is reported exited with its status.
+    """
+
+    starts_ranks = True
+
+    def __init__(self, nproc_per_node: int | None = None) -> None:
+        super().__init__(nproc_per_node)
+        self.proc: subprocess.Popen | None = None
+        self.log_path = ""
+        self._waiter: threading.Thread | None = None
+
+    def command(self, commands: JoinCommands) -> list[str]:
+        raise NotImplementedError
+
+    def extra_env(self) -> dict[str, str]:
+        return {}
+
+    def launch(self, commands: JoinCommands, env: dict[str, str], secret: str, sink: Any) -> None:
+        super().launch(commands, env, secret, sink)
+        argv = self.command(commands)
+        env = {**env, **commands.env, wjoin.ENV_RELAY_TEE: "0", **self.extra_env()}
+        env.pop(wjoin.ENV_SECRET_FILE, None)
+        env[wjoin.ENV_SECRET] = secret  # environment only (readable by this user and root), never argv
+        fd, self.log_path = tempfile.mkstemp(prefix=f"monarch-{self.name}-", suffix=".log")
+        try:
+            self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=fd, stderr=subprocess.STDOUT,
+                                         start_new_session=True, close_fds=True)
+        except OSError as e:
+            raise LaunchError(f"cannot run {argv[0]}: {e.strerror}") from None
+        finally:
+            os.close(fd)
+        log.info("%s started (pid %d): %s; log %s", self.name, self.proc.pid, shlex.join(argv), self.log_path)
+        proc = self.proc
+        self._waiter = threading.Thread(target=self._wait_exit, args=(proc, sink, commands.world_size),
+                                        name=f"monarch-{self.name}", daemon=True)
+        self._waiter.start()
+
+    def _wait_exit(self, proc: subprocess.Popen, sink: Any, world_size: int) -> None:
+        rc = proc.wait()
+        if proc is self.proc:  # not a process of an earlier generation
+            sink.on_launcher_exit(rc)
+
+    def wait(self, timeout: float) -> bool:
+        if self.proc is None:
+            return True
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
+    def kill(self) -> None:
+        """SIGTERM to the engine (it stops its ranks), SIGKILL to it and to the ranks on this host after 3 s."""
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(3.0)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        super().kill()
+
+    def log_tail(self) -> str:
+        if not self.log_path:
+            return ""
+        try:
+            with open(self.log_path, errors="replace") as f:
+                lines = deque(f, maxlen=LOG_TAIL)
+        except OSError:
+            return ""
+        return "".join(lines).rstrip("\n")
+
+    def cleanup(self) -> None:
+        """Remove the log file (after the mesh stopped)."""
+        if self.log_path:
+            try:
+                os.unlink(self.log_path)
+            except OSError:
+                pass
+            self.log_path = ""
+
+
+def make_launcher(spec: Any, world_size: int) -> JoinLauncher:
+    """The launcher for ``Mesh(launcher=spec)``: "join", "torchrun", "slurm" or a JoinLauncher object.
+
+    Raises ValueError for anything else."""
+    if isinstance(spec, JoinLauncher):
+        return spec
+    if spec == "join":
+        return JoinLauncher()
+    if spec == "torchrun":
+        from .torchrun import TorchrunLauncher
+
+        return TorchrunLauncher(world_size)
+    if spec == "slurm":
+        from .slurm import SlurmLauncher
+
+        return SlurmLauncher()
+    raise ValueError(f"launcher must be 'local', 'join', 'torchrun', 'slurm' or a JoinLauncher, got {spec!r}")

@@ -1,0 +1,59 @@
+"""Ranks on this host under torchrun's elastic agent: ``%mesh start --launcher torchrun --nproc-per-node N``.
+
+torchrun (``python -m torch.distributed.run --standalone``) places and numbers the ranks and hosts their
+rendezvous; each rank is ``python -m monarch_worker`` and joins the controller on loopback (monarch_jupyter.
+kernel.join). For ranks on several hosts, run the torchrun command that ``%mesh listen`` prints on each host.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+
+from monarch_worker import join as wjoin
+
+from .remote import JoinCommands, ProcessLauncher
+from .launcher import LaunchError
+
+__all__ = ["TorchrunLauncher"]
+
+
+class TorchrunLauncher(ProcessLauncher):
+    """torchrun on this host, one agent for the whole mesh.
+
+    Parameters
+    ----------
+    nproc_per_node:
+        Ranks (default: the mesh's world size; anything else is an error since there is one node).
+    nnodes:
+        Must be 1: torchrun started from the notebook runs on the notebook's host.
+    torchrun_args:
+        Extra torchrun arguments, e.g. ``"--log-dir /tmp/tr"``.
+
+    Raises
+    ------
+    ValueError
+        ``nnodes`` is not 1.
+    """
+
+    name = "torchrun"
+
+    def __init__(self, nproc_per_node: int | None = None, nnodes: int = 1, torchrun_args: str = "") -> None:
+        if nnodes != 1:
+            raise ValueError(f"--launcher torchrun runs torchrun on this host only (--nnodes 1), got --nnodes "
+                             f"{nnodes}; for ranks on several hosts run  %mesh listen  and the torchrun command it "
+                             "prints on each host, or use --launcher slurm inside an allocation")
+        super().__init__(nproc_per_node)
+        self.torchrun_args = torchrun_args
+
+    def command(self, commands: JoinCommands) -> list[str]:
+        world = commands.world_size
+        if self.nproc_per_node not in (None, world):
+            raise LaunchError(f"--nproc-per-node {self.nproc_per_node} differs from the world size {world} (-n); "
+                              "with one node they are the same number")
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+                "--nproc-per-node", str(world), "--max-restarts", "0", *shlex.split(self.torchrun_args),
+                "-m", "monarch_worker"]
+
+    def extra_env(self) -> dict[str, str]:
+        return {wjoin.ENV_PDEATHSIG: "1"}  # ranks go with their agent, even when it is SIGKILLed
