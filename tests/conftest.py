@@ -52,6 +52,17 @@ def wait_gone(pids: set[int], timeout: float = 10.0) -> set[int]:
     return alive
 
 
+def magic_shell() -> object:
+    """IPython's shared InteractiveShell with %mesh registered (another test module may have unloaded it)."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from monarch_jupyter.magics import load
+
+    shell = InteractiveShell.instance()
+    load(shell)
+    return shell
+
+
 @pytest.fixture(scope="session")
 def mesh() -> Iterator[Mesh]:
     """A 4-rank gloo mesh shared by the tests that only run code (they must leave it usable)."""

@@ -2,7 +2,7 @@
 # A throw-away SLURM cluster (Debian slurm-wlm 22.05 + munge) on this one machine.
 #
 #   slurm.sh up [netns N | alias N | local]   start munged, slurmctld, slurmd(s)
-#            netns N  (default, N=2): nodes mj-h1..mj-hN, one slurmd per fake host
+#            netns N  (default, N=2): nodes mj-h1..mj-hN ($MJ_NETNS_PREFIX), one slurmd per fake host
 #                     made by netns.sh (own IP 10.213.0.1K, own hostname, own lo);
 #                     slurmctld in the root namespace on 10.213.0.1
 #            alias N: nodes mj-n1..mj-nN, all slurmd on this host (slurmd -N),
@@ -30,6 +30,7 @@ SLURMD_PORT=$((CTLD_PORT + 1))
 CONF="$D/etc/slurm.conf"
 MSOCK="$D/munge/munge.sock"
 HOST=$(hostname)
+NS_PREFIX=${MJ_NETNS_PREFIX:-mj-h}  # netns mode: node names are the fake hosts' names (see netns.sh)
 export SLURM_CONF="$CONF"
 
 log() { echo "slurm.sh: $*" >&2; }
@@ -120,7 +121,7 @@ EOF
                 done ;;
             netns)
                 for ((k = 1; k <= n; k++)); do
-                    echo "NodeName=mj-h${k} NodeAddr=$("$HERE/netns.sh" addr "$k") CPUs=2 State=UNKNOWN"
+                    echo "NodeName=${NS_PREFIX}${k} NodeAddr=$("$HERE/netns.sh" addr "$k") CPUs=2 State=UNKNOWN"
                 done ;;
         esac
         echo "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO"
@@ -150,7 +151,7 @@ start_slurmd() { # node mode
     case "$mode" in
         local) slurmd ;;
         alias) slurmd -N "$node" ;;
-        netns) "$HERE/netns.sh" exec "${node#mj-h}" env SLURM_CONF="$CONF" slurmd ;;
+        netns) "$HERE/netns.sh" exec "${node#"$NS_PREFIX"}" env SLURM_CONF="$CONF" slurmd ;;
     esac
 }
 
@@ -182,7 +183,7 @@ cmd_up() {
     fi
     if [ "$mode" = netns ]; then
         mkdir -p "$D"
-        if ! ip netns list | grep -q "^mj-h${n}\b"; then
+        if ! ip netns list | grep -q "^${NS_PREFIX}${n}\b"; then
             "$HERE/netns.sh" up "$n" >/dev/null
             touch "$D/created-netns"
         fi
