@@ -438,7 +438,8 @@ class Mesh:
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
-        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # No handover: a second connection must never take over a rank's identity (and the code sent to it).
+        self._router.setsockopt(zmq.ROUTER_HANDOVER, 0)
         if self._listener is None:
             port = self._router.bind_to_random_port("tcp://127.0.0.1")
             self.address = f"tcp://127.0.0.1:{port}"
