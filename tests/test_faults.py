@@ -69,7 +69,9 @@ def healthy(mesh: Mesh) -> Iterator[Mesh]:
     if dead:
         mesh.restart(ranks=dead)
     assert mesh.run("t = torch.ones(1); dist.all_reduce(t); int(t.item())") == {r: WORLD for r in range(WORLD)}
-    mesh.run("marker = rank * 10")
+    # Hold the process group as a DDP model in the namespace would: releasing ranks blocked in a collective
+    # must not depend on the group being freed.
+    mesh.run("marker = rank * 10\nheld_group = dist.distributed_c10d._get_default_group()")
     yield mesh
 
 

@@ -102,6 +102,7 @@ class Rank:
         self.ns: Namespace | None = None
         self.device: Any = None  # this rank's torch.device (cuda:LOCAL_RANK or cpu), set by join()
         self.transfers = RankTransfers(self)
+        self.group_sockets = recovery.GroupSockets()  # what Abort shuts down to release gloo collectives
         self.debugger = RankDebugger(self)  # breakpoint(), post-mortem, inspect (debugger.py)
 
     def send(self, msg: P.Message, value: Any = None, *, with_value: bool = False) -> None:
@@ -192,7 +193,7 @@ class Rank:
                                 recovery.last_collective()))
 
     def _on_abort(self, msg: P.Abort, payload: bytes, bufs: list) -> None:
-        recovery.abort_communicators(msg.reason)
+        recovery.abort_communicators(msg.reason, self.group_sockets)
         self.work.put((msg, payload, bufs))  # the main thread destroys the group when it is free
 
     # ---- main thread ------------------------------------------------------------------------------------------
@@ -314,7 +315,8 @@ class Rank:
             kwargs["init_method"] = "env://"
         else:
             kwargs["store"] = store
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
+        with self.group_sockets:  # the connections this group opens (see recovery.GroupSockets)
+            dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
         return device, backend
 
     def serve(self) -> None:

@@ -20,6 +20,7 @@ Recovery
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -45,6 +46,8 @@ from .stacks import rank_list, summarize
 
 if TYPE_CHECKING:
     from .mesh import CellHandle, Mesh, RankInfo
+
+log = logging.getLogger(__name__)
 
 __all__ = ["RecoveryMixin", "InterruptReport", "RELEASE_GRACE", "EXIT_WAIT", "kept_for_death_report"]
 
@@ -206,6 +209,8 @@ class RecoveryMixin:
                               "or its host is unreachable")
                     lost.append((info.rank, reason, self._rank_failed(info, None, reason)))
         for rank, reason, cells in lost:
+            log.warning("rank %d: %s; declared dead", rank, reason)
+            self._event("rank_state", rank=rank, state="dead", returncode=None)
             if self._launcher is not None:
                 self._launcher.signal(rank, signal.SIGKILL)
             self._after_death(rank, reason, cells, notify=True)
