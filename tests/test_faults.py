@@ -97,11 +97,9 @@ def interrupt_when_stacks_show(mesh: Mesh, text: str) -> threading.Thread:
     """SIGINT this process once ``mesh.stacks()`` (asked from another thread) contains ``text``."""
     def poll() -> None:
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if text in mesh.stacks().text:
-                interrupt_me()
-                return
+        while time.monotonic() < deadline and text not in mesh.stacks().text:
             time.sleep(0.05)
+        interrupt_me()  # at the deadline too: the test then fails on what it sees, instead of hanging
 
     thread = threading.Thread(target=poll, daemon=True)
     thread.start()
@@ -121,12 +119,10 @@ def assert_recovered(mesh: Mesh, kept: list[int]) -> None:
 def test_interrupt_reaches_ranks_which_keep_their_state(healthy: Mesh) -> None:
     mesh = healthy
     before = pids(mesh)
-    listener = on_output(mesh, "sleeping", interrupt_me)
-    try:
-        with pytest.raises(KeyboardInterrupt) as info:
-            mesh.run("import time\nprint('sleeping', flush=True)\ntime.sleep(600)\n")
-    finally:
-        mesh.remove_listener(listener)
+    poller = interrupt_when_stacks_show(mesh, "ranks 0-2: time.sleep at cell line 3")
+    with pytest.raises(KeyboardInterrupt) as info:
+        mesh.run("import time\nprint('sleeping', flush=True)\ntime.sleep(600)\n")
+    poller.join()
     assert "interrupted rank(s) 0-2 (they keep their state)" in str(info.value)
     assert "ranks 0-2: time.sleep at cell line 3" in str(info.value)
     assert pids(mesh) == before  # nobody was killed: SIGINT never reaches the ranks' process group
