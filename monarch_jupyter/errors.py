@@ -7,6 +7,7 @@ many ranks' failures fold into one ``MeshError`` whose root cause is the first f
 
 from __future__ import annotations
 
+import functools
 import signal
 from typing import Any
 
@@ -16,8 +17,10 @@ __all__ = [
     "MeshNotRunningError",
     "RemoteError",
     "RankDiedError",
+    "RankAbortedError",
     "MeshError",
     "MeshTimeoutError",
+    "mesh_interrupt",
 ]
 
 
@@ -62,17 +65,20 @@ def describe_returncode(returncode: int | None) -> str:
 class RemoteError(MonarchError):
     """An exception raised by user code on one rank.
 
-    Attributes: ``rank``, ``ename`` (exception type name), ``emodule``, ``evalue`` (its message) and
-    ``traceback`` (the rank's formatted traceback, with the cell's own source lines).
+    Attributes: ``rank``, ``ename`` (exception type name), ``emodule``, ``evalue`` (its message),
+    ``traceback`` (the rank's formatted traceback, with the cell's own source lines) and ``frames`` (that
+    traceback as (filename, lineno, function, source line), outermost first).
     """
 
-    def __init__(self, rank: int, ename: str, evalue: str, traceback: str = "", emodule: str = "") -> None:
-        super().__init__(rank, ename, evalue, traceback, emodule)
+    def __init__(self, rank: int, ename: str, evalue: str, traceback: str = "", emodule: str = "",
+                 frames: list | None = None) -> None:
+        super().__init__(rank, ename, evalue, traceback, emodule, frames)
         self.rank = rank
         self.ename = ename
         self.evalue = evalue
         self.traceback = traceback
         self.emodule = emodule
+        self.frames = list(frames or [])
 
     @property
     def interrupted(self) -> bool:
@@ -89,23 +95,89 @@ class RemoteError(MonarchError):
         return self.render()
 
 
-class RankDiedError(MonarchError):
-    """A rank's process ended while it had work (exit code or signal, and its last lines of output)."""
+_SIGNAL_HINTS = {
+    "SIGKILL": "SIGKILL is sent by the out-of-memory killer (see `dmesg`), a job scheduler or a user",
+    "SIGSEGV": "a crash in C/C++ code (torch, an extension, ctypes); its Python stack is in its last output",
+    "SIGBUS": "a crash in C/C++ code, or shared memory (/dev/shm) is full",
+    "SIGABRT": "a C/C++ assertion or an uncaught C++ exception (its message is in its last output)",
+}
 
-    def __init__(self, rank: int, returncode: int | None, last_output: str = "", pid: int | None = None) -> None:
-        super().__init__(rank, returncode, last_output, pid)
+
+class RankDiedError(MonarchError):
+    """A rank's process ended, or was lost, while it had work.
+
+    Attributes: ``rank``; ``returncode`` (negative: killed by that signal; None: unknown, e.g. a remote rank
+    lost by heartbeat); ``last_output`` (its last lines of output); ``pid``; ``reason`` (why, when the
+    controller knows better than the exit status, e.g. "no heartbeat for 30 s" or "killed by %mesh interrupt
+    --force").
+    """
+
+    def __init__(self, rank: int, returncode: int | None, last_output: str = "", pid: int | None = None,
+                 reason: str = "") -> None:
+        super().__init__(rank, returncode, last_output, pid, reason)
         self.rank = rank
         self.returncode = returncode
         self.last_output = last_output
         self.pid = pid
+        self.reason = reason
 
     def __str__(self) -> str:
-        return f"[rank{self.rank}] died ({describe_returncode(self.returncode)})"
+        if self.returncode is None and self.reason:
+            return f"[rank{self.rank}] lost ({self.reason})"
+        status = describe_returncode(self.returncode)
+        return f"[rank{self.rank}] died ({status}{'; ' + self.reason if self.reason else ''})"
 
     def render(self) -> list[str]:
-        lines = [str(self) + (" -- its last output:" if self.last_output else "")]
-        lines += [f"[rank{self.rank}]   {line}" for line in self.last_output.rstrip("\n").splitlines()]
+        lines = [str(self)]
+        hint = _SIGNAL_HINTS.get(describe_returncode(self.returncode).removeprefix("signal "))
+        if hint and not self.reason:
+            lines.append(f"[rank{self.rank}] note: {hint}")
+        if self.last_output:
+            lines.append(f"[rank{self.rank}] its last output:")
+            lines += [f"[rank{self.rank}]   {line}" for line in self.last_output.rstrip("\n").splitlines()]
         return lines
+
+    def _render_traceback_(self) -> list[str]:
+        return self.render()
+
+
+class RankAbortedError(MonarchError):
+    """A rank stopped its cell because other ranks died: it was interrupted, or released from a collective
+    with a dead rank, or it did not stop in time (``still_running``).
+
+    Attributes: ``rank``; ``dead`` (the ranks that died); ``error`` (the RemoteError the rank reported, if
+    any: ``error.traceback`` has its frames); ``still_running`` (True: it had not stopped when the cell ended).
+    """
+
+    def __init__(self, rank: int, dead: list[int], error: RemoteError | None = None,
+                 still_running: bool = False) -> None:
+        super().__init__(rank, list(dead), error, still_running)
+        self.rank = rank
+        self.dead = list(dead)
+        self.error = error
+        self.still_running = still_running
+
+    def summary(self) -> str:
+        """What happened, without the rank number (ranks with the same summary are shown on one line)."""
+        dead = ",".join(str(r) for r in self.dead)
+        who = f"rank{'s' if len(self.dead) > 1 else ''} {dead}"
+        if self.still_running:
+            return (f"still running when {who} died (stuck in C code?): see  %mesh stacks ;  "
+                    "%mesh interrupt --force  stops it")
+        if self.error is None:
+            return f"stopped because {who} died"
+        if self.error.interrupted:
+            return f"interrupted because {who} died"
+        first = (self.error.evalue.strip().splitlines() or [""])[0]
+        if len(first) > 160:
+            first = first[:157] + "..."
+        return f"stopped because {who} died ({self.error.ename}: {first})"
+
+    def __str__(self) -> str:
+        return f"[rank{self.rank}] {self.summary()}"
+
+    def render(self) -> list[str]:
+        return [str(self)]
 
     def _render_traceback_(self) -> list[str]:
         return self.render()
@@ -120,14 +192,17 @@ class MeshError(MonarchError):
         rank -> RemoteError or RankDiedError, in the order the controller saw them; the first is the root cause.
     results:
         rank -> value of the cell's last expression on the ranks that finished (None where there was none).
+    hint:
+        What to do next (e.g. how to bring dead ranks back), shown last.
     """
 
     def __init__(self, errors: dict[int, MonarchError], results: dict[int, Any] | None = None,
-                 what: str = "the cell") -> None:
-        super().__init__(errors, results, what)
+                 what: str = "the cell", hint: str = "") -> None:
+        super().__init__(errors, results, what, hint)
         self.errors = dict(errors)
         self.results = dict(results or {})
         self.what = what
+        self.hint = hint
 
     @property
     def root_cause(self) -> MonarchError:
@@ -142,14 +217,23 @@ class MeshError(MonarchError):
         lines = [f"MeshError: {self}"]
         lines.append(f"--- root cause: rank {root_rank} (first failure seen) ---")
         lines += self.errors[root_rank].render()  # type: ignore[attr-defined]
+        aborted: dict[str, list[int]] = {}  # ranks stopped by others' deaths: one line per kind
         for rank, err in self.errors.items():
             if rank == root_rank:
                 continue
+            if isinstance(err, RankAbortedError):
+                aborted.setdefault(err.summary(), []).append(rank)
+                continue
             lines.append(f"--- rank {rank} ---")
             lines += err.render()  # type: ignore[attr-defined]
+        for summary, ranks in aborted.items():
+            lines.append(f"--- rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, sorted(ranks)))}: "
+                         f"{summary} ---")
         if self.results:
             ok = ", ".join(str(r) for r in sorted(self.results))
             lines.append(f"(rank(s) {ok} finished; their results are in .results of this error)")
+        if self.hint:
+            lines.append(self.hint)
         return lines
 
 
@@ -157,11 +241,11 @@ class MeshTimeoutError(MeshError):
     """A cell ran past its timeout; ``stacks`` is the report of where each rank was."""
 
     def __init__(self, errors: dict[int, MonarchError], results: dict[int, Any] | None = None,
-                 what: str = "the cell", stacks: str = "", timeout: float = 0.0) -> None:
-        super().__init__(errors, results, what)
+                 what: str = "the cell", stacks: str = "", timeout: float = 0.0, hint: str = "") -> None:
+        super().__init__(errors, results, what, hint)
         self.stacks = stacks
         self.timeout = timeout
-        self.args = (errors, results, what, stacks, timeout)
+        self.args = (errors, results, what, stacks, timeout, hint)
 
     def __str__(self) -> str:
         return f"{self.what} did not finish within {self.timeout:g} s on rank(s) " + ", ".join(
@@ -171,4 +255,24 @@ class MeshTimeoutError(MeshError):
         lines = [f"MeshTimeoutError: {self}"]
         if self.stacks:
             lines += ["Where each rank was:", *self.stacks.splitlines()]
+        if self.results:
+            ok = ", ".join(str(r) for r in sorted(self.results))
+            lines.append(f"(rank(s) {ok} finished; their results are in .results of this error)")
+        if self.hint:
+            lines.append(self.hint)
         return lines
+
+
+def _render_interrupt(message: str) -> list[str]:
+    return [f"KeyboardInterrupt: {message}"]
+
+
+def mesh_interrupt(message: str) -> KeyboardInterrupt:
+    """The KeyboardInterrupt a cell raises when the notebook's interrupt stopped it on the ranks.
+
+    A plain KeyboardInterrupt (so "Run All" stops and ``except KeyboardInterrupt`` works), which IPython shows
+    as one line (``message``: where each rank stopped) instead of the controller's own frames.
+    """
+    exc = KeyboardInterrupt(message)
+    exc._render_traceback_ = functools.partial(_render_interrupt, message)  # type: ignore[attr-defined]
+    return exc

@@ -43,6 +43,7 @@ def format_error(exc: BaseException) -> dict:
         "message": str(exc),
         "traceback": "".join(te.format()),
         "interrupted": isinstance(exc, KeyboardInterrupt),
+        "frames": [(f.filename, f.lineno or 0, f.name, (f.line or "").strip()) for f in te.stack],
     }
 
 

@@ -197,6 +197,41 @@ class StacksRequest(Message):
 
 @_register
 @dataclass(frozen=True)
+class Abort(Message):
+    """The process group is broken (``reason``, e.g. "rank 2 died (signal SIGKILL)"); leave it.
+
+    The rank's I/O thread aborts the group's communicators where the backend can (NCCL), which releases a main
+    thread blocked in a collective; the main thread destroys the process group as soon as it is free, which
+    closes its connections and so releases peers blocked in gloo collectives with it. Namespaces are kept.
+    """
+
+    TYPE: ClassVar[str] = "abort"
+    reason: str
+
+
+@_register
+@dataclass(frozen=True)
+class Regroup(Message):
+    """Controller -> surviving rank: join a fresh process group (after ``Abort``, or to admit restarted ranks).
+
+    Fields as in ``Welcome`` (``local_rank``/``local_world_size`` -1: keep this rank's own); ``master_port`` 0
+    asks this rank (rank 0) to host a new TCPStore (on ``master_addr``, or its address toward the controller
+    when empty) and answer ``StoreReady``. The rank answers ``Ready`` (or ``StartFailed``), keeping its
+    namespace.
+    """
+
+    TYPE: ClassVar[str] = "regroup"
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    backend: str
+
+
+@_register
+@dataclass(frozen=True)
 class Ping(Message):
     """Controller heartbeat; a rank that hears nothing for its heartbeat window exits."""
 
@@ -230,7 +265,8 @@ class Result(Message):
 
     ``status`` is "ok" or "error". On "ok", ``payload`` is the value of the cell's last expression (or the
     call's return value) and ``has_value`` says whether there was one. On "error", ``error`` holds
-    ``{"type", "module", "message", "traceback", "interrupted"}``.
+    ``{"type", "module", "message", "traceback", "interrupted", "frames"}`` (frames: the traceback as
+    (filename, lineno, function, source line), outermost first).
     """
 
     TYPE: ClassVar[str] = "result"
@@ -255,13 +291,19 @@ class Stream(Message):
 @_register
 @dataclass(frozen=True)
 class Stacks(Message):
-    """Reply to ``StacksRequest``: ``frames`` is a list of (filename, lineno, function, source line)."""
+    """Reply to ``StacksRequest``: ``frames`` is a list of (filename, lineno, function, source line).
+
+    ``collective`` describes the last collective this rank issued, from torch.distributed's flight recorder
+    (``{"name", "seq", "group", "state"}``; empty when the recorder is off): ranks of a hung mesh that show
+    different sequence numbers are the ones that skipped or added a collective.
+    """
 
     TYPE: ClassVar[str] = "stacks"
     request_id: int
     cell_id: int
     frames: list
     state: str
+    collective: dict = field(default_factory=dict)  # last collective in torch's flight recorder, if enabled
 
 
 @_register

@@ -27,6 +27,7 @@ import zmq
 
 from . import live
 from . import protocol as P
+from . import recovery
 from .channel import Outbox, recv_frames, send_frames
 from .debugger import RankDebugger
 from .executor import Namespace, format_error, main_thread_stack, register_source
@@ -101,6 +102,7 @@ class Rank:
         self.ns: Namespace | None = None
         self.device: Any = None  # this rank's torch.device (cuda:LOCAL_RANK or cpu), set by join()
         self.transfers = RankTransfers(self)
+        self.group_sockets = recovery.GroupSockets()  # what Abort shuts down to release gloo collectives
         self.debugger = RankDebugger(self)  # breakpoint(), post-mortem, inspect (debugger.py)
 
     def send(self, msg: P.Message, value: Any = None, *, with_value: bool = False) -> None:
@@ -126,6 +128,7 @@ class Rank:
         handlers = {
             P.Interrupt: self._on_interrupt,
             P.StacksRequest: self._on_stacks,
+            P.Abort: self._on_abort,
             P.Ping: lambda msg, payload, bufs: None,
             P.ShmRelease: self.transfers.on_release,
             P.DebugInput: self.debugger.on_input,
@@ -186,7 +189,12 @@ class Rank:
         frame = sys._current_frames().get(self._main_ident)
         cell = self.current_cell
         frames = main_thread_stack(frame) if cell >= 0 else []
-        self._send_now(P.Stacks(msg.request_id, cell, frames, "running" if cell >= 0 else "idle"))
+        self._send_now(P.Stacks(msg.request_id, cell, frames, "running" if cell >= 0 else "idle",
+                                recovery.last_collective()))
+
+    def _on_abort(self, msg: P.Abort, payload: bytes, bufs: list) -> None:
+        recovery.abort_communicators(msg.reason, self.group_sockets)
+        self.work.put((msg, payload, bufs))  # the main thread destroys the group when it is free
 
     # ---- main thread ------------------------------------------------------------------------------------------
 
@@ -227,7 +235,6 @@ class Rank:
         self._said_hello = True  # heartbeats may follow (a controller ignores them from a stranger)
         import torch
         import torch.distributed as dist
-        from datetime import timedelta
 
         welcome, _, _ = self._wait_for(P.Welcome, cfg.join_timeout)
         self._joined = True
@@ -245,45 +252,9 @@ class Rank:
             "LOCAL_WORLD_SIZE": str(welcome.local_world_size),
         }
         os.environ.update(env)
-        backend = cfg.backend
-        if backend == "auto":
-            cuda = torch.cuda.is_available() and torch.cuda.device_count() >= welcome.local_world_size
-            backend = "nccl" if cuda else "gloo"
-        timeout = timedelta(seconds=cfg.pg_timeout)
-        store: Any = None
-        if welcome.master_port < 0:  # the launcher's rendezvous (torchrun's store, or MASTER_ADDR/PORT): env://
-            addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-        elif welcome.master_port == 0:
-            if welcome.master_addr:
-                addr = welcome.master_addr
-            else:  # an address the other ranks can reach: ours toward the controller
-                from .join import address_toward
-
-                addr = address_toward(cfg.controller)
-            store = dist.TCPStore(addr, 0, welcome.world_size, is_master=True,
-                                  timeout=timedelta(seconds=cfg.join_timeout), wait_for_workers=False)
-            port = store.port
-            self.send(P.StoreReady(port=port, addr=addr))
-        else:
-            addr, port = welcome.master_addr, welcome.master_port
-            store = dist.TCPStore(addr, port, welcome.world_size, is_master=False,
-                                  timeout=timedelta(seconds=cfg.join_timeout))
-        os.environ["MASTER_ADDR"] = addr
-        os.environ["MASTER_PORT"] = str(port)
-        if backend == "nccl":
-            torch.cuda.set_device(welcome.local_rank)
-            device = torch.device("cuda", welcome.local_rank)
-        else:
-            device = torch.device("cpu")
-        kwargs: dict[str, Any] = {}
-        if backend == "nccl":
-            kwargs["device_id"] = device
-        if store is None:
-            kwargs["init_method"] = "env://"
-        else:
-            kwargs["store"] = store
-        dist.init_process_group(backend, rank=welcome.rank, world_size=welcome.world_size, timeout=timeout,
-                                **kwargs)
+        device, backend = self.init_group(welcome.rank, welcome.world_size, welcome.local_rank,
+                                          welcome.local_world_size, welcome.master_addr, welcome.master_port,
+                                          cfg.backend)
         self.device = device
         self.ns = Namespace({
             "rank": welcome.rank,
@@ -295,19 +266,83 @@ class Rank:
         })
         self.send(P.Ready(device=str(device), backend=backend, host=socket.gethostname(), pid=os.getpid()))
 
+    def init_group(self, rank: int, world_size: int, local_rank: int, local_world_size: int, master_addr: str,
+                   master_port: int, backend: str) -> tuple[Any, str]:
+        """Join the default process group (at start, and again on Regroup); returns (device, backend).
+
+        ``master_port`` < 0: the launcher's rendezvous (env://: torchrun's store, or MASTER_ADDR/PORT); 0: host
+        a TCPStore here (on ``master_addr``, or our address toward the controller when it is empty) and report
+        it with StoreReady; > 0: the TCPStore at ``master_addr:master_port``.
+        """
+        import torch
+        import torch.distributed as dist
+        from datetime import timedelta
+
+        cfg = self.config
+        if backend == "auto":
+            cuda = torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size
+            backend = "nccl" if cuda else "gloo"
+        timeout = timedelta(seconds=cfg.pg_timeout)
+        store: Any = None
+        if master_port < 0:  # the launcher's rendezvous (torchrun's store, or MASTER_ADDR/PORT): env://
+            addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        elif master_port == 0:
+            if master_addr:
+                addr = master_addr
+            else:  # an address the other ranks can reach: ours toward the controller
+                from .join import address_toward
+
+                addr = address_toward(cfg.controller)
+            store = dist.TCPStore(addr, 0, world_size, is_master=True,
+                                  timeout=timedelta(seconds=cfg.join_timeout), wait_for_workers=False)
+            port = store.port
+            self.send(P.StoreReady(port=port, addr=addr))
+        else:
+            addr, port = master_addr, master_port
+            store = dist.TCPStore(addr, port, world_size, is_master=False,
+                                  timeout=timedelta(seconds=cfg.join_timeout))
+        os.environ["MASTER_ADDR"] = addr
+        os.environ["MASTER_PORT"] = str(port)
+        if backend == "nccl":
+            torch.cuda.set_device(local_rank)
+            device = torch.device("cuda", local_rank)
+        else:
+            device = torch.device("cpu")
+        kwargs: dict[str, Any] = {}
+        if backend == "nccl":
+            kwargs["device_id"] = device
+        if store is None:
+            kwargs["init_method"] = "env://"
+        else:
+            kwargs["store"] = store
+        with self.group_sockets:  # the connections this group opens (see recovery.GroupSockets)
+            dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
+        return device, backend
+
     def serve(self) -> None:
         """Main loop: take work and run it until Shutdown."""
-        dispatch = {P.Exec: self._exec, P.Call: self._call, P.Push: self.transfers.push,
-                    P.Pull: self.transfers.pull, P.DebugPostMortem: self._post_mortem}
+        dispatch = {
+            P.Exec: self._exec,
+            P.Call: self._call,
+            P.Push: self.transfers.push,
+            P.Pull: self.transfers.pull,
+            P.DebugPostMortem: self._post_mortem,
+            P.Abort: lambda *m: recovery.destroy_group(self, *m),
+            P.Regroup: lambda *m: recovery.regroup(self, *m),
+        }
         while True:
-            msg, payload, bufs = self.work.get()
-            if isinstance(msg, P.Shutdown):
-                return
-            handler = dispatch.get(type(msg))
-            if handler is None:
-                log.warning("rank %d: unexpected %s", self.rank, msg.TYPE)
-                continue
-            handler(msg, payload, bufs)
+            try:
+                msg, payload, bufs = self.work.get()
+                if isinstance(msg, P.Shutdown):
+                    return
+                handler = dispatch.get(type(msg))
+                if handler is None:
+                    log.warning("rank %d: unexpected %s", self.rank, msg.TYPE)
+                    continue
+                handler(msg, payload, bufs)
+            except KeyboardInterrupt:
+                # An interrupt that landed just after its cell ended (or a stray SIGINT): the rank stays up.
+                log.info("rank %d: interrupt outside a cell ignored", self.rank)
 
     def _run(self, cell_id: int, body: Any, reply: Any = None) -> None:
         """Run ``body()`` as cell ``cell_id`` and report its Result after its output is flushed.
@@ -437,6 +472,7 @@ def run_rank(config: RankConfig) -> int:
 
         relay = OutputRelay(tee=config.relay_tee)  # fds 1 and 2 feed it from now on
     _unbuffered_std_streams()
+    recovery.prepare_process()
     signal.signal(signal.SIGINT, signal.default_int_handler)
     rank = Rank(config)
     live.install(rank.send, lambda: rank.current_cell)

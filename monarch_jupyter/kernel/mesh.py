@@ -14,6 +14,7 @@ All shared state is guarded by ``self._cond``'s lock.
 from __future__ import annotations
 
 import ast
+import atexit
 import contextvars
 import enum
 import inspect
@@ -45,6 +46,7 @@ from ..errors import (
     RankDiedError,
     RemoteError,
     describe_returncode,
+    mesh_interrupt,
 )
 from .debugger import MeshDebugger
 from .join import Listener
@@ -53,10 +55,12 @@ from .output import StreamSplitter, write_lines
 from .ranks import RankMap, format_ranks, parse_ranks
 from .remote import JoinCommands, make_launcher
 from .transfer import Transfers
+from .recovery import RecoveryMixin, kept_for_death_report, restart_hint, where_interrupted
+from .stacks import StackReport, rank_list, summarize
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Mesh", "RankState", "CellHandle", "current_mesh"]
+__all__ = ["Mesh", "RankState", "CellHandle", "StackReport", "current_mesh"]
 
 _current: Mesh | None = None
 
@@ -138,6 +142,7 @@ class CellHandle:
         self._wake = threading.Condition(mesh._lock)  # notified when lines arrive for a waiter, or when done
         self._waiting = False
         self._result_seen_at: dict[int, float] = {}
+        self._death_at: float | None = None  # when the first of its ranks died (see recovery.py)
 
     # All methods below with a leading underscore run under the mesh lock.
 
@@ -226,7 +231,7 @@ class CellHandle:
         return f"<CellHandle {self.what} on ranks {format_ranks(self.ranks)}: {state}>"
 
 
-class Mesh:
+class Mesh(RecoveryMixin):
     """A mesh of persistent worker processes, one per rank, each with torch.distributed initialized.
 
     Parameters
@@ -240,9 +245,15 @@ class Mesh:
     timeout:
         Default seconds a cell may run (None: no limit); a cell over it is interrupted and its stacks reported.
     heartbeat_timeout:
-        Seconds a rank waits without hearing from the controller before it exits (no orphans).
+        Seconds of silence after which a rank exits (it lost the controller: no orphans) and after which the
+        controller declares a rank lost (dead), e.g. a remote rank whose host vanished; 0 turns the
+        controller's check off.
+    heartbeat_interval:
+        Seconds between heartbeats (both ways).
     pg_timeout:
         Seconds a collective may block in torch.distributed before it fails (its own timeout).
+    interrupt_grace:
+        Seconds ranks get to stop after an interrupt (or a cell timeout) before they are reported as stuck.
     env:
         Extra environment variables for the ranks.
     start:
@@ -317,6 +328,7 @@ class Mesh:
         self._cond = threading.Condition(self._lock)  # mesh-wide changes: ranks joining, dying, stack replies
         self._ranks: dict[int, RankInfo] = {}
         self._cells: dict[int, CellHandle] = {}
+        self._stack_requests: dict[int, dict[int, P.Stacks]] = {}  # request id -> rank -> reply
         self._cell_ids = itertools.count(1)
         self._last_cell: CellHandle | None = None
         self._listeners: list[Callable[[str, dict], None]] = []
@@ -326,6 +338,7 @@ class Mesh:
         self._xfer: Transfers | None = None
         self._ctx: zmq.Context | None = None
         self._io: threading.Thread | None = None
+        self._init_recovery()
         self.address = ""
         self.started_at = 0.0
         self.ready_seconds = 0.0
@@ -446,6 +459,7 @@ class Mesh:
         self._ranks = {r: RankInfo(r) for r in range(self.nproc)}
         self._store_port: int | None = None
         self._xfer = Transfers(self)
+        self._init_recovery()
         self._io_stop = threading.Event()
         self._io = threading.Thread(target=self._io_loop, name="monarch-io", daemon=True)
         self._io.start()
@@ -467,21 +481,7 @@ class Mesh:
             self._launcher = LocalLauncher(self.start_timeout)
             env = self._rank_env()
             for r in range(self.nproc):
-                cfg = {
-                    "controller": self.address,
-                    "secret": self._secret.hex(),
-                    "rank": r,
-                    "world_size": self.nproc,
-                    "local_rank": r,
-                    "local_world_size": self.nproc,
-                    "backend": self.backend,
-                    "join_timeout": self.start_timeout,
-                    "pg_timeout": self.pg_timeout,
-                    "heartbeat_interval": self.heartbeat_interval,
-                    "heartbeat_timeout": self.heartbeat_timeout,
-                    "env": {},
-                }
-                self._launcher.start(r, env, cfg, self)
+                self._launcher.start(r, env, self._rank_config(r), self)
             self._wait_started(deadline)
         except BaseException:
             self._teardown(graceful=False)
@@ -495,6 +495,7 @@ class Mesh:
         self.ready_seconds = time.monotonic() - t0
         self.started_at = time.time()
         _current = self
+        atexit.register(self._exit_quietly)  # runs before the launcher's own atexit kills the ranks
         self._event("started", ready_seconds=self.ready_seconds)
 
     def _launch_env(self) -> dict[str, str]:
@@ -505,6 +506,23 @@ class Mesh:
             env.pop(key, None)
         return env
 
+    def _rank_config(self, r: int) -> dict:
+        """The RankConfig fields of rank ``r`` (sent by the launcher)."""
+        return {
+            "controller": self.address,
+            "secret": self._secret.hex(),
+            "rank": r,
+            "world_size": self.nproc,
+            "local_rank": r,
+            "local_world_size": self.nproc,
+            "backend": self.backend,
+            "join_timeout": self.start_timeout,
+            "pg_timeout": self.pg_timeout,
+            "heartbeat_interval": self.heartbeat_interval,
+            "heartbeat_timeout": self.heartbeat_timeout,
+            "env": {},
+        }
+
     def _rank_env(self) -> dict[str, str]:
         env = dict(os.environ)
         env.update(self.env)
@@ -512,6 +530,9 @@ class Mesh:
         env.setdefault("OMP_NUM_THREADS", "1")
         # Local ranks talk over loopback; this also silences gloo's hostname-resolution warning.
         env.setdefault("GLOO_SOCKET_IFNAME", _loopback_ifname())
+        # torch.distributed's flight recorder: the last collectives of each rank, shown by stack reports
+        # (docs/faults.md lists what else helps with hangs). 0 turns it off.
+        env.setdefault("TORCH_FR_BUFFER_SIZE", "1024")
         env["MASTER_ADDR"] = "127.0.0.1"
         for key in ("JPY_PARENT_PID", "MPLBACKEND"):
             env.pop(key, None)
@@ -544,18 +565,39 @@ class Mesh:
                         "raise the start timeout (--timeout) or look at their output above", waiting[0])
                 self._cond.wait(min(remaining, 0.1))
 
+    def _exit_quietly(self) -> None:
+        """At interpreter exit the ranks die with the fork server: expected, so not reported as deaths."""
+        self._stopping = True
+
     def stop(self) -> None:
         """Stop every rank (Shutdown, then SIGKILL after 3 s) and release the controller's socket."""
         global _current
+        atexit.unregister(self._exit_quietly)
         self._teardown(graceful=True)
         if _current is self:
             _current = None
         self._event("stopped")
 
-    def restart(self) -> Mesh:
+    def restart(self, ranks: str | int | Iterable[int] | None = None) -> Mesh:
         """Stop and start again: fresh processes, fresh namespaces, a fresh process group.
 
-        A mesh whose ranks were started elsewhere (``listen``) listens again and prints the new commands."""
+        A mesh whose ranks were started elsewhere (``listen``) listens again and prints the new commands.
+
+        ``ranks``: restart only these (e.g. the ones that died): fresh processes for them, while every other
+        rank keeps its namespace and joins a fresh process group with them. Objects bound to the old group
+        (DistributedDataParallel wrappers, ``new_group`` handles) must be created again. Only for ranks this
+        controller starts (the local launcher).
+
+        Raises
+        ------
+        MeshStartError
+            Ranks did not start or join within ``start_timeout``.
+        MonarchError
+            ``ranks`` given but other ranks are dead too, survivors are stuck in a cell, or the ranks were
+            started elsewhere (the message says what to run instead).
+        """
+        if ranks is not None:
+            return self._restart_ranks(ranks)
         self._teardown(graceful=True)
         self.start()
         if self.listening:
@@ -591,7 +633,7 @@ class Mesh:
             for cell in list(self._cells.values()):
                 for r in cell.ranks:
                     if r not in cell.finished:
-                        cell.errors.setdefault(r, RankDiedError(r, None, "the mesh was stopped"))
+                        cell.errors.setdefault(r, RankDiedError(r, None, reason="the mesh was stopped"))
                         cell._finish_rank(r)
             self._cells.clear()
             self._cond.notify_all()
@@ -822,7 +864,8 @@ class Mesh:
             dead = [r for r in ranks if self._ranks[r].state is RankState.DEAD]
             if dead:
                 raise MeshError({r: RankDiedError(r, self._ranks[r].returncode, "\n".join(self._ranks[r].last_lines))
-                                 for r in dead}, what=what + " (not run: restart the mesh with  %mesh restart)")
+                                 for r in dead}, what=what + " (not run)", hint=restart_hint(dead))
+            self._note_group_down(ranks)
             self._cells[cell_id] = handle
             self._last_cell = handle
             for group_ranks, msg, payload, buffers in groups:
@@ -860,8 +903,8 @@ class Mesh:
                         self._on_timeout(cell, timeout or 0.0)
                     return False
         except KeyboardInterrupt:
-            self._on_interrupt(cell)
-            raise
+            summary = self._on_interrupt(cell)
+            raise mesh_interrupt(summary) from None
         finally:
             with self._cond:
                 cell._waiting = False
@@ -869,37 +912,25 @@ class Mesh:
 
     def _check_stragglers(self, cell: CellHandle) -> None:
         """Under the lock: finish ranks whose result came but whose output marker is late (1 s), and end the
-        cell promptly when a rank died (interrupting the others, which may be blocked in a collective with it)."""
+        cell promptly (``RELEASE_GRACE`` s at most) when a rank died."""
         now = time.monotonic()
         for r, seen in cell._result_seen_at.items():
             if r not in cell.finished and now - seen > 1.0:
                 log.debug("rank %d: output marker of cell %d late; finishing without it", r, cell.cell_id)
                 cell._finish_rank(r)
-        died = [r for r in cell.ranks if isinstance(cell.errors.get(r), RankDiedError)]
-        if died and not cell._all_done:
-            if not getattr(cell, "_death_seen", None):
-                cell._death_seen = now
-                for r in cell.ranks:
-                    if r not in cell.finished:
-                        self._post(self._ranks[r], P.Interrupt(cell.cell_id))
-            elif now - cell._death_seen > self.interrupt_grace:
-                for r in cell.ranks:
-                    if r not in cell.finished:
-                        cell.errors[r] = RemoteError(
-                            r, "RankStuckError",
-                            f"rank {r} did not stop within {self.interrupt_grace:g} s after rank(s) "
-                            f"{format_ranks(died)} died (blocked in a collective?); %mesh restart brings the "
-                            "mesh back with fresh processes")
-                        cell._finish_rank(r)
+        self._release_survivors(cell, now)  # a rank died: survivors were interrupted (recovery.py)
 
-    def _on_interrupt(self, cell: CellHandle) -> None:
-        """The caller was interrupted: interrupt the ranks still running the cell and wait ``interrupt_grace``."""
+    def _on_interrupt(self, cell: CellHandle) -> str:
+        """The caller was interrupted: interrupt the ranks still running the cell and wait ``interrupt_grace``.
+
+        Returns what to say in the KeyboardInterrupt: where the ranks stopped (stuck ones are reported on stderr).
+        """
         with self._cond:
             running = [r for r in cell.ranks if r not in cell.finished]
             for r in running:
                 self._post(self._ranks[r], P.Interrupt(cell.cell_id))
         if not running:
-            return
+            return "interrupted (the ranks had finished the cell)"
         deadline = time.monotonic() + self.interrupt_grace
         try:
             while time.monotonic() < deadline:
@@ -913,19 +944,42 @@ class Mesh:
             pass  # a second interrupt: stop waiting now
         with self._cond:
             stuck = [r for r in cell.ranks if r not in cell.finished]
+            stopped = {r: e for r, e in cell.errors.items()
+                       if r in running and isinstance(e, RemoteError) and e.interrupted}
         if stuck:
-            sys.stderr.write(
-                f"rank(s) {format_ranks(stuck)} did not stop within {self.interrupt_grace:g} s (stuck in C code or "
-                "a collective?). Run  %mesh stacks  to see where, or  %mesh restart  for fresh processes.\n")
+            sys.stderr.write(self._stuck_message(stuck, self.interrupt_grace))
+        if not stopped:
+            return f"interrupted; rank(s) {rank_list(stuck)} did not stop"
+        return f"interrupted rank(s) {rank_list(stopped)} (they keep their state): {where_interrupted(stopped)}"
 
     def _on_timeout(self, cell: CellHandle, timeout: float) -> None:
-        report = self.stacks(ranks=[r for r in cell.ranks if r not in cell.finished])
+        with self._cond:
+            late = [r for r in cell.ranks if r not in cell.finished]
+        report = self.stacks(ranks=late)
         self._on_interrupt(cell)
         with self._cond:
-            stuck = {r: RemoteError(r, "TimeoutError", f"still running after {timeout:g} s")
-                     for r in cell.ranks if r not in cell.finished}
+            errors: dict[int, MonarchError] = {}
+            for r in cell.ranks:
+                e = cell.errors.get(r)
+                if r not in late:
+                    if e is not None:
+                        errors[r] = e  # failed before the timeout
+                elif r not in cell.finished:
+                    errors[r] = RemoteError(r, "TimeoutError", f"still running after {timeout:g} s; it did not stop "
+                                            f"within {self.interrupt_grace:g} s of the interrupt")
+                elif isinstance(e, RemoteError) and e.interrupted:
+                    errors[r] = RemoteError(r, "TimeoutError", f"interrupted after {timeout:g} s at "
+                                            f"{summarize([tuple(f) for f in e.frames])}", e.traceback,
+                                            frames=e.frames)
+                elif e is not None:
+                    errors[r] = e
             results = {r: cell.values.get(r) for r in cell.finished if r not in cell.errors}
-        raise MeshTimeoutError(stuck or dict(cell.errors), results, cell.what, report.text, timeout)
+            stuck = [r for r in cell.ranks if r not in cell.finished]
+            if not stuck:
+                self._cells.pop(cell.cell_id, None)
+        hint = (f"%mesh interrupt --force --ranks {rank_list(stuck)}  stops the ranks still running "
+                "(see the message above)" if stuck else "")
+        raise MeshTimeoutError(errors, results, cell.what, report.text, timeout, hint)
 
     def _outcome(self, cell: CellHandle) -> RankMap | None:
         """The cell's results, or raise its error; computed once, then the same answer on every call."""
@@ -950,8 +1004,10 @@ class Mesh:
             cell.values = {}  # the handle may live on (late output); the results belong to the caller now
         if errors:
             if all(isinstance(e, RemoteError) and e.interrupted for e in errors.values()):
-                raise KeyboardInterrupt(f"interrupted on rank(s) {format_ranks(errors)}")
-            raise MeshError(errors, results, cell.what)
+                raise mesh_interrupt(f"interrupted rank(s) {rank_list(errors)} (they keep their state): "
+                                     f"{where_interrupted(errors)}")
+            errors, hint = self._fold_errors(cell, errors)
+            raise MeshError(errors, results, cell.what, hint)
         if not any(cell.has_value.get(r) for r in cell.ranks):
             return None
         return results
@@ -978,24 +1034,26 @@ class Mesh:
 
     def stacks(self, ranks: str | int | Iterable[int] | None = None, timeout: float = 5.0) -> StackReport:
         """Where each rank's main thread is now, asked of its I/O thread (works while it blocks in a
-        collective). Identical stacks are grouped. ``timeout`` in seconds."""
+        collective, and while a ``block=False`` cell runs). Identical stacks are grouped:
+        "ranks 0,1,3: all_reduce at cell line 4". Ranks that do not answer within ``timeout`` seconds (dead,
+        stopped) are listed as such."""
         self._check_running()
         chosen = parse_ranks(ranks, self.nproc)
         request_id = next(self._cell_ids)
         with self._cond:
-            self._stack_replies: dict[int, P.Stacks] = {}
-            self._stack_request = request_id
-            for r in chosen:
-                if self._ranks[r].state is not RankState.DEAD:
-                    self._post(self._ranks[r], P.StacksRequest(request_id))
+            replies: dict[int, P.Stacks] = {}
+            self._stack_requests[request_id] = replies
+            asked = [r for r in chosen if self._ranks[r].state is not RankState.DEAD]
+            for r in asked:
+                self._post(self._ranks[r], P.StacksRequest(request_id))
             deadline = time.monotonic() + timeout
-            while len(self._stack_replies) < len([r for r in chosen if self._ranks[r].state is not RankState.DEAD]):
-                if time.monotonic() > deadline:
-                    break
-                self._cond.wait(0.05)
-            replies = dict(self._stack_replies)
+            try:
+                while len(replies) < len(asked) and time.monotonic() < deadline:
+                    self._cond.wait(0.05)
+            finally:
+                self._stack_requests.pop(request_id, None)
             states = {r: self._ranks[r].state for r in chosen}
-        return StackReport(chosen, replies, states)
+        return StackReport(chosen, dict(replies), states)
 
     def add_listener(self, fn: Callable[[str, dict], None]) -> None:
         """Call ``fn(kind, data)`` on every mesh event (from background threads; it must not block, and some
@@ -1113,7 +1171,7 @@ class Mesh:
                               if i.identity and i.state is not RankState.DEAD]
                 for ident in idents:
                     send_frames(self._router, [ident, *self._signer.pack(P.Ping())])
-                self._check_heartbeats(now)
+                self._check_heartbeats(now)  # after every message received was handled (recovery.py)
                 if self._listener is not None:
                     self._listener.check(now)
         self._send_outbox()  # what was queued while stopping (Shutdown, Rejected)
@@ -1127,28 +1185,6 @@ class Mesh:
             for identity in identities:
                 if identity is not None:
                     send_frames(self._router, [identity, *frames])
-
-    def _check_heartbeats(self, now: float) -> None:
-        """I/O thread: a rank silent for ``heartbeat_timeout`` seconds is dead (a remote host vanished, or the
-        process hangs holding the GIL); where the launcher can, it is killed.
-
-        A minimal stand-in for the failure-handling work (RecoveryMixin._check_heartbeats on the faults branch):
-        when that lands, delete this method, or it shadows the mixin's."""
-        if self.heartbeat_timeout <= 0 or self._stopping or not self._running:
-            return
-        with self._cond:
-            lost = [i for i in self._ranks.values() if i.identity is not None and i.last_heard > 0
-                    and i.state in (RankState.IDLE, RankState.RUNNING)
-                    and now - i.last_heard > self.heartbeat_timeout]
-            for info in lost:
-                info.last_lines.append(f"(no heartbeat for {self.heartbeat_timeout:g} s: the process hangs, was "
-                                       "stopped, or its host is unreachable)")
-        for info in lost:
-            log.warning("rank %d (host %s): no heartbeat for %g s; declared dead", info.rank, info.host,
-                        self.heartbeat_timeout)
-            self.on_exit(info.rank, None)  # type: ignore[arg-type]
-            if self._launcher is not None:
-                self._launcher.signal(info.rank, 9)
 
     def _welcome(self, info: RankInfo, port: int) -> None:
         msg = P.Welcome(rank=info.rank, world_size=self.nproc, local_rank=info.rank, local_world_size=self.nproc,
@@ -1179,6 +1215,9 @@ class Mesh:
                 self._welcome(info, self._store_port)
 
     def _on_store_ready(self, rank: int, msg: P.StoreReady, payload: bytes, bufs: list) -> None:
+        if self._regrouping:  # a new process group for survivors and restarted ranks (recovery.py)
+            self._regroup_store_ready(msg)
+            return
         if self._listener is not None:
             self._listener.on_store_ready(rank, msg)
             return
@@ -1212,7 +1251,7 @@ class Mesh:
         elif msg.status == "error":
             err = msg.error or {}
             error = RemoteError(rank, err.get("type", "Exception"), err.get("message", ""),
-                                err.get("traceback", ""), err.get("module", ""))
+                                err.get("traceback", ""), err.get("module", ""), err.get("frames"))
         with self._cond:
             cell = self._cells.get(msg.cell_id)
             if cell is None:
@@ -1235,8 +1274,9 @@ class Mesh:
 
     def _on_stacks(self, rank: int, msg: P.Stacks, payload: bytes, bufs: list) -> None:
         with self._cond:
-            if msg.request_id == getattr(self, "_stack_request", None):
-                self._stack_replies[rank] = msg
+            replies = self._stack_requests.get(msg.request_id)
+            if replies is not None:
+                replies[rank] = msg
                 self._cond.notify_all()
 
     def _on_heartbeat(self, rank: int, msg: P.Heartbeat, payload: bytes, bufs: list) -> None:
@@ -1280,7 +1320,8 @@ class Mesh:
                         cell._check_rank(rank)
 
     def _route_line(self, info: RankInfo, stream: str, text: str) -> None:
-        info.last_lines.append(text)
+        if kept_for_death_report(text):
+            info.last_lines.append(text)
         target = None
         for cell in info.cells:  # the oldest cell whose output on this stream is not complete yet
             if stream not in cell.synced.get(info.rank, {stream}):
@@ -1304,70 +1345,25 @@ class Mesh:
                 for kind, value in splitter.flush():
                     if kind == "line":
                         self._route_line(info, stream, str(value))
-            info.returncode = returncode
             if self._xfer is not None:
                 self._xfer.on_rank_exit(rank)
+            if info.state is RankState.DEAD:  # declared lost before (no heartbeat): only its status is new
+                info.returncode = returncode
+                self._killing.pop(rank, None)
+                self._cond.notify_all()
+                return
             expected = self._stopping
-            info.state = RankState.STOPPED if expected else RankState.DEAD
-            if not expected:
-                last = "\n".join(info.last_lines)
-                for cell in list(info.cells):
-                    if rank not in cell.finished:
-                        cell.errors.setdefault(rank, RankDiedError(rank, returncode, last, info.pid))
-                        cell._finish_rank(rank)
-                info.cells.clear()
-            self._cond.notify_all()
-        self._event("rank_state", rank=rank, state=info.state.value, returncode=returncode)
-
-
-class StackReport:
-    """Stacks of several ranks, identical stacks grouped: "ranks 0,1,3: all_reduce at cell line 4"."""
-
-    def __init__(self, ranks: list[int], replies: dict[int, P.Stacks], states: dict[int, RankState]) -> None:
-        self.ranks = ranks
-        self.replies = replies
-        self.states = states
-
-    def groups(self) -> list[tuple[list[int], tuple]]:
-        groups: dict[tuple, list[int]] = {}
-        for r in self.ranks:
-            reply = self.replies.get(r)
-            if reply is None:
-                key: tuple = ("no answer", self.states[r].value)
-            elif not reply.frames:
-                key = ("idle",)
+            killed = self._killing.pop(rank, None)
+            failed: list[CellHandle] = []
+            if expected:
+                info.returncode = returncode
+                info.state = RankState.STOPPED
+                self._cond.notify_all()
             else:
-                key = tuple(tuple(f) for f in reply.frames)
-            groups.setdefault(key, []).append(r)
-        return [(rs, key) for key, rs in groups.items()]
-
-    @property
-    def text(self) -> str:
-        out: list[str] = []
-        for rs, key in self.groups():
-            who = f"rank{'s' if len(rs) > 1 else ''} {format_ranks(rs)}"
-            if key and key[0] == "no answer":
-                out.append(f"{who}: no answer ({key[1]})")
-                continue
-            if key == ("idle",):
-                out.append(f"{who}: idle")
-                continue
-            innermost = key[-1]
-            out.append(f"{who}: {innermost[2]} at {_where(innermost)}")
-            for filename, lineno, fn, line in key:
-                out.append(f"    {filename}:{lineno} in {fn}" + (f": {line}" if line else ""))
-        return "\n".join(out)
-
-    def __str__(self) -> str:
-        return self.text
-
-    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
-        p.text(self.text)
-
-
-def _where(frame: tuple) -> str:
-    filename, lineno, _fn, _line = frame
-    return f"{filename} line {lineno}"
+                failed = self._rank_failed(info, returncode, killed or "")
+        if not expected:
+            self._after_death(rank, killed or "", failed, notify=killed is None)  # recovery.py
+        self._event("rank_state", rank=rank, state=info.state.value, returncode=returncode)
 
 
 def _loopback_ifname() -> str:

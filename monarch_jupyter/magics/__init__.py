@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 __all__ = ["MeshMagics", "load", "unload"]
 
 SUBCOMMANDS = ("start", "listen", "status", "stop", "restart", "stacks", *transfer.SUBCOMMANDS, "debug",
-               "inspect")
+               "inspect", "interrupt")
 
 
 def _rest(line: str) -> tuple[str, str]:
@@ -84,7 +84,7 @@ class MeshMagics(TransferMagics, Magics):
 
     @line_cell_magic
     def mesh(self, line: str, cell: str | None = None) -> Any:
-        """%mesh start|listen|status|stop|restart|stacks|push|pull|scatter|gather|debug|inspect ...   and   %%mesh ...
+        """%mesh start|listen|status|stop|restart|stacks|interrupt|push|pull|scatter|gather|debug|inspect ...   and   %%mesh ...
 
         Run `%mesh SUBCOMMAND --help` for each subcommand's options, `%%mesh --help` for the cell magic.
         """
@@ -104,6 +104,7 @@ class MeshMagics(TransferMagics, Magics):
             "gather": self._gather,
             "debug": lambda rest: debug_magics.debug(self, rest),
             "inspect": lambda rest: debug_magics.inspect(self, rest),
+            "interrupt": self._interrupt,
         }.get(sub)
         if handler is None:
             raise UsageError(
@@ -234,11 +235,33 @@ class MeshMagics(TransferMagics, Magics):
         print(f"stopped {m.nproc} ranks")
 
     @magic_arguments()
+    @argument("--rank", "--ranks", dest="ranks", default=None,
+              help="restart only these ranks (e.g. the dead ones); the others keep their state")
     def _restart(self, rest: str) -> Mesh:
-        """%mesh restart: fresh processes, fresh namespaces, a fresh process group."""
-        self._parse(self._restart, rest, "restart")
-        m = self._mesh(require_running=False)
-        return m.restart()
+        """%mesh restart [--rank SPEC]: fresh processes, fresh namespaces, a fresh process group; with --rank,
+        fresh processes for those ranks only, and every other rank keeps its namespace and joins a fresh
+        process group with them."""
+        args = self._parse(self._restart, rest, "restart")
+        m = self._mesh(require_running=args.ranks is not None)
+        try:
+            return m.restart(ranks=args.ranks)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+
+    @magic_arguments()
+    @argument("--ranks", "-r", default=None, help="ranks to interrupt (default: all)")
+    @argument("--force", action="store_true",
+              help="tear the process group down (releases collectives) and SIGKILL ranks that still do not stop")
+    @argument("--grace", type=float, default=None, help="seconds the ranks get to stop (default: interrupt_grace)")
+    def _interrupt(self, rest: str) -> None:
+        """%mesh interrupt [--ranks SPEC] [--force] [--grace S]: KeyboardInterrupt in what the ranks run now
+        (e.g. a %%mesh --async cell, or ranks that did not stop after the notebook's interrupt)."""
+        args = self._parse(self._interrupt, rest, "interrupt")
+        try:
+            report = self._mesh().interrupt(args.ranks, force=args.force, grace=args.grace)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        print(report.text)
 
     @magic_arguments()
     @argument("--ranks", default=None, help="ranks to ask (default: all)")

@@ -1,0 +1,164 @@
+"""Stack reports: where each rank's main thread is, identical stacks grouped.
+
+A rank's I/O thread answers ``StacksRequest`` with the user part of its main thread's stack (outermost first)
+and, when torch.distributed's flight recorder is on, the last collective it issued. ``StackReport`` folds ranks
+with the same stack into one entry whose first line reads like::
+
+    ranks 0,1,3: all_reduce at cell line 4  [last collective: gloo:all_reduce #12]
+    rank 2: time.sleep at cell line 6  [last collective: gloo:all_reduce #11]
+
+"what" is the innermost Python function (or, when the innermost frame is the user's own code blocked in a C
+function, the call on that line); "where" is the innermost frame of the user's own code: "cell line N" for the
+running cell, else file:line in function. Different collective sequence numbers show which ranks skipped or
+added a collective.
+"""
+
+from __future__ import annotations
+
+import re
+import sysconfig
+from typing import Any
+
+from monarch_worker import protocol as P
+
+
+__all__ = ["StackReport", "summarize", "rank_list"]
+
+Frame = tuple  # (filename, lineno, function, source line)
+
+_LIBRARY_DIRS = tuple({p for k in ("stdlib", "platstdlib", "purelib", "platlib")
+                       if (p := sysconfig.get_paths().get(k))})
+_CALL = re.compile(r"([A-Za-z_][\w.]*)\s*\(")
+_KEYWORDS = {"if", "while", "for", "return", "assert", "not", "and", "or", "in", "with", "elif", "yield", "await",
+             "lambda", "del", "raise"}
+
+
+def _is_library(filename: str) -> bool:
+    return ("site-packages" in filename or "dist-packages" in filename or filename.startswith(_LIBRARY_DIRS)
+            or filename.startswith("<frozen "))
+
+
+def _short(filename: str) -> str:
+    """A library path from its package on (".../site-packages/torch/x.py" -> "torch/x.py")."""
+    for marker in ("site-packages/", "dist-packages/"):
+        if marker in filename:
+            return filename.split(marker, 1)[1]
+    for d in _LIBRARY_DIRS:
+        if filename.startswith(d + "/"):
+            return filename[len(d) + 1:]
+    return filename
+
+
+def _called(line: str) -> str:
+    """The first function called on a source line ("time.sleep(100)" -> "time.sleep"), or ""."""
+    for m in _CALL.finditer(line):
+        if m.group(1) not in _KEYWORDS:
+            return m.group(1)
+    return ""
+
+
+def cell_file(frames: list[Frame]) -> str:
+    """The running cell's file name: the outermost frame when it is a cell's module code."""
+    if frames and frames[0][2] == "<module>" and str(frames[0][0]).startswith("<"):
+        return str(frames[0][0])
+    return ""
+
+
+def where(frame: Frame, cell: str) -> str:
+    filename, lineno, fn, _line = frame
+    if filename == cell:
+        return f"cell line {lineno}"
+    return f"{_short(filename)}:{lineno} in {fn}"
+
+
+def summarize(frames: list[Frame]) -> str:
+    """One line for a stack (outermost first): "all_reduce at cell line 4"."""
+    if not frames:
+        return "idle"
+    cell = cell_file(frames)
+    user = [f for f in frames if not _is_library(str(f[0]))]
+    anchor = user[-1] if user else frames[-1]
+    innermost = frames[-1]
+    if innermost is anchor:
+        what = _called(str(anchor[3])) or anchor[2]
+    else:
+        what = innermost[2]
+    return f"{what} at {where(anchor, cell)}"
+
+
+def _collective(c: dict) -> str:
+    if not c:
+        return ""
+    return f"  [last collective: {c.get('name', '?')} #{c.get('seq', '?')}]"
+
+
+class StackReport:
+    """Stacks of several ranks, identical stacks grouped: "ranks 0,1,3: all_reduce at cell line 4".
+
+    ``ranks``: the ranks asked; ``replies``: rank -> Stacks reply; ``states``: rank -> RankState (for ranks that
+    did not answer). ``text`` is the report; ``groups()`` the (ranks, key) pairs behind it.
+    """
+
+    def __init__(self, ranks: list[int], replies: dict[int, P.Stacks], states: dict[int, Any]) -> None:
+        self.ranks = ranks
+        self.replies = replies
+        self.states = states
+
+    def groups(self) -> list[tuple[list[int], tuple]]:
+        """[(ranks, key)] where key is ("no answer", state) | ("idle",) | (frames, collective summary)."""
+        groups: dict[tuple, list[int]] = {}
+        for r in self.ranks:
+            reply = self.replies.get(r)
+            if reply is None:
+                state = self.states.get(r)
+                key: tuple = ("no answer", getattr(state, "value", str(state)))
+            elif not reply.frames:
+                key = ("idle",)
+            else:
+                key = (tuple(tuple(f) for f in reply.frames), _collective(reply.collective))
+            groups.setdefault(key, []).append(r)
+        return [(rs, key) for key, rs in groups.items()]
+
+    @property
+    def text(self) -> str:
+        out: list[str] = []
+        for rs, key in self.groups():
+            who = f"rank{'s' if len(rs) > 1 else ''} {rank_list(rs)}"
+            if key[0] == "no answer":
+                why = "dead" if key[1] == "dead" else "its I/O thread is not responding: stopped (SIGSTOP) or hung"
+                out.append(f"{who}: no answer ({why})")
+                continue
+            if key == ("idle",):
+                out.append(f"{who}: idle")
+                continue
+            frames, collective = key
+            cell = cell_file(list(frames))
+            out.append(f"{who}: {summarize(list(frames))}{collective}")
+            for frame in frames:
+                line = str(frame[3])
+                out.append(f"    {where(frame, cell)}" + (f": {line}" if line else ""))
+        return "\n".join(out)
+
+    def summary(self) -> str:
+        """The first line of each group only ("ranks 0,1,3: all_reduce at cell line 4 / rank 2: ...")."""
+        return " / ".join(line for line in self.text.splitlines() if not line.startswith(" "))
+
+    def __str__(self) -> str:
+        return self.text
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(self.text)
+
+
+def rank_list(ranks: list[int]) -> str:
+    """Ranks as read aloud: "0,1,3"; runs of three or more as ranges: "0-7", "0,2-5"."""
+    rs = sorted(set(ranks))
+    parts: list[str] = []
+    i = 0
+    while i < len(rs):
+        j = i
+        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
+            j += 1
+        parts += [f"{rs[i]}-{rs[j]}"] if j - i >= 2 else [str(r) for r in rs[i:j + 1]]
+        i = j + 1
+    return ",".join(parts)

@@ -1,0 +1,369 @@
+"""Fault injection through the Python API: interrupts, rank deaths, lost ranks, hangs, and recovery.
+
+Every test breaks a real mesh (real processes, sockets, gloo process group) and checks three things: the
+message the user sees, that the mesh recovers (a collective works again, survivors kept their namespaces), and
+that no process is left behind. Ranks are broken by the cell itself (os._exit, SIGKILL, a segfault, a blocked
+SIGINT) or from outside (SIGSTOP), as in jupyter_client's problem kernels.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from monarch_jupyter import Mesh, MeshError, MeshTimeoutError, RankDiedError
+from monarch_jupyter.errors import RankAbortedError, RemoteError
+
+pytestmark = pytest.mark.slow
+
+WORLD = 3
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
+    """Wait up to ``timeout`` seconds for ``pids`` to exit; returns those still alive."""
+    deadline = time.monotonic() + timeout
+    left = [p for p in pids if alive(p)]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = [p for p in left if alive(p)]
+    return left
+
+
+def pids(mesh: Mesh) -> dict[int, int]:
+    return {r: s["pid"] for r, s in mesh.status().items()}
+
+
+@pytest.fixture(scope="module")
+def mesh() -> Iterator[Mesh]:
+    m = Mesh(WORLD, interrupt_grace=1.5, start_timeout=120)
+    try:
+        yield m
+    finally:
+        every = set(pids(m).values())
+        m.stop()
+        assert not wait_gone([p for p in every if p]), "ranks outlived mesh.stop()"
+
+
+@pytest.fixture()
+def healthy(mesh: Mesh) -> Iterator[Mesh]:
+    """The mesh, with every rank up, in one working process group, and ``marker`` set on each rank."""
+    status = mesh.status()
+    dead = [r for r, s in status.items() if s["state"] == "dead"]
+    if dead:
+        mesh.restart(ranks=dead)
+    assert mesh.run("t = torch.ones(1); dist.all_reduce(t); int(t.item())") == {r: WORLD for r in range(WORLD)}
+    # Hold the process group as a DDP model in the namespace would: releasing ranks blocked in a collective
+    # must not depend on the group being freed.
+    mesh.run("marker = rank * 10\nheld_group = dist.distributed_c10d._get_default_group()")
+    yield mesh
+
+
+def on_output(mesh: Mesh, text: str, action: Callable[[], None]) -> Callable[[str, dict], None]:
+    """Run ``action`` once, from the mesh's reader thread, when a rank prints a line containing ``text``."""
+    fired = threading.Event()
+
+    def listener(kind: str, data: dict) -> None:
+        if kind == "output" and text in data["text"] and not fired.is_set():
+            fired.set()
+            action()
+
+    mesh.add_listener(listener)
+    return listener
+
+
+def interrupt_me() -> None:
+    """What the notebook's interrupt does to the kernel: SIGINT to this process (its main thread waits)."""
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+def interrupt_when_stacks_show(mesh: Mesh, text: str) -> threading.Thread:
+    """SIGINT this process once ``mesh.stacks()`` (asked from another thread) contains ``text``."""
+    def poll() -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and text not in mesh.stacks().text:
+            time.sleep(0.05)
+        interrupt_me()  # at the deadline too: the test then fails on what it sees, instead of hanging
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+    return thread
+
+
+def assert_recovered(mesh: Mesh, kept: list[int]) -> None:
+    """A collective works on every rank and ``kept`` ranks still have their namespace."""
+    assert mesh.run("t = torch.ones(1); dist.all_reduce(t); int(t.item())") == {r: WORLD for r in range(WORLD)}
+    got = mesh.run("globals().get('marker')")
+    assert {r: got[r] for r in kept} == {r: r * 10 for r in kept}
+
+
+# ---------------------------------------------------------------------------------------------------- interrupts
+
+
+def test_interrupt_reaches_ranks_which_keep_their_state(healthy: Mesh) -> None:
+    mesh = healthy
+    before = pids(mesh)
+    poller = interrupt_when_stacks_show(mesh, "ranks 0-2: time.sleep at cell line 3")
+    with pytest.raises(KeyboardInterrupt) as info:
+        mesh.run("import time\nprint('sleeping', flush=True)\ntime.sleep(600)\n")
+    poller.join()
+    assert "interrupted rank(s) 0-2 (they keep their state)" in str(info.value)
+    assert "ranks 0-2: time.sleep at cell line 3" in str(info.value)
+    assert pids(mesh) == before  # nobody was killed: SIGINT never reaches the ranks' process group
+    assert_recovered(mesh, kept=[0, 1, 2])
+
+
+def test_interrupt_during_a_collective_names_stuck_ranks_and_force_regroups(
+        healthy: Mesh, capsys: pytest.CaptureFixture) -> None:
+    mesh = healthy
+    before = pids(mesh)
+    code = "import time\nt = torch.ones(1)\nprint('in', flush=True)\nif rank == 2:\n    time.sleep(600)\n" \
+           "else:\n    dist.all_reduce(t)\n"
+    poller = interrupt_when_stacks_show(mesh, "ranks 0,1: all_reduce at cell line 7")
+    with pytest.raises(KeyboardInterrupt) as info:
+        mesh.run(code)
+    poller.join()
+    # rank 2 stopped at once; 0 and 1 wait in gloo for rank 2, where SIGINT cannot reach them.
+    assert "interrupted rank(s) 2" in str(info.value) and "time.sleep at cell line 5" in str(info.value)
+    err = capsys.readouterr().err
+    assert "ranks 0,1 did not stop within 1.5 s" in err, err
+    assert "all_reduce at cell line 7" in err and "%mesh interrupt --force" in err, err
+    stacks = mesh.stacks().text
+    assert "ranks 0,1: all_reduce at cell line 7  [last collective: gloo:all_reduce" in stacks, stacks
+
+    report = mesh.interrupt(force=True)
+    assert report.interrupted == [0, 1] and report.killed == [] and report.regrouped, report.text
+    assert "process group was re-created" in report.text
+    assert pids(mesh) == before
+    assert_recovered(mesh, kept=[0, 1, 2])
+
+
+def test_rank_stuck_in_c_code_is_named_then_killed_by_force(healthy: Mesh, capsys: pytest.CaptureFixture) -> None:
+    mesh = healthy
+    before = pids(mesh)
+    # Rank 1 blocks SIGINT: like C code that never returns to Python, an interrupt cannot stop it.
+    code = "import signal, time\nif rank == 1:\n    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])\n" \
+           "print('go', flush=True)\ntime.sleep(600)\n"
+    poller = interrupt_when_stacks_show(mesh, "ranks 0-2: time.sleep at cell line 5")
+    with pytest.raises(KeyboardInterrupt):
+        mesh.run(code)
+    poller.join()
+    err = capsys.readouterr().err
+    assert "rank 1 did not stop within 1.5 s and still run the cell: rank 1: time.sleep at cell line 5" in err, err
+
+    report = mesh.interrupt(ranks=1, force=True, grace=0.5)
+    assert report.killed == [1], report.text
+    assert "killed rank 1" in report.text and "%mesh restart --rank 1" in report.text
+    assert mesh.status()[1]["state"] == "dead" and mesh.status()[1]["returncode"] == -signal.SIGKILL
+    assert not wait_gone([before[1]])
+    with pytest.raises(MeshError, match="not run") as info:
+        mesh.run("1")
+    assert "%mesh restart --rank 1" in "\n".join(info.value._render_traceback_())
+
+    mesh.restart(ranks=1)
+    assert pids(mesh)[0] == before[0] and pids(mesh)[2] == before[2] and pids(mesh)[1] != before[1]
+    assert_recovered(mesh, kept=[0, 2])
+    assert mesh.run("'marker' in globals()", ranks=1) == {1: False}  # a fresh process, a fresh namespace
+
+
+def test_interrupt_with_nothing_running(healthy: Mesh) -> None:
+    report = healthy.interrupt()
+    assert report.idle == [0, 1, 2] and "nothing to interrupt" in report.text
+    with pytest.raises(ValueError, match="world size 3"):
+        healthy.interrupt(ranks=5)
+
+
+# ---------------------------------------------------------------------------------------------------- deaths
+
+DEATHS = {
+    "exit": ("print('last words', flush=True); os._exit(3)", 3, "exit code 3"),
+    "sigkill": ("print('last words', flush=True); os.kill(os.getpid(), signal.SIGKILL)", -9, "signal SIGKILL"),
+    "segfault": ("print('last words', flush=True); ctypes.string_at(0)", -11, "signal SIGSEGV"),
+    "c-printf": ("ctypes.CDLL(None).printf(b'last words from C\\n'); os._exit(4)", 4, "exit code 4"),
+}
+
+
+@pytest.mark.parametrize("how", sorted(DEATHS))
+@pytest.mark.parametrize("survivors", ["collective", "sleeping"])
+def test_rank_death_ends_the_cell_and_restart_rank_recovers(healthy: Mesh, how: str, survivors: str) -> None:
+    mesh = healthy
+    before = pids(mesh)
+    die, returncode, status = DEATHS[how]
+    wait = "dist.all_reduce(t)" if survivors == "collective" else "time.sleep(600)"
+    code = textwrap.dedent(f"""\
+        import ctypes, os, signal, time
+        t = torch.ones(1)
+        if rank == 1:
+            time.sleep(0.3)
+            {die}
+        {wait}
+        """)
+    with pytest.raises(MeshError) as info:
+        mesh.run(code)  # survivors would wait 600 s, or forever in the collective: the cell ends at the death
+    e = info.value
+    died = e.errors[1]
+    assert isinstance(died, RankDiedError) and died.returncode == returncode
+    assert "last words" in died.last_output
+    assert f"[rank1] died ({status})" in str(e)
+    assert next(iter(e.errors)) == 1  # the root cause comes first
+    for r in (0, 2):
+        assert isinstance(e.errors[r], RankAbortedError) and e.errors[r].dead == [1], e.errors[r]
+    text = "\n".join(e._render_traceback_())
+    assert "its last output:" in text and "last words" in text and "%mesh restart --rank 1" in text
+    if how == "segfault":
+        assert "Segmentation fault" in died.last_output and "<mesh cell" in died.last_output, died.last_output
+        assert "monarch_worker" not in died.last_output  # the runtime's own frames are left out
+    assert not wait_gone([before[1]])
+
+    mesh.restart(ranks=1)
+    assert_recovered(mesh, kept=[0, 2])
+
+
+def test_results_of_finished_ranks_are_kept(healthy: Mesh) -> None:
+    mesh = healthy
+    code = "import os, time\nif rank == 1:\n    time.sleep(0.5)\n    os._exit(5)\nif rank == 2:\n" \
+           "    time.sleep(600)\nrank + 100\n"
+    with pytest.raises(MeshError) as info:
+        mesh.run(code)
+    assert info.value.results == {0: 100}
+    assert isinstance(info.value.errors[1], RankDiedError)
+    assert isinstance(info.value.errors[2], RankAbortedError)
+    assert "rank(s) 0 finished" in "\n".join(info.value._render_traceback_())
+    mesh.restart(ranks=1)
+    assert_recovered(mesh, kept=[0, 2])
+
+
+def test_death_while_idle_is_reported_and_full_restart_works(healthy: Mesh, capsys: pytest.CaptureFixture) -> None:
+    mesh = healthy
+    before = pids(mesh)
+    os.kill(before[2], signal.SIGKILL)  # e.g. the out-of-memory killer, between cells
+    deadline = time.monotonic() + 10
+    while mesh.status()[2]["state"] != "dead" and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert mesh.status()[2]["returncode"] == -signal.SIGKILL
+    assert "[rank2]: died (signal SIGKILL) while idle" in capsys.readouterr().err
+    with pytest.raises(MeshError, match="not run"):
+        mesh.run("1")
+    # Survivors still run code of their own (e.g. to save a checkpoint), with a note that collectives fail.
+    assert mesh.run("marker", ranks="0,1") == {0: 0, 1: 10}
+    assert "process group is down (rank 2 died)" in capsys.readouterr().err
+
+    mesh.restart()
+    assert not wait_gone(list(before.values()))
+    assert mesh.run("t = torch.ones(1); dist.all_reduce(t); (int(t.item()), globals().get('marker'))") == {
+        r: (WORLD, None) for r in range(WORLD)}
+
+
+def test_restart_rank_refuses_when_other_ranks_are_dead(healthy: Mesh) -> None:
+    mesh = healthy
+    p = pids(mesh)
+    for r in (1, 2):
+        os.kill(p[r], signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while any(mesh.status()[r]["state"] != "dead" for r in (1, 2)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    with pytest.raises(Exception, match=r"restart them together:  %mesh restart --rank 1,2"):
+        mesh.restart(ranks=1)
+    mesh.restart(ranks="1,2")
+    assert_recovered(mesh, kept=[0])
+
+
+# ---------------------------------------------------------------------------------------------------- lost ranks
+
+
+def test_rank_without_heartbeat_is_declared_lost(healthy: Mesh) -> None:
+    mesh = healthy
+    before = pids(mesh)
+    saved = mesh.heartbeat_timeout
+    mesh.heartbeat_timeout = 3.0  # the controller's window; ranks heartbeat every second
+    listener = on_output(mesh, "zzz", lambda: os.kill(before[1], signal.SIGSTOP))
+    try:
+        with pytest.raises(MeshError) as info:
+            mesh.run("import time\nprint('zzz', flush=True)\ntime.sleep(600)\n")
+    finally:
+        mesh.remove_listener(listener)
+        mesh.heartbeat_timeout = saved
+    lost = info.value.errors[1]
+    assert isinstance(lost, RankDiedError) and lost.returncode is None
+    assert "[rank1] lost (no heartbeat for 3 s" in str(lost)
+    assert not wait_gone([before[1]])  # the controller killed the stopped process
+    mesh.restart(ranks=1)
+    assert_recovered(mesh, kept=[0, 2])
+
+
+def test_ranks_exit_when_they_lose_the_controller(tmp_path) -> None:
+    """A controller that stops answering (here: SIGSTOPped) loses its ranks after their heartbeat window."""
+    script = textwrap.dedent("""\
+        import json, sys, time
+        from monarch_jupyter import Mesh
+        m = Mesh(2, heartbeat_timeout=2.0, heartbeat_interval=0.25)
+        print(json.dumps([s["pid"] for s in m.status().values()]), flush=True)
+        time.sleep(600)
+        """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        line = proc.stdout.readline()
+        assert line, "the controller process did not start its mesh"
+        ranks = __import__("json").loads(line)
+        assert all(alive(p) for p in ranks)
+        os.kill(proc.pid, signal.SIGSTOP)  # the controller is silent from now on
+        assert not wait_gone(ranks, timeout=15), "ranks kept running without their controller"
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+# ---------------------------------------------------------------------------------------------------- hangs
+
+
+def test_timeout_reports_grouped_stacks_then_force_recovers(healthy: Mesh) -> None:
+    mesh = healthy
+    code = "import time\nt = torch.ones(1)\nif rank == 2:\n    time.sleep(600)\nelse:\n    dist.all_reduce(t)\n"
+    with pytest.raises(MeshTimeoutError) as info:
+        mesh.run(code, timeout=1.0)
+    e = info.value
+    assert "ranks 0,1: all_reduce at cell line 6  [last collective: gloo:all_reduce" in e.stacks, e.stacks
+    assert "rank 2: time.sleep at cell line 4" in e.stacks, e.stacks
+    text = "\n".join(e._render_traceback_())
+    assert "did not finish within 1 s" in text and "Where each rank was:" in text
+    assert "%mesh interrupt --force --ranks 0,1" in text
+    assert isinstance(e.errors[2], RemoteError) and "interrupted after 1 s at time.sleep" in e.errors[2].evalue
+    report = mesh.interrupt(force=True)
+    assert report.regrouped, report.text
+    assert_recovered(mesh, kept=[0, 1, 2])
+
+
+def test_stacks_and_interrupt_while_an_async_cell_runs(healthy: Mesh) -> None:
+    mesh = healthy
+    handle = mesh.run("import time\nfor i in range(600):\n    time.sleep(1)\n", block=False)
+    deadline = time.monotonic() + 10
+    text = ""
+    while time.monotonic() < deadline:
+        text = mesh.stacks().text
+        if text.startswith("ranks 0-2: time.sleep at cell line 3"):
+            break
+        time.sleep(0.05)
+    assert text.startswith("ranks 0-2: time.sleep at cell line 3  [last collective: gloo:all_reduce"), text
+    assert "    cell line 3: time.sleep(1)" in text
+    report = mesh.interrupt()
+    assert report.interrupted == [0, 1, 2] and not report.stuck
+    with pytest.raises(KeyboardInterrupt, match="time.sleep at cell line 3"):
+        handle.result(timeout=10)
+    assert_recovered(mesh, kept=[0, 1, 2])

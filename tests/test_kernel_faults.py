@@ -1,0 +1,166 @@
+"""Faults through a real Jupyter kernel driven by jupyter_client: the notebook's interrupt button, a crashed
+rank, and the kernel itself being killed, shut down or restarted. Each test checks what the notebook receives,
+that the mesh recovers, and that no rank process is left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from jupyter_client.manager import KernelManager, start_new_kernel
+
+pytestmark = [pytest.mark.kernel, pytest.mark.slow]
+
+TIMEOUT = 120
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    left = [p for p in pids if alive(p)]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = [p for p in left if alive(p)]
+    return left
+
+
+class Reply:
+    """What one execute_request produced: status, stdout, stderr, the error (ename, evalue, traceback text)."""
+
+    def __init__(self, content: dict, msgs: list[dict]) -> None:
+        self.status = content["status"]
+        self.stdout = "".join(m["content"]["text"] for m in msgs
+                              if m["msg_type"] == "stream" and m["content"]["name"] == "stdout")
+        self.stderr = "".join(m["content"]["text"] for m in msgs
+                              if m["msg_type"] == "stream" and m["content"]["name"] == "stderr")
+        self.results = [m["content"]["data"]["text/plain"] for m in msgs if m["msg_type"] == "execute_result"]
+        errors = [m["content"] for m in msgs if m["msg_type"] == "error"]
+        self.ename = errors[0]["ename"] if errors else ""
+        self.evalue = errors[0]["evalue"] if errors else ""
+        self.traceback = ANSI.sub("", "\n".join(errors[0]["traceback"])) if errors else ""
+
+
+def execute(kc: Any, code: str, on_stream: Callable[[str], None] | None = None, timeout: float = TIMEOUT) -> Reply:
+    """Run ``code``, reading IOPub as it comes (``on_stream`` sees each stream text)."""
+    msg_id = kc.execute(code)
+    msgs: list[dict] = []
+    deadline = time.monotonic() + timeout
+    while True:
+        msg = kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            break
+        msgs.append(msg)
+        if msg["msg_type"] == "stream" and on_stream is not None:
+            on_stream(msg["content"]["text"])
+    reply = kc.get_shell_msg(timeout=timeout)
+    while reply["parent_header"].get("msg_id") != msg_id:
+        reply = kc.get_shell_msg(timeout=timeout)
+    return Reply(reply["content"], msgs)
+
+
+def worker_pids(kc: Any) -> list[int]:
+    """Pids of the mesh's ranks and of the fork server, asked of the kernel."""
+    r = execute(kc, "import json\nfrom monarch_jupyter.kernel import launcher as _l\n"
+                    "print(json.dumps([s['pid'] for s in m.status().values()] + [_l._Zygote._instance.proc.pid]))")
+    assert r.status == "ok", r.traceback
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture()
+def kernel() -> Iterator[tuple[KernelManager, Any]]:
+    km, kc = start_new_kernel(kernel_name="python3", startup_timeout=TIMEOUT, env=dict(os.environ),
+                              cwd=os.getcwd())
+    try:
+        yield km, kc
+    finally:
+        kc.stop_channels()
+        if km.is_alive():
+            km.shutdown_kernel(now=True)
+
+
+def start_mesh(kc: Any, n: int = 2) -> list[int]:
+    r = execute(kc, f"%load_ext monarch_jupyter\nm = %mesh start -n {n}\n%config MeshMagics.stream_order = 'rank'")
+    assert r.status == "ok", r.traceback
+    pids = worker_pids(kc)
+    assert len(pids) == n + 1 and all(alive(p) for p in pids)
+    return pids
+
+
+def test_interrupt_crash_restart_and_kernel_sigkill(kernel: tuple[KernelManager, Any]) -> None:
+    km, kc = kernel
+    pids = start_mesh(kc)
+    assert execute(kc, "%%mesh\nx = rank + 7").status == "ok"
+
+    # The notebook's interrupt (SIGINT to the kernel's process group) during a %%mesh cell.
+    sent: list[bool] = []
+
+    def interrupt_once(text: str) -> None:
+        if "sleeping" in text and not sent:
+            sent.append(True)
+            km.interrupt_kernel()
+
+    r = execute(kc, "%%mesh\nimport time\nprint('sleeping', flush=True)\ntime.sleep(600)\n", on_stream=interrupt_once)
+    assert r.status == "error" and r.ename == "KeyboardInterrupt", (r.status, r.ename, r.traceback)
+    assert "interrupted rank(s) 0,1 (they keep their state): ranks 0,1: time.sleep at cell line 3" in r.evalue
+    assert worker_pids(kc) == pids  # the interrupt signal reached no rank process directly
+    r = execute(kc, "%%mesh\nx")
+    assert r.status == "ok" and r.results == ["{0: 7, 1: 8}"], r.traceback
+
+    # A rank crashes: the cell fails at once, naming the rank, its exit code and its last output.
+    r = execute(kc, "%%mesh\nimport os, time\nif rank == 1:\n    print('bye', flush=True)\n    os._exit(3)\n"
+                    "time.sleep(600)\n")
+    assert r.status == "error" and r.ename == "MeshError", (r.status, r.ename)
+    assert "[rank1] died (exit code 3)" in r.traceback and "[rank1]   bye" in r.traceback, r.traceback
+    assert "--- rank 0: interrupted because rank 1 died ---" in r.traceback, r.traceback
+    assert "%mesh restart --rank 1" in r.traceback
+    assert not wait_gone([pids[1]])
+
+    r = execute(kc, "%mesh restart --rank 1")
+    assert r.status == "ok", r.traceback
+    r = execute(kc, "%%mesh\nt = torch.ones(1)\ndist.all_reduce(t)\n(globals().get('x'), t.item())")
+    assert r.status == "ok" and r.results == ["{0: (7, 2.0), 1: (None, 2.0)}"], (r.results, r.traceback)
+
+    # A cell running in the background: stacks and interrupt from other cells.
+    r = execute(kc, "%%mesh --async\nimport time\nfor _ in range(600):\n    time.sleep(1)\n")
+    assert r.status == "ok" and "CellHandle" in r.results[0], r.results
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        r = execute(kc, "%mesh stacks")
+        if "ranks 0,1: time.sleep at cell line 3" in r.results[0]:
+            break
+    assert "ranks 0,1: time.sleep at cell line 3" in r.results[0], r.results
+    r = execute(kc, "%mesh interrupt")
+    assert r.status == "ok" and "interrupted ranks 0,1; they keep their state" in r.stdout, r.stdout
+
+    # The kernel is killed: the fork server and every rank exit (no orphans).
+    pids = worker_pids(kc)
+    os.kill(km.provisioner.process.pid, signal.SIGKILL)
+    assert not wait_gone(pids, timeout=10), "rank processes outlived a SIGKILLed kernel"
+
+
+def test_kernel_restart_and_shutdown_leave_no_rank(kernel: tuple[KernelManager, Any]) -> None:
+    km, kc = kernel
+    pids = start_mesh(kc)
+    km.restart_kernel(now=False)
+    kc.wait_for_ready(timeout=TIMEOUT)
+    assert not wait_gone(pids, timeout=10), "rank processes outlived a kernel restart"
+
+    pids = start_mesh(kc)
+    km.shutdown_kernel(now=False)
+    assert not wait_gone(pids, timeout=10), "rank processes outlived a kernel shutdown"

@@ -1,0 +1,89 @@
+"""What the user reads when ranks fail: stack report lines, death and abort errors (no processes)."""
+
+from __future__ import annotations
+
+import pickle
+
+from monarch_jupyter.errors import MeshError, MeshTimeoutError, RankAbortedError, RankDiedError, RemoteError
+from monarch_jupyter.kernel.recovery import kept_for_death_report, where_interrupted
+from monarch_jupyter.kernel.stacks import StackReport, rank_list, summarize
+from monarch_worker import protocol as P
+
+C10D = "/usr/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
+LOGGER = "/usr/lib/python3.11/site-packages/torch/distributed/c10d_logger.py"
+IN_COLLECTIVE = [("<mesh In[7]>", 1, "<module>", "train()"),
+                 ("<mesh In[3]>", 4, "train", "dist.all_reduce(t)"),
+                 (LOGGER, 83, "wrapper", "return func(*args, **kwargs)"),
+                 (C10D, 3252, "all_reduce", "work.wait()")]
+IN_CELL = [("<mesh In[7]>", 4, "<module>", "dist.all_reduce(t)"),
+           (LOGGER, 83, "wrapper", "return func(*args, **kwargs)"),
+           (C10D, 3252, "all_reduce", "work.wait()")]
+SLEEPING = [("<mesh In[7]>", 6, "<module>", "time.sleep(600)")]
+
+
+def test_summaries_name_the_function_and_the_cell_line() -> None:
+    assert summarize(IN_CELL) == "all_reduce at cell line 4"
+    assert summarize(SLEEPING) == "time.sleep at cell line 6"  # a C function: the call on the cell's line
+    assert summarize(IN_COLLECTIVE) == "all_reduce at <mesh In[3]>:4 in train"  # in a function of another cell
+    assert summarize([]) == "idle"
+
+
+def test_report_groups_identical_stacks() -> None:
+    replies = {r: P.Stacks(1, 5, IN_CELL, "running", {"name": "gloo:all_reduce", "seq": 12}) for r in (0, 1, 3)}
+    replies[2] = P.Stacks(1, 5, SLEEPING, "running", {"name": "gloo:all_reduce", "seq": 11})
+    replies[4] = P.Stacks(1, -1, [], "idle")
+    report = StackReport([0, 1, 2, 3, 4, 5], replies, {5: "dead"})
+    lines = report.text.splitlines()
+    assert lines[0] == "ranks 0,1,3: all_reduce at cell line 4  [last collective: gloo:all_reduce #12]"
+    assert lines[1] == "    cell line 4: dist.all_reduce(t)"
+    assert lines[2] == "    torch/distributed/c10d_logger.py:83 in wrapper: return func(*args, **kwargs)"
+    assert "rank 2: time.sleep at cell line 6  [last collective: gloo:all_reduce #11]" in lines
+    assert "rank 4: idle" in lines and "rank 5: no answer (dead)" in lines
+    assert report.summary().startswith("ranks 0,1,3: all_reduce at cell line 4  [last collective: gloo:all_reduce"
+                                       " #12] / rank 2: time.sleep at cell line 6")
+
+
+def test_rank_lists_read_aloud() -> None:
+    assert rank_list([3, 0, 1]) == "0,1,3"
+    assert rank_list(range(8)) == "0-7"
+    assert rank_list([0, 2, 3, 4, 5]) == "0,2-5"
+
+
+def test_interrupt_summary_groups_ranks_by_where_they_stopped() -> None:
+    errors = {r: RemoteError(r, "KeyboardInterrupt", "", frames=SLEEPING) for r in (0, 1)}
+    errors[2] = RemoteError(2, "KeyboardInterrupt", "", frames=IN_CELL)
+    assert where_interrupted(errors) == "ranks 0,1: time.sleep at cell line 6 / rank 2: all_reduce at cell line 4"
+
+
+def test_death_error_names_rank_status_and_last_output() -> None:
+    died = RankDiedError(1, -11, "Fatal Python error: Segmentation fault\n  File \"<mesh In[3]>\", line 2", 123)
+    lines = died.render()
+    assert lines[0] == "[rank1] died (signal SIGSEGV)"
+    assert "its last output:" in lines[2] and lines[-1] == '[rank1]     File "<mesh In[3]>", line 2'
+    lost = RankDiedError(2, None, "", reason="no heartbeat for 30 s")
+    assert str(lost) == "[rank2] lost (no heartbeat for 30 s)"
+
+
+def test_mesh_error_folds_aborted_survivors_and_pickles() -> None:
+    interrupted = RemoteError(0, "KeyboardInterrupt", "")
+    released = RemoteError(2, "RuntimeError", "Connection closed by peer")
+    e = MeshError({1: RankDiedError(1, 3, "bye"), 0: RankAbortedError(0, [1], interrupted),
+                   3: RankAbortedError(3, [1], interrupted), 2: RankAbortedError(2, [1], released)},
+                  {4: 7}, hint="%mesh restart --rank 1")
+    e = pickle.loads(pickle.dumps(e))
+    text = e._render_traceback_()
+    assert text[1] == "--- root cause: rank 1 (first failure seen) ---"
+    assert "--- ranks 0,3: interrupted because rank 1 died ---" in text
+    assert "--- rank 2: stopped because rank 1 died (RuntimeError: Connection closed by peer) ---" in text
+    assert text[-2:] == ["(rank(s) 4 finished; their results are in .results of this error)",
+                         "%mesh restart --rank 1"]
+    t = pickle.loads(pickle.dumps(MeshTimeoutError({0: released}, {1: 2}, "the cell", "rank 0: x", 3.0, "h")))
+    assert (t.stacks, t.timeout, t.hint, t.results) == ("rank 0: x", 3.0, "h", {1: 2})
+
+
+def test_crash_dump_lines_of_the_runtime_are_not_kept() -> None:
+    assert not kept_for_death_report('  File "/site-packages/monarch_worker/runtime.py", line 9 in _run')
+    assert not kept_for_death_report('  File "<frozen runpy>", line 88 in _run_code')
+    assert not kept_for_death_report("Extension modules: numpy, torch._C (total: 2)")
+    assert kept_for_death_report('  File "<mesh In[3]>", line 2 in <module>')
+    assert kept_for_death_report("Fatal Python error: Segmentation fault")

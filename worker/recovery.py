@@ -1,0 +1,230 @@
+"""Faults on a rank: leaving a broken process group, joining a fresh one, and crash diagnostics.
+
+When a rank of the mesh dies, every other rank's process group is broken: a collective that includes the dead
+rank never completes. The controller then sends ``Abort`` to each survivor, and its I/O thread releases a main
+thread blocked in a collective:
+
+- NCCL: ``_abort_process_group`` aborts the communicators; the blocked collective returns with an error.
+- gloo: neither ``abort()`` nor ``shutdown()`` releases a waiting collective (torch 2.13), and destroying the group
+  closes nothing while any object still refers to it (a DDP model in the namespace, a kept traceback). But a gloo
+  collective fails at once when one of its connections closes. So the I/O thread shuts down (``shutdown(2)``) the
+  TCP connections that ``init_process_group`` opened (``GroupSockets``, recorded when the group was made): this
+  rank's collective fails, and so does every peer's that waits on this rank.
+
+The main thread then destroys the process group as soon as it is free (the cell was interrupted or its
+collective failed). Every survivor keeps its namespace.
+
+``Regroup`` (answered on the main thread) then joins a fresh process group with a new TCPStore, so restarted
+ranks and survivors form one group again.
+
+Diagnostics set up in every rank process (``prepare_process``): faulthandler writes the Python stack of a
+segfault to stderr (relayed to the notebook with the rank's last output), C stdio is line-buffered so a C
+extension's last ``printf`` lines reach the notebook even when the process dies without flushing, and
+``last_collective`` reads torch.distributed's flight recorder (enabled by TORCH_FR_BUFFER_SIZE, which the
+controller sets by default) for stack reports.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import json
+import logging
+import os
+import socket
+import sys
+from typing import TYPE_CHECKING
+
+from . import protocol as P
+from .executor import format_error
+
+if TYPE_CHECKING:
+    from .runtime import Rank
+
+log = logging.getLogger(__name__)
+
+__all__ = ["prepare_process", "GroupSockets", "abort_communicators", "destroy_group", "regroup",
+           "last_collective"]
+
+_IOLBF = 1  # setvbuf mode: line buffered (glibc value)
+
+
+def prepare_process() -> None:
+    """Crash diagnostics for this rank process: faulthandler on stderr, line-buffered C stdout."""
+    try:
+        faulthandler.enable(file=sys.stderr, all_threads=False)
+    except (RuntimeError, ValueError, OSError):
+        pass  # stderr without a file descriptor
+    try:
+        libc = ctypes.CDLL(None)
+        libc.setvbuf(ctypes.c_void_p.in_dll(libc, "stdout"), None, _IOLBF, 0)
+    except (OSError, AttributeError, ValueError):
+        pass  # not glibc: C stdout keeps its default buffering
+
+
+_TCP_LISTEN = "0A"  # socket state in /proc/net/tcp
+
+
+def _tcp_inodes() -> set[int]:
+    """Inodes of this process's TCP connections, listening sockets excluded (Linux /proc).
+
+    gloo's listener must never be shut down: its accept() failing aborts the process."""
+    inodes: set[int] = set()
+    for name in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/self/net/{name}") as f:
+                next(f)
+                for line in f:
+                    fields = line.split()
+                    if fields[3] != _TCP_LISTEN:
+                        inodes.add(int(fields[9]))
+        except (OSError, StopIteration, IndexError, ValueError):
+            pass
+    return inodes
+
+
+def _socket_fds() -> dict[int, int]:
+    """socket inode -> file descriptor, for this process."""
+    fds: dict[int, int] = {}
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return fds
+    for name in names:
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            fds[int(target[8:-1])] = int(name)
+    return fds
+
+
+class GroupSockets:
+    """The TCP connections a process group opened, recorded around ``init_process_group``; ``cut`` shuts them
+    down so that gloo collectives on them fail at once, here and on the peers (see the module docstring).
+
+    Only sockets that appeared during the group's creation are touched: the controller's connection, the
+    TCPStore client and sockets of the user's own code opened before or after are left alone.
+    """
+
+    def __init__(self) -> None:
+        self._before: set[int] = set()
+        self.inodes: set[int] = set()
+
+    def __enter__(self) -> GroupSockets:
+        self._before = _tcp_inodes()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.inodes = _tcp_inodes() - self._before
+
+    def cut(self) -> int:
+        """Shut down every recorded connection still open (any thread); returns how many."""
+        import socket as socketlib
+
+        cut = 0
+        live = _tcp_inodes()
+        for inode, fd in _socket_fds().items():
+            if inode not in self.inodes or inode not in live:
+                continue
+            try:
+                dup = os.dup(fd)
+            except OSError:
+                continue  # closed meanwhile
+            try:
+                if os.fstat(dup).st_ino != inode:
+                    continue  # the descriptor was reused for something else
+                s = socketlib.socket(fileno=dup)
+                dup = -1  # the socket object owns it now
+                try:
+                    s.shutdown(socketlib.SHUT_RDWR)
+                    cut += 1
+                except OSError:
+                    pass  # a listening or already closed socket
+                finally:
+                    s.close()
+            finally:
+                if dup >= 0:
+                    os.close(dup)
+        self.inodes = set()
+        return cut
+
+
+def abort_communicators(reason: str, sockets: GroupSockets | None = None) -> None:
+    """I/O thread: make a collective blocked on the main thread return (NCCL: abort the communicators; gloo:
+    shut down the group's connections). A no-op when no process group exists."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    try:
+        if dist.get_backend() == "nccl":
+            log.warning("aborting NCCL communicators: %s", reason)
+            dist.distributed_c10d._abort_process_group()
+        elif sockets is not None:
+            n = sockets.cut()
+            log.info("shut down %d connections of the process group: %s", n, reason)
+    except Exception:  # noqa: BLE001 - best effort; the main thread's destroy_group follows
+        log.exception("aborting the process group failed")
+
+
+def destroy_group(rank: Rank, msg: P.Abort, payload: bytes, bufs: list) -> None:
+    """Main thread: leave the broken process group (closing its connections releases waiting peers)."""
+    import torch.distributed as dist
+
+    groups = getattr(getattr(rank, "transfers", None), "_groups", None)
+    if isinstance(groups, dict):
+        groups.clear()  # sub-groups of the old process group (transfer broadcasts) die with it
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a broken group may fail to tear down cleanly; it is gone either way
+            log.exception("rank %d: destroying the process group failed", rank.rank)
+    log.info("rank %d left its process group: %s", rank.rank, msg.reason)
+
+
+def regroup(rank: Rank, msg: P.Regroup, payload: bytes, bufs: list) -> None:
+    """Main thread: leave the current process group, join a fresh one, answer Ready (or StartFailed)."""
+    import torch.distributed as dist
+
+    try:
+        groups = getattr(getattr(rank, "transfers", None), "_groups", None)
+        if isinstance(groups, dict):
+            groups.clear()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        local_rank = msg.local_rank if msg.local_rank >= 0 else int(os.environ.get("LOCAL_RANK", msg.rank))
+        local_world = (msg.local_world_size if msg.local_world_size >= 0
+                       else int(os.environ.get("LOCAL_WORLD_SIZE", msg.world_size)))
+        device, backend = rank.init_group(msg.rank, msg.world_size, local_rank, local_world, msg.master_addr,
+                                          msg.master_port, msg.backend)
+    except BaseException as e:  # noqa: BLE001 - tell the controller why; the rank itself stays up
+        rank.send(P.StartFailed(error=format_error(e)["traceback"]))
+        return
+    rank.rank = msg.rank
+    rank.device = device
+    if rank.ns is not None:
+        rank.ns.ns["device"] = device
+    rank.send(P.Ready(device=str(device), backend=backend, host=socket.gethostname(), pid=os.getpid()))
+
+
+def last_collective() -> dict:
+    """The newest entry of torch.distributed's flight recorder: {"name", "seq", "group", "state"} or {}.
+
+    Safe on the I/O thread while the main thread blocks in a collective (the recorder has its own lock).
+    """
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return {}
+    try:
+        from torch._C import _distributed_c10d as c10d
+
+        entries = json.loads(c10d._dump_fr_trace_json(True, False)).get("entries") or []
+    except Exception:  # noqa: BLE001 - recorder off (TORCH_FR_BUFFER_SIZE=0) or not in this torch build
+        return {}
+    if not entries:
+        return {}
+    e = max(entries, key=lambda x: (x.get("time_created_ns", 0), x.get("record_id", 0)))
+    group = e.get("process_group") or ["", ""]
+    return {"name": str(e.get("profiling_name", "")), "seq": int(e.get("collective_seq_id", 0)),
+            "group": str(group[1] if len(group) > 1 else group[0]), "state": str(e.get("state", ""))}
