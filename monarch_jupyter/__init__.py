@@ -28,6 +28,7 @@ from .errors import (
     MeshStartError,
     MeshTimeoutError,
     MonarchError,
+    RankBusyError,
     RankDiedError,
     RemoteError,
 )
@@ -47,6 +48,7 @@ __all__ = [
     "MeshNotRunningError",
     "MeshTimeoutError",
     "RankDiedError",
+    "RankBusyError",
     "RemoteError",
     "load_ipython_extension",
     "unload_ipython_extension",

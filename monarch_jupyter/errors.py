@@ -20,12 +20,33 @@ __all__ = [
     "RankAbortedError",
     "MeshError",
     "MeshTimeoutError",
+    "RankBusyError",
     "mesh_interrupt",
 ]
 
 
 class MonarchError(Exception):
-    """Base of every monarch_jupyter error."""
+    """Base of every monarch_jupyter error.
+
+    IPython shows these as their message only (``_render_traceback_``), not the controller's frames, which say
+    nothing to a user; errors that carry ranks' tracebacks render those instead.
+    """
+
+    def _render_traceback_(self) -> list[str]:
+        return f"{type(self).__name__}: {self}".splitlines()
+
+
+class RankBusyError(MonarchError):
+    """A cell was sent to ranks still running an earlier cell that was interrupted or timed out and did not
+    stop (typically blocked in a collective): running more code there could pair its collectives with the
+    stuck ones. ``ranks`` are those ranks."""
+
+    def __init__(self, message: str, ranks: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.ranks = list(ranks or [])
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (self.args[0], self.ranks))
 
 
 class MeshNotRunningError(MonarchError):
@@ -214,17 +235,31 @@ class MeshError(MonarchError):
 
     def _render_traceback_(self) -> list[str]:
         root_rank = next(iter(self.errors))
+        # Ranks that failed identically (same exception, same traceback) are shown once, as %mesh stacks does.
+        same: dict[int, list[int]] = {}
+        keys: dict[tuple, int] = {}
+        for rank, err in self.errors.items():
+            if isinstance(err, RemoteError):
+                first = keys.setdefault((err.ename, err.evalue, err.traceback), rank)
+                if first != rank:
+                    same.setdefault(first, []).append(rank)
+        grouped = {r for rs in same.values() for r in rs}
+
+        def also(rank: int) -> str:
+            rs = same.get(rank)
+            return f"; rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))} failed the same way" if rs else ""
+
         lines = [f"MeshError: {self}"]
-        lines.append(f"--- root cause: rank {root_rank} (first failure seen) ---")
+        lines.append(f"--- root cause: rank {root_rank} (first failure seen){also(root_rank)} ---")
         lines += self.errors[root_rank].render()  # type: ignore[attr-defined]
         aborted: dict[str, list[int]] = {}  # ranks stopped by others' deaths: one line per kind
         for rank, err in self.errors.items():
-            if rank == root_rank:
+            if rank == root_rank or rank in grouped:
                 continue
             if isinstance(err, RankAbortedError):
                 aborted.setdefault(err.summary(), []).append(rank)
                 continue
-            lines.append(f"--- rank {rank} ---")
+            lines.append(f"--- rank {rank}{also(rank)} ---")
             lines += err.render()  # type: ignore[attr-defined]
         for summary, ranks in aborted.items():
             lines.append(f"--- rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, sorted(ranks)))}: "

@@ -40,6 +40,9 @@ OOB_THRESHOLD = 64 * 1024
 class SerializationError(TypeError):
     """A value could not be pickled; the message names its type and where it sits in the container."""
 
+    def _render_traceback_(self) -> list[str]:  # IPython: the message, not the pickler's frames
+        return [f"SerializationError: {self}"]
+
 
 # The device tensors are rebuilt on during one loads() call (None: the CPU, as received).
 _target_device: contextvars.ContextVar[Any] = contextvars.ContextVar("monarch_target_device", default=None)

@@ -17,6 +17,7 @@ import ast
 import atexit
 import contextvars
 import enum
+import functools
 import inspect
 import itertools
 import linecache
@@ -43,6 +44,7 @@ from ..errors import (
     MeshStartError,
     MeshTimeoutError,
     MonarchError,
+    RankBusyError,
     RankDiedError,
     RemoteError,
     describe_returncode,
@@ -139,6 +141,7 @@ class CellHandle:
         self._held: dict[int, list] = {r: [] for r in ranks}  # order == "rank": lines not yet released
         self._final: tuple[Any, BaseException | None] | None = None  # outcome, once computed
         self._keep_outcome = False
+        self._abandoned = False  # interrupted or timed out while some ranks still ran it
         self._wake = threading.Condition(mesh._lock)  # notified when lines arrive for a waiter, or when done
         self._waiting = False
         self._result_seen_at: dict[int, float] = {}
@@ -709,7 +712,12 @@ class Mesh(RecoveryMixin):
         cell_id = next(self._cell_ids)
         filename = filename or f"<mesh cell {cell_id}>"
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
-        compile(code, filename, "exec", dont_inherit=True)  # SyntaxError here, once, before anything runs
+        try:
+            compile(code, filename, "exec", dont_inherit=True)  # SyntaxError here, once, before anything runs
+        except SyntaxError as e:
+            # IPython shows the offending line and caret, not the controller's frames.
+            e._render_traceback_ = functools.partial(_render_syntax_error, e)  # type: ignore[attr-defined]
+            raise e.with_traceback(None) from None
         refs, sources = _notebook_refs(code, namespace) if namespace is not None else ({}, {})
         msg = P.Exec(cell_id, code, filename, sources)
         handle = self._submit(cell_id, chosen, msg, refs if refs else None, bool(refs), "the cell", order)
@@ -865,6 +873,13 @@ class Mesh(RecoveryMixin):
             if dead:
                 raise MeshError({r: RankDiedError(r, self._ranks[r].returncode, "\n".join(self._ranks[r].last_lines))
                                  for r in dead}, what=what + " (not run)", hint=restart_hint(dead))
+            busy = [r for r in ranks if any(c._abandoned and r not in c.finished for c in self._ranks[r].cells)]
+            if busy:
+                raise RankBusyError(
+                    f"{what} was not run: rank(s) {rank_list(busy)} still run an earlier cell that was interrupted "
+                    "or timed out and did not stop (blocked in a collective?); new code there could pair its "
+                    "collectives with the stuck ones. Run  %mesh stacks  to see where,  %mesh interrupt --force "
+                    f"--ranks {rank_list(busy)}  to release them, or  %mesh restart.", busy)
             self._note_group_down(ranks)
             self._cells[cell_id] = handle
             self._last_cell = handle
@@ -944,6 +959,7 @@ class Mesh(RecoveryMixin):
             pass  # a second interrupt: stop waiting now
         with self._cond:
             stuck = [r for r in cell.ranks if r not in cell.finished]
+            cell._abandoned = bool(stuck)  # nobody waits for it now: later cells must not queue behind it
             stopped = {r: e for r, e in cell.errors.items()
                        if r in running and isinstance(e, RemoteError) and e.interrupted}
         if stuck:
@@ -1364,6 +1380,12 @@ class Mesh(RecoveryMixin):
         if not expected:
             self._after_death(rank, killed or "", failed, notify=killed is None)  # recovery.py
         self._event("rank_state", rank=rank, state=info.state.value, returncode=returncode)
+
+
+def _render_syntax_error(e: SyntaxError) -> list[str]:
+    import traceback
+
+    return "".join(traceback.format_exception_only(type(e), e)).rstrip("\n").splitlines()
 
 
 def _loopback_ifname() -> str:

@@ -91,6 +91,10 @@ class MeshMagics(TransferMagics, Magics):
         if cell is not None:
             return self._cell(line, cell)
         sub, rest = _rest(line)
+        if not sub:
+            raise UsageError(
+                f"%mesh needs a subcommand: {', '.join(SUBCOMMANDS)} (e.g.  %mesh start -n 4); %%mesh as a cell "
+                "magic runs the cell on the ranks. `%mesh SUBCOMMAND --help` lists each one's options.")
         handler = {
             "start": self._start,
             "listen": self._listen,
@@ -231,6 +235,9 @@ class MeshMagics(TransferMagics, Magics):
         """%mesh stop: stop every rank."""
         self._parse(self._stop, rest, "stop")
         m = self._mesh(require_running=False)
+        if not m.running:
+            print("the mesh is already stopped (%mesh restart starts it again)")
+            return
         m.stop()
         print(f"stopped {m.nproc} ranks")
 
@@ -345,11 +352,15 @@ class MeshMagics(TransferMagics, Magics):
             shlex.split(rest)
         except ValueError as e:
             raise UsageError(f"cannot parse {rest!r}: {e}") from None
+        prog = f"%mesh {sub}" if sub else "%%mesh"
         try:
-            return parse_argstring(func, rest)
+            args = parse_argstring(func, rest)
         except UsageError as e:
-            prog = f"%mesh {sub}" if sub else "%%mesh"
             raise UsageError(f"{prog}: {e}. Run  {prog} --help  for the options.") from None
+        timeout = getattr(args, "timeout", None)
+        if timeout is not None and not timeout > 0:
+            raise UsageError(f"{prog}: --timeout takes a positive number of seconds, got {timeout:g}")
+        return args
 
     def _mesh(self, require_running: bool = True) -> Mesh:
         m = mesh_mod._current

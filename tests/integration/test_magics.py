@@ -157,3 +157,44 @@ def test_unload_then_load_under_the_other_name() -> None:
     ip.run_line_magic("unload_ext", "monarch_jupyter")
     ip.run_line_magic("load_ext", "monarch")
     assert "mesh" in ip.magics_manager.magics["cell"]
+
+
+def running_mesh(shell: InteractiveShell) -> Mesh:
+    """The mesh the magics use, started if an earlier test (unload_ext) stopped it."""
+    try:
+        m = monarch_jupyter.current_mesh()
+        if m.running:
+            return m
+    except monarch_jupyter.MeshNotRunningError:
+        pass
+    return shell.run_line_magic("mesh", "start -n 2")
+
+
+def test_more_usage_errors(shell: InteractiveShell, capsys: pytest.CaptureFixture[str]) -> None:
+    running_mesh(shell)
+    with pytest.raises(UsageError, match="needs a subcommand"):
+        shell.run_line_magic("mesh", "")
+    with pytest.raises(UsageError, match="positive number of seconds"):
+        cell(shell, "--timeout -1", "1")
+    shell.run_line_magic("mesh", "stop")
+    shell.run_line_magic("mesh", "stop")
+    assert "already stopped" in capsys.readouterr().out
+    shell.run_line_magic("mesh", "restart")
+    assert cell(shell, "", "rank") == {0: 0, 1: 1}
+
+
+def test_clean_rendering_of_errors(shell: InteractiveShell) -> None:
+    """Errors the user can act on show their message, not the controller's frames."""
+    running_mesh(shell)
+    with pytest.raises(SyntaxError) as info:
+        cell(shell, "", "x = (1,\n")
+    text = "\n".join(info.value._render_traceback_())  # type: ignore[attr-defined]
+    assert "SyntaxError" in text and "mesh.py" not in text
+    with pytest.raises(MeshError) as err:
+        cell(shell, "", "undefined_name")
+    text = "\n".join(err.value._render_traceback_())
+    assert "failed the same way" in text
+    assert text.count("NameError: name 'undefined_name' is not defined") == 2  # header line + one traceback
+    from monarch_jupyter import MeshStartError
+
+    assert MeshStartError("x")._render_traceback_() == ["MeshStartError: x"]

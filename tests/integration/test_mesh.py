@@ -277,3 +277,19 @@ def test_result_is_a_snapshot_and_handle_result_is_stable(mesh: Mesh) -> None:
     mesh.run("big += 1", ranks=0)  # changing the rank's tensor in place does not change what we received
     assert float(first[0].sum()) == 0.0
     assert handle.result(timeout=1) is first
+
+
+def test_rank_stuck_in_a_collective_refuses_new_cells_until_released() -> None:
+    """A cell that timed out while one rank sat in a collective must not let the next cell's collective pair
+    with the stuck one (a wrong result, then a hang): the next cell is refused until the rank is released."""
+    from monarch_jupyter import MeshTimeoutError, RankBusyError
+
+    with Mesh(2) as m:
+        with pytest.raises(MeshTimeoutError):
+            m.run("t = torch.full((1,), 100.)\nif rank == 0:\n    dist.all_reduce(t)\n", timeout=1)
+        with pytest.raises(RankBusyError, match="interrupt --force") as info:
+            m.run("u = torch.ones(1); dist.all_reduce(u); u.item()")
+        assert info.value.ranks == [0]
+        assert m.run("rank", ranks=1) == {1: 1}  # the other rank is free
+        m.interrupt(force=True)
+        assert m.run("u = torch.ones(1); dist.all_reduce(u); u.item()", timeout=30) == {0: 2.0, 1: 2.0}
