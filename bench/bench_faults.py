@@ -428,7 +428,7 @@ def main() -> None:
             f"(all gone {kern['kernel_sigkill_to_no_rank_s']:.3f} s after the SIGKILL)")
     if ipp and "skipped" not in ipp:
         row("ipyparallel: engine death detection", ipp["death_detection_s"],
-            f"{ipp.get('death_error', '')}; ours is {ipp['death_detection_s'] / best:.0f}x faster")
+            f"{ipp.get('death_error', '')}; ours is {ipp['death_detection_s'] / best:.1f}x faster")
         row("ipyparallel: engines after a death", ipp["engines_after_death"], "(ours: restart --rank)")
         row("ipyparallel: SIGINT during a blocking call", ipp["interrupt_blocking_call_s"],
             f"{ipp['interrupt_blocking_call']}")

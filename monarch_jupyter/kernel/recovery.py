@@ -209,7 +209,7 @@ class RecoveryMixin:
                               "or its host is unreachable")
                     lost.append((info.rank, reason, self._rank_failed(info, None, reason)))
         for rank, reason, cells in lost:
-            log.warning("rank %d: %s; declared dead", rank, reason)
+            log.info("rank %d: %s; declared dead", rank, reason)
             self._event("rank_state", rank=rank, state="dead", returncode=None)
             if self._launcher is not None:
                 self._launcher.signal(rank, signal.SIGKILL)
