@@ -1170,15 +1170,7 @@ class Mesh(RecoveryMixin):
                     except Exception:  # noqa: BLE001 - keep the I/O thread alive whatever a rank sent
                         log.exception("handling %s from rank %d failed", msg.TYPE, rank)
             if self._outbox.wake_fd in events:
-                for item in self._outbox.drain():
-                    if item is None:
-                        continue
-                    identities, msg, payload, buffers = item
-                    # One signature for every recipient: each rank checks replays per sender session.
-                    frames = self._signer.pack(msg, payload, buffers)
-                    for identity in identities:
-                        if identity is not None:
-                            send_frames(self._router, [identity, *frames])
+                self._send_outbox()
             now = time.monotonic()
             if now >= next_ping:
                 next_ping = now + self.heartbeat_interval
@@ -1193,10 +1185,12 @@ class Mesh(RecoveryMixin):
         self._send_outbox()  # what was queued while stopping (Shutdown, Rejected)
 
     def _send_outbox(self) -> None:
+        """Send what other threads queued (I/O thread only)."""
         for item in self._outbox.drain():
             if item is None:
                 continue
             identities, msg, payload, buffers = item
+            # One signature for every recipient: each rank checks replays per sender session.
             frames = self._signer.pack(msg, payload, buffers)
             for identity in identities:
                 if identity is not None:

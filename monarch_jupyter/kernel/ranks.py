@@ -56,8 +56,11 @@ def parse_ranks(spec: str | int | Iterable[int] | None, world_size: int) -> list
     return sorted(ranks)
 
 
-def format_ranks(ranks: Iterable[int]) -> str:
-    """Compact text for a set of ranks: [0, 1, 2, 5] -> '0-2,5'."""
+def format_ranks(ranks: Iterable[int], min_run: int = 2) -> str:
+    """Compact text for a set of ranks: [0, 1, 2, 5] -> '0-2,5'.
+
+    Runs of at least ``min_run`` consecutive ranks become ranges; ``min_run=3`` reads like speech: "0,1,3".
+    """
     rs = sorted(set(ranks))
     parts: list[str] = []
     i = 0
@@ -65,7 +68,7 @@ def format_ranks(ranks: Iterable[int]) -> str:
         j = i
         while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
             j += 1
-        parts.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
+        parts += [f"{rs[i]}-{rs[j]}"] if j - i + 1 >= min_run else [str(r) for r in rs[i:j + 1]]
         i = j + 1
     return ",".join(parts)
 

@@ -21,6 +21,8 @@ from typing import Any
 
 from monarch_worker import protocol as P
 
+from .ranks import format_ranks
+
 
 __all__ = ["StackReport", "summarize", "rank_list"]
 
@@ -152,13 +154,4 @@ class StackReport:
 
 def rank_list(ranks: list[int]) -> str:
     """Ranks as read aloud: "0,1,3"; runs of three or more as ranges: "0-7", "0,2-5"."""
-    rs = sorted(set(ranks))
-    parts: list[str] = []
-    i = 0
-    while i < len(rs):
-        j = i
-        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
-            j += 1
-        parts += [f"{rs[i]}-{rs[j]}"] if j - i >= 2 else [str(r) for r in rs[i:j + 1]]
-        i = j + 1
-    return ",".join(parts)
+    return format_ranks(ranks, min_run=3)
