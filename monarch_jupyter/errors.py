@@ -21,6 +21,7 @@ __all__ = [
     "MeshError",
     "MeshTimeoutError",
     "RankBusyError",
+    "CellSyntaxError",
     "mesh_interrupt",
 ]
 
@@ -34,6 +35,26 @@ class MonarchError(Exception):
 
     def _render_traceback_(self) -> list[str]:
         return f"{type(self).__name__}: {self}".splitlines()
+
+
+class CellSyntaxError(MonarchError):
+    """A ``%%mesh`` cell does not compile; raised by the magic, before anything runs on the ranks.
+
+    Not a SyntaxError subclass on purpose: IPython prints every SyntaxError with the frames it passed through,
+    which here are the controller's. ``error`` is the original SyntaxError (``Mesh.run`` raises that one).
+    """
+
+    def __init__(self, error: SyntaxError) -> None:
+        super().__init__(error)
+        self.error = error
+
+    def __str__(self) -> str:
+        return str(self.error)
+
+    def _render_traceback_(self) -> list[str]:
+        import traceback
+
+        return "".join(traceback.format_exception_only(type(self.error), self.error)).rstrip("\n").splitlines()
 
 
 class RankBusyError(MonarchError):

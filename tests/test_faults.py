@@ -165,7 +165,7 @@ def test_rank_stuck_in_c_code_is_named_then_killed_by_force(healthy: Mesh, capsy
         mesh.run(code)
     poller.join()
     err = capsys.readouterr().err
-    assert "rank 1 did not stop within 1.5 s and still run the cell: rank 1: time.sleep at cell line 5" in err, err
+    assert "rank 1 did not stop within 1.5 s and is still running the cell: rank 1: time.sleep at cell line 5" in err, err
 
     report = mesh.interrupt(ranks=1, force=True, grace=0.5)
     assert report.killed == [1], report.text

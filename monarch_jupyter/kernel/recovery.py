@@ -249,7 +249,8 @@ class RecoveryMixin:
             where = self.stacks(stuck, timeout=2.0).summary()
         except MonarchError:
             where = "?"
-        return (f"{_ranks_text(stuck)} did not stop within {grace:g} s and still run the cell: {where}\n"
+        still = "is still running" if len(stuck) == 1 else "are still running"
+        return (f"{_ranks_text(stuck)} did not stop within {grace:g} s and {still} the cell: {where}\n"
                 f"They may be stuck in C code or in a collective with ranks that stopped. "
                 f"%mesh interrupt --force --ranks {rank_list(stuck)}  tears the process group down (releasing "
                 f"collectives) and SIGKILLs ranks still stuck; %mesh restart  starts a fresh mesh.\n")

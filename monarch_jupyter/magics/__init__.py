@@ -331,6 +331,9 @@ class MeshMagics(TransferMagics, Magics):
                 )
         except ValueError as e:
             raise UsageError(str(e)) from None
+        except SyntaxError as e:
+            # IPython shows any SyntaxError with the frames it passed through; this shows only the cell's line.
+            raise errors.CellSyntaxError(e) from None
         except errors.MeshError as e:
             if args.out:
                 self.shell.user_ns[args.out] = e.results

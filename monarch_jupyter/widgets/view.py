@@ -247,8 +247,10 @@ class LiveView:
                                   error=describe_returncode(err.returncode) if dead else "the mesh was stopped")
                 else:
                     name = getattr(err, "ename", "") or type(err).__name__
-                    evalue = getattr(err, "evalue", "") or str(err)
-                    row = replace(row, state="error", error=f"{name}: {evalue}")
+                    evalue = getattr(err, "evalue", None)
+                    if evalue is None:  # not a rank's exception: its own message
+                        evalue = str(err)
+                    row = replace(row, state="error", error=f"{name}: {evalue}" if evalue else name)
             fixed.append(row)
         return fixed, _summarize(fixed, summary.world_size, True)
 

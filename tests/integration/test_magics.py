@@ -186,10 +186,15 @@ def test_more_usage_errors(shell: InteractiveShell, capsys: pytest.CaptureFixtur
 def test_clean_rendering_of_errors(shell: InteractiveShell) -> None:
     """Errors the user can act on show their message, not the controller's frames."""
     running_mesh(shell)
-    with pytest.raises(SyntaxError) as info:
+    from monarch_jupyter.errors import CellSyntaxError
+
+    with pytest.raises(CellSyntaxError) as info:
         cell(shell, "", "x = (1,\n")
-    text = "\n".join(info.value._render_traceback_())  # type: ignore[attr-defined]
-    assert "SyntaxError" in text and "mesh.py" not in text
+    text = "\n".join(info.value._render_traceback_())
+    assert "SyntaxError" in text and "mesh.py" not in text and "<mesh In[" in text
+    # What the user sees through run_cell: the error's own lines, none of the controller's frames.
+    result = shell.run_cell("%%mesh\nx = = 3\n")
+    assert isinstance(result.error_in_exec, CellSyntaxError)
     with pytest.raises(MeshError) as err:
         cell(shell, "", "undefined_name")
     text = "\n".join(err.value._render_traceback_())
