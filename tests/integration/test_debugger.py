@@ -7,6 +7,7 @@ test_debugger_kernel.py.
 from __future__ import annotations
 
 import io
+import re
 import textwrap
 import time
 from collections.abc import Callable, Iterator
@@ -267,8 +268,10 @@ def test_interrupt_at_the_prompt_raises(dbg: Mesh, capsys: pytest.CaptureFixture
     # Post-mortem sees where rank 1 stopped.
     with dbg.debugger.options(commands="p x"):
         dbg.debugger.post_mortem(1)
-    assert "KeyboardInterrupt: interrupted at the debugger prompt\n> <dbg raise>(3)<module>()\n" in \
-        capsys.readouterr().out
+    # The KeyboardInterrupt comes from the debugger's answer or from the cell's interrupt, whichever reaches the
+    # rank first (its message differs); either way rank 1 stopped where it was, line 3.
+    out = capsys.readouterr().out
+    assert re.search(r"KeyboardInterrupt(: interrupted at the debugger prompt)?\n> <dbg raise>\(3\)<module>\(\)\n", out), out
     assert run(dbg, "import sys\nsys.gettrace() is None") == {r: True for r in range(4)}
 
 
