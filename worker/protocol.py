@@ -608,3 +608,73 @@ SYNC_SUFFIX = b"\x07"
 
 def sync_marker(cell_id: int) -> bytes:
     return SYNC_PREFIX + str(cell_id).encode() + SYNC_SUFFIX
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Records: signed messages that a local rank writes into its own stdout pipe, in line with its output.
+#
+# A rank started by the fork server sends what its main thread reports (a cell's Result, progress, debugger
+# prompts) as records on the pipe behind fd 1 rather than over ZeroMQ. The fork server relays stdout and stderr
+# to the kernel in one ordered stream, and it relays everything a rank wrote to stderr before the stdout bytes it
+# has just read, so a Result record arrives after every byte of output the cell wrote on either stream: no sync
+# marker and no ZeroMQ round trip are needed for it. Each record is one write() of at most PIPE_BUF bytes, which
+# POSIX makes atomic on a pipe, so output written by other threads never lands inside one; a longer message is
+# cut into several records (flag RECORD_MORE on all but the last).
+#
+#   RECORD_PREFIX | body length (uint32) | flags (uint8) | body
+#
+# The bodies of a message's records, joined, are ``pack_frames`` of its signed frames (``Signer.pack``), which
+# the kernel verifies like any other message before it unpickles anything.
+
+RECORD_PREFIX = b"\x1b]monarch-msg;"
+RECORD_HEADER = struct.Struct("!IB")
+RECORD_MORE = 1  # more records of this message follow
+RECORD_SYNC = 2  # the cell ended: every line it wrote before this record is complete
+PIPE_BUF = 4096  # POSIX guarantees at least 512; Linux gives 4096
+RECORD_BODY_MAX = PIPE_BUF - len(RECORD_PREFIX) - RECORD_HEADER.size
+_FRAME_COUNT = struct.Struct("!H")
+_FRAME_LEN = struct.Struct("!I")
+
+
+def record_types() -> tuple[type[Message], ...]:
+    """The messages a rank's main thread sends as records (their kernel handlers may run on any thread)."""
+    return (Result, Progress, DebugOutput, DebugPrompt, DebugResumed)
+
+
+def pack_frames(frames: list) -> bytes:
+    """One byte string holding ``frames`` (bytes-like), each with its length."""
+    parts = [_FRAME_COUNT.pack(len(frames))]
+    for f in frames:
+        parts.append(_FRAME_LEN.pack(memoryview(f).nbytes))
+        parts.append(f)
+    return b"".join(parts)
+
+
+def unpack_frames(data: bytes) -> list[bytes]:
+    """The frames ``pack_frames`` packed. Raises ProtocolError on a malformed string."""
+    try:
+        (count,) = _FRAME_COUNT.unpack_from(data, 0)
+        pos, frames = _FRAME_COUNT.size, []
+        for _ in range(count):
+            (n,) = _FRAME_LEN.unpack_from(data, pos)
+            pos += _FRAME_LEN.size
+            if pos + n > len(data):
+                raise ProtocolError("truncated record")
+            frames.append(data[pos:pos + n])
+            pos += n
+    except struct.error as e:
+        raise ProtocolError(f"malformed record: {e}") from None
+    if pos != len(data):
+        raise ProtocolError("malformed record: trailing bytes")
+    return frames
+
+
+def records(body: bytes, sync: bool = False) -> list[bytes]:
+    """Cut ``body`` (``pack_frames`` output) into records of at most PIPE_BUF bytes each."""
+    out = []
+    chunks = [body[i:i + RECORD_BODY_MAX] for i in range(0, len(body), RECORD_BODY_MAX)] or [b""]
+    for i, chunk in enumerate(chunks):
+        last = i == len(chunks) - 1
+        flags = (0 if last else RECORD_MORE) | (RECORD_SYNC if sync and last else 0)
+        out.append(RECORD_PREFIX + RECORD_HEADER.pack(len(chunk), flags) + chunk)
+    return out

@@ -66,6 +66,7 @@ class RankConfig:
     heartbeat_timeout: float = 30.0  # exit when the controller is silent this long
     relay_output: bool = False  # True: this process sends its own stdout/stderr (no fork server relays it)
     relay_tee: bool = False  # with relay_output: also copy the output to this process's original fds 1 and 2
+    output_records: bool = False  # fd 1 is a pipe the fork server relays: the main thread reports in records there
     env: dict = field(default_factory=dict)
     curve_serverkey: str = ""  # the controller's CurveZMQ public key (Z85) when it encrypts; "" for plain TCP
     launcher_env: dict = field(default_factory=dict)  # what the launcher told this rank (sent in Hello)
@@ -104,6 +105,11 @@ class Rank:
         self.transfers = RankTransfers(self)
         self.group_sockets = recovery.GroupSockets()  # what Abort shuts down to release gloo collectives
         self.debugger = RankDebugger(self)  # breakpoint(), post-mortem, inspect (debugger.py)
+        # Records (protocol.RECORD_PREFIX): once the rank serves cells, its main thread writes what it reports
+        # into its stdout pipe, through a copy of fd 1 that user code redirecting fd 1 does not affect.
+        self._record_fd = -1
+        self._record_types = P.record_types()
+        self._main_signer = P.Signer(bytes.fromhex(config.secret))  # the main thread's own sender session
 
     def send(self, msg: P.Message, value: Any = None, *, with_value: bool = False) -> None:
         """Queue ``msg`` for the I/O thread (any thread); ``value`` is pickled here as its payload.
@@ -111,7 +117,27 @@ class Rank:
         Raises SerializationError when ``value`` cannot be pickled (nothing is queued then).
         """
         payload, buffers = dumps(value) if with_value else (b"", [])
+        if (self._record_fd >= 0 and isinstance(msg, self._record_types)
+                and threading.get_ident() == self._main_ident):
+            self._write_records(msg, payload, buffers)
+            return
         self.outbox.put((msg, payload, buffers))
+
+    def _write_records(self, msg: P.Message, payload: bytes, buffers: list | tuple, sync: bool = False,
+                       limit: int | None = None) -> bool:
+        """Main thread: write ``msg`` as records into the stdout pipe (see protocol.RECORD_PREFIX), in order with
+        the output before it. Returns False, writing nothing, when it packs to more than ``limit`` bytes."""
+        body = P.pack_frames(self._main_signer.pack(msg, payload, buffers))
+        if limit is not None and len(body) > limit:
+            return False
+        for record in P.records(body, sync):
+            view = memoryview(record)
+            while view:
+                try:
+                    view = view[os.write(self._record_fd, view):]
+                except KeyboardInterrupt:
+                    continue  # a late interrupt of the cell that just ended: the record must still go out
+        return True
 
     # ---- I/O thread ------------------------------------------------------------------------------------------
 
@@ -321,6 +347,8 @@ class Rank:
 
     def serve(self) -> None:
         """Main loop: take work and run it until Shutdown."""
+        if self.config.output_records:
+            self._record_fd = os.dup(1)
         dispatch = {
             P.Exec: self._exec,
             P.Call: self._call,
@@ -365,27 +393,39 @@ class Rank:
             error, value, has_value = format_error(e), None, False
         live.flush()  # the last progress report of the cell, held back by throttling
         result = P.Result(cell_id, "error" if error else "ok", has_value, error, time.perf_counter() - start)
-        self._sync_output(cell_id)
         if reply is not None:
+            self._sync_output(cell_id)
             reply(result, value)
             return
         try:
             payload, buffers = dumps(value) if result.has_value else (b"", [])
-            # The I/O thread sends later; the next cell may change this value in place meanwhile, so large
-            # buffers are copied now (one memcpy) rather than sent from the live tensor's memory.
-            self.outbox.put((result, payload, [bytes(b) for b in buffers]))
         except SerializationError as e:
-            err = {"type": "SerializationError", "module": "monarch_worker.serialize",
-                   "message": f"the cell's result cannot be sent to the notebook: {e}",
-                   "traceback": "", "interrupted": False}
-            self.send(P.Result(cell_id, "error", error=err, duration=result.duration))
+            result, payload, buffers = _unpicklable(result, e), b"", []
+        if self._record_fd >= 0:
+            # A Result of up to RECORD_RESULT_MAX bytes ends the cell as records in the stdout pipe, behind the
+            # cell's output: no sync markers, no socket (see protocol.RECORD_PREFIX).
+            self._flush_std_streams()
+            if self._write_records(result, payload, buffers, sync=True, limit=RECORD_RESULT_MAX):
+                return
+        self._send_marked(result, payload, buffers)
 
-    def _sync_output(self, cell_id: int) -> None:
+    def _send_marked(self, result: P.Result, payload: bytes, buffers: list) -> None:
+        """Send a large Result over the socket, after sync markers in both output streams."""
+        self._sync_output(result.cell_id)
+        # The I/O thread sends later; the next cell may change this value in place meanwhile, so large buffers
+        # are copied now (one memcpy) rather than sent from the live tensor's memory.
+        self.outbox.put((result, payload, [bytes(b) for b in buffers]))
+
+    @staticmethod
+    def _flush_std_streams() -> None:
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
             except Exception:  # noqa: BLE001 - a user may have replaced or closed it
                 pass
+
+    def _sync_output(self, cell_id: int) -> None:
+        self._flush_std_streams()
         marker = P.sync_marker(cell_id)
         if self.relay is not None:
             self.relay.mark(marker, 1.0)  # the cell's output (and markers) is queued before its Result
@@ -426,6 +466,19 @@ class Rank:
 
     def start_io(self) -> None:
         self._io.start()
+
+
+RECORD_RESULT_MAX = 64 * 1024
+"""Largest Result (bytes, packed) a local rank sends as records in its stdout pipe; larger ones, and their tensor
+memory, go over the socket without being cut up (measured with bench/bench_core.py)."""
+
+
+def _unpicklable(result: P.Result, e: Exception) -> P.Result:
+    """The error Result for a cell whose last value cannot be pickled."""
+    err = {"type": "SerializationError", "module": "monarch_worker.serialize",
+           "message": f"the cell's result cannot be sent to the notebook: {e}",
+           "traceback": "", "interrupted": False}
+    return P.Result(result.cell_id, "error", error=err, duration=result.duration)
 
 
 def _rss_bytes() -> int:

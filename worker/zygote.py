@@ -47,6 +47,7 @@ class Zygote:
         self.parent = os.getppid()
         self.children: dict[int, int] = {}  # pid -> spawn id
         self.pipes: dict[int, tuple[int, int]] = {}  # read fd -> (spawn id, kind)
+        self.stderr_of: dict[int, int] = {}  # spawn id -> read fd of its stderr pipe
         self.buf = b""
         self.pending: list[bytes] = []
         self.sig_r, self.sig_w = os.pipe()
@@ -84,9 +85,12 @@ class Zygote:
                 os._exit(1)
         os.close(out_w)
         os.close(err_w)
+        os.set_blocking(out_r, False)
+        os.set_blocking(err_r, False)
         self.children[pid] = sid
         self.pipes[out_r] = (sid, P.Z_STDOUT)
         self.pipes[err_r] = (sid, P.Z_STDERR)
+        self.stderr_of[sid] = err_r
         self.emit(P.zygote_json(P.Z_SPAWNED, sid, {"pid": pid}))
 
     def _become_rank(self, req: dict, out_w: int, err_w: int) -> None:
@@ -140,23 +144,34 @@ class Zygote:
             code = os.waitstatus_to_exitcode(status)
             self.emit(P.zygote_json(P.Z_EXITED, sid, {"returncode": code, "pid": pid}))
 
-    def drain(self, fd: int, final: bool = False) -> None:
+    def drain(self, fd: int, final: bool = False, empty: bool = False) -> None:
+        """Relay what the pipe ``fd`` holds: one read; with ``empty``, reads until it is empty; with ``final``
+        (the rank exited), reads until it is empty and closes it (a grandchild may still hold the write end).
+
+        Before bytes read from a rank's stdout are relayed, whatever that rank's stderr pipe holds is relayed
+        first: a rank writes its stderr before the stdout record that ends a cell (protocol.RECORD_SYNC), so the
+        kernel sees all of the cell's output on both streams before that record.
+        """
         sid, kind = self.pipes[fd]
-        if final:
-            os.set_blocking(fd, False)  # a grandchild may still hold the write end
         while True:
             try:
                 data = os.read(fd, 65536)
             except BlockingIOError:
                 data = None
             if data:
+                if kind == P.Z_STDOUT:
+                    err = self.stderr_of.get(sid)
+                    if err is not None and err in self.pipes:
+                        self.drain(err, empty=True)
                 self.emit(P.zygote_frame(kind, sid, data))
-                if not final:
-                    return
-                continue
+                if final or empty:
+                    continue
+                return
             if data is None and not final:
                 return
             del self.pipes[fd]
+            if self.stderr_of.get(sid) == fd:
+                del self.stderr_of[sid]
             os.close(fd)
             return
 

@@ -247,6 +247,8 @@ class LocalLauncher(Launcher):
         self._sids: dict[int, int] = {}  # rank -> spawn id
 
     def start(self, rank: int, env: dict[str, str], config: dict, sink: LauncherEvents) -> None:
+        # The fork server relays the rank's stdout and stderr in order: its main thread reports in records.
+        config = {**config, "output_records": True}
         self._sids[rank] = self._zygote.spawn(rank, env, config, sink)
 
     def signal(self, rank: int, sig: int) -> None:

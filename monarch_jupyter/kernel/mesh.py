@@ -113,6 +113,7 @@ class RankInfo:
     last_lines: deque = field(default_factory=lambda: deque(maxlen=LAST_LINES))
     splitters: dict = field(default_factory=lambda: {"stdout": StreamSplitter(), "stderr": StreamSplitter()})
     progress: tuple | None = None
+    record_parts: list = field(default_factory=list)  # bodies of a record message not complete yet
 
 
 class CellHandle:
@@ -450,6 +451,7 @@ class Mesh(RecoveryMixin):
         self._stopping = False
         self._secret = os.urandom(32)
         self._signer = P.Signer(self._secret)
+        self._record_signer = P.Signer(self._secret)  # verifies records (on the launcher's reader thread)
         self._outbox = Outbox()
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
@@ -1196,6 +1198,17 @@ class Mesh(RecoveryMixin):
                 if identity is not None:
                     send_frames(self._router, [identity, *frames])
 
+    @functools.cached_property
+    def _record_handlers(self) -> dict[type, Callable]:
+        """Handlers of the messages ranks send as records (protocol.record_types)."""
+        return {
+            P.Result: self._on_result,
+            P.Progress: self._on_progress,
+            P.DebugOutput: self.debugger.on_message,
+            P.DebugPrompt: self.debugger.on_message,
+            P.DebugResumed: self.debugger.on_message,
+        }
+
     def _welcome(self, info: RankInfo, port: int) -> None:
         msg = P.Welcome(rank=info.rank, world_size=self.nproc, local_rank=info.rank, local_world_size=self.nproc,
                         master_addr="127.0.0.1", master_port=port)
@@ -1323,11 +1336,47 @@ class Mesh(RecoveryMixin):
             for kind, value in info.splitters[stream].feed(data):
                 if kind == "line":
                     self._route_line(info, stream, str(value))
-                else:
+                elif kind == "sync":
                     cell = self._cells.get(int(value))  # type: ignore[arg-type]
                     if cell is not None and rank in cell.synced:
                         cell.synced[rank].add(stream)
                         cell._check_rank(rank)
+                else:
+                    self._on_record(info, *value)  # type: ignore[misc]
+
+    def _on_record(self, info: RankInfo, flags: int, body: bytes) -> None:
+        """A message the rank wrote into its stdout pipe (protocol.RECORD_PREFIX), behind its output; under the
+        lock, on the launcher's reader thread."""
+        if flags & P.RECORD_MORE:
+            info.record_parts.append(body)
+            return
+        if info.record_parts:
+            body = b"".join(info.record_parts) + body
+            info.record_parts = []
+        try:
+            msg, payload, bufs = self._record_signer.unpack(P.unpack_frames(body))
+        except (P.ProtocolError, ValueError, TypeError, KeyError) as e:
+            log.warning("dropped a record of rank %d: %s", info.rank, e)
+            return
+        if not isinstance(msg, P.record_types()):
+            log.warning("rank %d sent an unexpected %s record", info.rank, msg.TYPE)
+            return
+        if isinstance(msg, P.Result):
+            cell = self._cells.get(msg.cell_id)
+            if cell is not None and info.rank in cell.synced and flags & P.RECORD_SYNC:
+                # Everything the rank wrote on both streams before this record has been routed (the fork
+                # server relays its stderr ahead of its stdout).
+                self._flush_partial(info, "stderr")
+                cell.synced[info.rank].update(("stdout", "stderr"))
+        try:
+            self._record_handlers[type(msg)](info.rank, msg, payload, bufs)
+        except Exception:  # noqa: BLE001 - keep the reader thread alive whatever a rank sent
+            log.exception("handling %s from rank %d failed", msg.TYPE, info.rank)
+
+    def _flush_partial(self, info: RankInfo, stream: str) -> None:
+        """Route the last line of ``stream`` that has no newline yet (the cell that wrote it ended)."""
+        for _, text in info.splitters[stream].end_line():
+            self._route_line(info, stream, str(text))
 
     def _route_line(self, info: RankInfo, stream: str, text: str) -> None:
         if kept_for_death_report(text):

@@ -16,6 +16,12 @@ from monarch_worker import protocol as P
 
 __all__ = ["StreamSplitter", "label", "write_lines"]
 
+# Markers and records start alike (protocol.SYNC_PREFIX, protocol.RECORD_PREFIX).
+_ESCAPE = b"\x1b]monarch-"
+_RECORD_MIN = len(P.RECORD_PREFIX) + P.RECORD_HEADER.size
+_PREFIX_MAX = max(len(P.SYNC_PREFIX), len(P.RECORD_PREFIX))
+assert P.SYNC_PREFIX.startswith(_ESCAPE) and P.RECORD_PREFIX.startswith(_ESCAPE)
+
 LineSink = Callable[[str, str, bool], None]  # (stream, text, partial)
 
 
@@ -36,39 +42,70 @@ class StreamSplitter:
         self._line = ""
 
     def feed(self, data: bytes) -> list[tuple[str, object]]:
-        """Returns events in order: ("line", text) for a complete line, ("sync", cell_id) for a marker."""
+        """Returns events in order: ("line", text) for a complete line, ("sync", cell_id) for a marker, and
+        ("msg", (flags, body)) for a record (protocol.RECORD_PREFIX: a message the rank wrote into the stream)."""
+        if not self._raw and not self._line:  # the common cases: one marker or one record, nothing else
+            if data.startswith(P.SYNC_PREFIX) and data.endswith(P.SYNC_SUFFIX):
+                body = data[len(P.SYNC_PREFIX):-len(P.SYNC_SUFFIX)]
+                if body.isdigit():
+                    return [("sync", int(body))]
+            elif data.startswith(P.RECORD_PREFIX) and len(data) >= _RECORD_MIN:
+                n, flags = P.RECORD_HEADER.unpack_from(data, len(P.RECORD_PREFIX))
+                if len(data) == _RECORD_MIN + n:
+                    return [("msg", (flags, data[_RECORD_MIN:]))]
         events: list[tuple[str, object]] = []
-        if not self._raw and not self._line and data.startswith(P.SYNC_PREFIX) and data.endswith(P.SYNC_SUFFIX):
-            body = data[len(P.SYNC_PREFIX):-len(P.SYNC_SUFFIX)]
-            if body.isdigit():  # the common case: a cell that printed nothing on this stream
-                return [("sync", int(body))]
         raw = self._raw + data
         self._raw = b""
         while raw:
-            i = raw.find(P.SYNC_PREFIX)
+            i = raw.find(_ESCAPE)
             if i < 0:
-                # Keep a tail that may be the start of a marker split across reads.
+                # Keep a tail that may be the start of a marker or record split across reads.
                 keep = 0
-                for k in range(min(len(P.SYNC_PREFIX) - 1, len(raw)), 0, -1):
-                    if P.SYNC_PREFIX.startswith(raw[-k:]):
+                for k in range(min(len(_ESCAPE) - 1, len(raw)), 0, -1):
+                    if _ESCAPE.startswith(raw[-k:]):
                         keep = k
                         break
                 text, self._raw = (raw[:-keep], raw[-keep:]) if keep else (raw, b"")
                 self._text(text, events)
                 break
-            j = raw.find(P.SYNC_SUFFIX, i + len(P.SYNC_PREFIX))
-            if j < 0:
+            rest = raw[i:]
+            if rest.startswith(P.RECORD_PREFIX):
+                if len(rest) < _RECORD_MIN:
+                    self._text(raw[:i], events)
+                    self._raw = rest
+                    break
+                n, flags = P.RECORD_HEADER.unpack_from(rest, len(P.RECORD_PREFIX))
+                if len(rest) < _RECORD_MIN + n:
+                    self._text(raw[:i], events)
+                    self._raw = rest
+                    break
                 self._text(raw[:i], events)
-                self._raw = raw[i:]
+                if flags & P.RECORD_SYNC:
+                    self._flush_partial(events)
+                events.append(("msg", (flags, rest[_RECORD_MIN:_RECORD_MIN + n])))
+                raw = rest[_RECORD_MIN + n:]
+                continue
+            if rest.startswith(P.SYNC_PREFIX):
+                j = rest.find(P.SYNC_SUFFIX, len(P.SYNC_PREFIX))
+                if j < 0:
+                    self._text(raw[:i], events)
+                    self._raw = rest
+                    break
+                self._text(raw[:i], events)
+                try:
+                    cell_id = int(rest[len(P.SYNC_PREFIX):j])
+                except ValueError:
+                    cell_id = -1
+                self._flush_partial(events)
+                events.append(("sync", cell_id))
+                raw = rest[j + len(P.SYNC_SUFFIX):]
+                continue
+            if len(rest) < _PREFIX_MAX and (P.SYNC_PREFIX.startswith(rest) or P.RECORD_PREFIX.startswith(rest)):
+                self._text(raw[:i], events)
+                self._raw = rest  # the start of a marker or record; the rest comes with the next read
                 break
-            self._text(raw[:i], events)
-            try:
-                cell_id = int(raw[i + len(P.SYNC_PREFIX):j])
-            except ValueError:
-                cell_id = -1
-            self._flush_partial(events)
-            events.append(("sync", cell_id))
-            raw = raw[j + len(P.SYNC_SUFFIX):]
+            self._text(raw[:i + len(_ESCAPE)], events)  # text that only looks like ours
+            raw = raw[i + len(_ESCAPE):]
         return events
 
     def _text(self, data: bytes, events: list) -> None:
@@ -84,6 +121,12 @@ class StreamSplitter:
         self._line = ""
         if rest:
             events.append(("line", _terminal_view(rest)))
+
+    def end_line(self) -> list[tuple[str, object]]:
+        """The line written so far without a newline, as a ("line", text) event (its cell ended)."""
+        events: list[tuple[str, object]] = []
+        self._flush_partial(events)
+        return events
 
     def flush(self) -> list[tuple[str, object]]:
         """The last line without a newline (at exit or when a cell ends without a marker)."""
