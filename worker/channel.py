@@ -12,7 +12,7 @@ from typing import Any
 
 import zmq
 
-__all__ = ["Outbox", "send_frames", "recv_frames"]
+__all__ = ["Outbox", "Mailbox", "send_frames", "recv_frames"]
 
 
 class Outbox:
@@ -49,6 +49,40 @@ class Outbox:
                 os.close(fd)
             except OSError:
                 pass
+
+
+class Mailbox:
+    """FIFO for one consumer thread that may also wait on other file descriptors: ``wake_fd`` is readable while
+    items wait. ``put`` from any thread."""
+
+    def __init__(self) -> None:
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self.wake_fd, self._wake_w = os.pipe()
+        os.set_blocking(self.wake_fd, False)
+        os.set_blocking(self._wake_w, False)
+
+    def put(self, item: Any) -> None:
+        self._q.put(item)
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:
+            pass  # the pipe already holds wake-ups
+
+    def get(self, timeout: float | None = None) -> Any:
+        """The next item; None when none came within ``timeout`` seconds (None: wait as long as it takes)."""
+        try:
+            return self._q.get(timeout=timeout) if timeout != 0 else self._q.get_nowait()
+        except queue.Empty:
+            pass
+        # Nothing waits: clear the wake-ups, then look again for an item put meanwhile (its wake-up may be gone).
+        try:
+            os.read(self.wake_fd, 65536)
+        except BlockingIOError:
+            pass
+        try:
+            return self._q.get_nowait()
+        except queue.Empty:
+            return None
 
 
 # Lean multipart send/receive for the I/O threads' hot path. pyzmq's send_multipart/recv_multipart go through

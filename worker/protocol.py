@@ -584,10 +584,8 @@ class Signer:
 ZYGOTE_HEADER = struct.Struct("!BiI")
 Z_SPAWN = 1  # kernel -> zygote: body is JSON {"rank", "env", "cwd", "config"}
 Z_KILL = 2  # kernel -> zygote: body is JSON {"signal"}; rank -1 means every rank
-Z_SPAWNED = 10  # zygote -> kernel: body is JSON {"pid"}
+Z_SPAWNED = 10  # zygote -> kernel: body is JSON {"pid"}; the read ends of its stdout and stderr pipes come with it
 Z_EXITED = 11  # zygote -> kernel: body is JSON {"returncode"} (negative: killed by that signal)
-Z_STDOUT = 12  # zygote -> kernel: raw bytes a rank wrote to fd 1
-Z_STDERR = 13  # zygote -> kernel: raw bytes a rank wrote to fd 2
 Z_READY = 14  # zygote -> kernel: the fork server imported torch and waits for work
 
 
@@ -678,3 +676,50 @@ def records(body: bytes, sync: bool = False) -> list[bytes]:
         flags = (0 if last else RECORD_MORE) | (RECORD_SYNC if sync and last else 0)
         out.append(RECORD_PREFIX + RECORD_HEADER.pack(len(chunk), flags) + chunk)
     return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The work pipe: kernel -> a local rank's main thread.
+#
+# A rank started by the fork server also gets the read end of a pipe (fd WORK_FD) whose write end the kernel
+# holds. The kernel sends the messages that the rank's main thread runs (cells, calls, transfers, regroup,
+# shutdown) there, signed, so a cell reaches the thread that runs it in one hop rather than through two ZeroMQ
+# I/O threads and the rank's own I/O thread. Messages its I/O thread answers (interrupts, stack requests,
+# debugger input, heartbeats) still go over the socket, so they are heard while a cell runs.
+#
+#   body length (uint64) | pack_frames(signed frames)
+
+WORK_FD = 3
+WORK_HEADER = struct.Struct("!Q")
+
+
+def work_types() -> tuple[type[Message], ...]:
+    """The messages a kernel sends through a rank's work pipe when it has one."""
+    return (Exec, Call, Push, Pull, DebugPostMortem, Regroup, Shutdown)
+
+
+def work_message(frames: list) -> bytes:
+    """Frame signed ``frames`` for the work pipe."""
+    body = pack_frames(frames)
+    return WORK_HEADER.pack(len(body)) + body
+
+
+class WorkReader:
+    """Splits the bytes read from a work pipe into messages (``pack_frames`` bodies); one thread uses it."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[bytes]:
+        self._buf += data
+        out, pos = [], 0
+        hs = WORK_HEADER.size
+        while len(self._buf) - pos >= hs:
+            (n,) = WORK_HEADER.unpack_from(self._buf, pos)
+            if len(self._buf) - pos - hs < n:
+                break
+            out.append(bytes(self._buf[pos + hs:pos + hs + n]))
+            pos += hs + n
+        if pos:
+            del self._buf[:pos]
+        return out

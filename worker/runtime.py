@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import queue
+import select
 import signal
 import socket
 import sys
@@ -28,7 +28,7 @@ import zmq
 from . import live
 from . import protocol as P
 from . import recovery
-from .channel import Outbox, recv_frames, send_frames
+from .channel import Mailbox, Outbox, recv_frames, send_frames
 from .debugger import RankDebugger
 from .executor import Namespace, format_error, main_thread_stack, register_source
 from .serialize import SerializationError, dumps, loads
@@ -67,6 +67,7 @@ class RankConfig:
     relay_output: bool = False  # True: this process sends its own stdout/stderr (no fork server relays it)
     relay_tee: bool = False  # with relay_output: also copy the output to this process's original fds 1 and 2
     output_records: bool = False  # fd 1 is a pipe the fork server relays: the main thread reports in records there
+    work_fd: int = -1  # the read end of the kernel's work pipe (protocol.WORK_FD), or -1: work comes by socket
     env: dict = field(default_factory=dict)
     curve_serverkey: str = ""  # the controller's CurveZMQ public key (Z85) when it encrypts; "" for plain TCP
     launcher_env: dict = field(default_factory=dict)  # what the launcher told this rank (sent in Hello)
@@ -79,9 +80,12 @@ class Rank:
         self.config = config
         self.rank = config.rank
         self.outbox = Outbox()
-        self.work: queue.SimpleQueue = queue.SimpleQueue()
+        # Work for the main thread that the I/O thread received (all of it, for a rank without a work pipe).
+        self.work = Mailbox()
         self.current_cell = -1  # cell the main thread runs now (-1: idle)
         self._cell_lock = threading.Lock()
+        self._last_started = 0  # the id of the last cell the main thread started
+        self._early_interrupts: set[int] = set()  # cells interrupted before they reached the main thread
         self._last_heard = time.monotonic()
         self._main_ident = threading.main_thread().ident
         self._signer = P.Signer(bytes.fromhex(config.secret))
@@ -210,6 +214,10 @@ class Rank:
         with self._cell_lock:
             if self.current_cell == msg.cell_id:
                 signal.pthread_kill(self._main_ident, signal.SIGINT)
+            elif msg.cell_id > self._last_started:
+                # The cell has not reached the main thread yet (it travels by another pipe): it stops at once
+                # when it does.
+                self._early_interrupts.add(msg.cell_id)
 
     def _on_stacks(self, msg: P.StacksRequest, payload: bytes, bufs: list) -> None:
         frame = sys._current_frames().get(self._main_ident)
@@ -233,9 +241,8 @@ class Rank:
                     f"rank {self.rank}: no {kind.TYPE} from the controller at {self.config.controller} in "
                     f"{timeout:.0f} s: it is not listening there, cannot be reached from this host, or ignores "
                     "this rank because it does not hold the mesh's secret")
-            try:
-                item = self.work.get(timeout=remaining)
-            except queue.Empty:
+            item = self.work.get(timeout=remaining)
+            if item is None:
                 continue
             if isinstance(item[0], kind):
                 return item
@@ -358,9 +365,13 @@ class Rank:
             P.Abort: lambda *m: recovery.destroy_group(self, *m),
             P.Regroup: lambda *m: recovery.regroup(self, *m),
         }
+        next_work = self._work_source()
         while True:
             try:
-                msg, payload, bufs = self.work.get()
+                item = next_work()
+                if item is None:
+                    return  # the kernel closed the work pipe: it stopped the mesh or exited
+                msg, payload, bufs = item
                 if isinstance(msg, P.Shutdown):
                     return
                 handler = dispatch.get(type(msg))
@@ -372,6 +383,37 @@ class Rank:
                 # An interrupt that landed just after its cell ended (or a stray SIGINT): the rank stays up.
                 log.info("rank %d: interrupt outside a cell ignored", self.rank)
 
+    def _work_source(self) -> Any:
+        """A function returning the next work item (message, payload, buffers), or None once the kernel has
+        closed the work pipe. Items the I/O thread queued come first (an Abort must precede a later Regroup)."""
+        fd = self.config.work_fd
+        if fd < 0:
+            return self.work.get
+        reader = P.WorkReader()
+        ready: list = []
+        signer = self._main_signer  # the main thread's: it verifies what the kernel's work session signs
+
+        def next_work() -> tuple | None:
+            while True:
+                item = self.work.get(timeout=0)
+                if item is not None:
+                    return item
+                if ready:
+                    return ready.pop(0)
+                r, _, _ = select.select([fd, self.work.wake_fd], [], [])
+                if fd not in r:
+                    continue
+                data = os.read(fd, 65536)
+                if not data:
+                    return None
+                for body in reader.feed(data):
+                    try:
+                        ready.append(signer.unpack(P.unpack_frames(body)))
+                    except P.ProtocolError as e:
+                        log.warning("rank %d dropped a work message: %s", self.rank, e)
+
+        return next_work
+
     def _run(self, cell_id: int, body: Any, reply: Any = None) -> None:
         """Run ``body()`` as cell ``cell_id`` and report its Result after its output is flushed.
 
@@ -379,11 +421,16 @@ class Rank:
         """
         with self._cell_lock:
             self.current_cell = cell_id
+            self._last_started = max(self._last_started, cell_id)
+            interrupted = cell_id in self._early_interrupts
+            self._early_interrupts = {c for c in self._early_interrupts if c > cell_id}
         start = time.perf_counter()
         value: Any = None
         has_value, error = False, None
         try:
             try:
+                if interrupted:
+                    raise KeyboardInterrupt
                 has_value, value = body()
             finally:
                 with self._cell_lock:

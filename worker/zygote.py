@@ -5,24 +5,29 @@ itself. It imports torch once, never runs any torch compute (no CUDA context, no
 at all), and then forks one child per rank on request. A child starts with torch already imported, so a mesh is
 ready in about the time of one ``import torch``, and a restart takes a fraction of that.
 
-The zygote also relays each rank's stdout and stderr (the read ends of the pipes on the rank's fds 1 and 2) to
-the kernel, so what a rank printed just before it crashed is never lost, and reports every rank's exit status
-within one select() wake-up of the SIGCHLD.
+Each rank's stdout and stderr are pipes whose read ends the zygote hands to the kernel (SCM_RIGHTS), so the
+kernel reads a rank's output, and the records in it (protocol.RECORD_PREFIX), with no process in between. The
+kernel holds those read ends, so what a rank printed just before it crashed stays in the pipe until the kernel has
+read it; the zygote reports every rank's exit status within one select() wake-up of the SIGCHLD, and the kernel
+drains the rank's pipes before it acts on that status. Each rank's work pipe (protocol.WORK_FD) arrives the other
+way, from the kernel, with the spawn request.
 
-It exits, killing every rank, when the kernel closes its control pipe or when its parent process changes (the
+It exits, killing every rank, when the kernel closes the control socket or when its parent process changes (the
 kernel died), so no rank outlives the notebook kernel.
 
-Control fds: the kernel passes the control pipe's read end as fd 0 and the event pipe's write end as fd 1;
-they are moved away at once so that nothing printed by imports corrupts the framing.
+Control channel: the kernel passes one end of a Unix socket pair as fd 0; it carries the frames of
+protocol.ZYGOTE_HEADER both ways, and file descriptors with them. It is moved away from fd 0 at once.
 """
 
 from __future__ import annotations
 
 import ctypes
+import gc
 import json
 import os
 import select
 import signal
+import socket
 import sys
 import time
 
@@ -41,15 +46,13 @@ def _set_pdeathsig(sig: int) -> None:
 
 
 class Zygote:
-    def __init__(self, ctl_in: int, ev_out: int) -> None:
-        self.ctl_in = ctl_in
-        self.ev_out = ev_out
+    def __init__(self, ctl_fd: int) -> None:
+        self.ctl = socket.socket(fileno=ctl_fd)
+        self.received_fds: list[int] = []  # work pipes handed over with SCM_RIGHTS, in the order of the spawns
         self.parent = os.getppid()
         self.children: dict[int, int] = {}  # pid -> spawn id
-        self.pipes: dict[int, tuple[int, int]] = {}  # read fd -> (spawn id, kind)
-        self.stderr_of: dict[int, int] = {}  # spawn id -> read fd of its stderr pipe
         self.buf = b""
-        self.pending: list[bytes] = []
+        self.pending: list[tuple[bytes, tuple[int, ...]]] = []  # frames for the kernel, with fds to hand over
         self.sig_r, self.sig_w = os.pipe()
         os.set_blocking(self.sig_r, False)
         os.set_blocking(self.sig_w, False)
@@ -58,42 +61,39 @@ class Zygote:
         signal.signal(signal.SIGTERM, lambda *_: self.shutdown(0))
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
-    def emit(self, frame: bytes) -> None:
-        """Queue a frame for the kernel; ``flush`` writes everything queued in one system call."""
-        self.pending.append(frame)
+    def emit(self, frame: bytes, fds: tuple[int, ...] = ()) -> None:
+        """Queue a frame for the kernel (with file descriptors it takes over); ``flush`` sends the queue."""
+        self.pending.append((frame, fds))
 
     def flush(self) -> None:
-        if not self.pending:
-            return
-        data, self.pending = b"".join(self.pending), []
-        view = memoryview(data)
-        while view:
-            try:
-                n = os.write(self.ev_out, view)
-            except BrokenPipeError:
-                self.shutdown(0)
-            view = view[n:]
+        pending, self.pending = self.pending, []
+        try:
+            for frame, fds in pending:
+                sent = socket.send_fds(self.ctl, [frame], list(fds)) if fds else 0
+                self.ctl.sendall(frame[sent:])
+                for fd in fds:
+                    os.close(fd)  # the kernel holds them now
+        except OSError:  # the kernel is gone
+            self.shutdown(0)
 
     def spawn(self, sid: int, req: dict) -> None:
+        work_r = self.received_fds.pop(0) if req.get("work_pipe") and self.received_fds else -1
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         pid = os.fork()
         if pid == 0:  # the rank
             try:
-                self._become_rank(req, out_w, err_w)
+                self._become_rank(req, out_w, err_w, work_r)
             finally:
                 os._exit(1)
         os.close(out_w)
         os.close(err_w)
-        os.set_blocking(out_r, False)
-        os.set_blocking(err_r, False)
+        if work_r >= 0:
+            os.close(work_r)
         self.children[pid] = sid
-        self.pipes[out_r] = (sid, P.Z_STDOUT)
-        self.pipes[err_r] = (sid, P.Z_STDERR)
-        self.stderr_of[sid] = err_r
-        self.emit(P.zygote_json(P.Z_SPAWNED, sid, {"pid": pid}))
+        self.emit(P.zygote_json(P.Z_SPAWNED, sid, {"pid": pid}), (out_r, err_r))
 
-    def _become_rank(self, req: dict, out_w: int, err_w: int) -> None:
+    def _become_rank(self, req: dict, out_w: int, err_w: int, work_r: int) -> None:
         signal.set_wakeup_fd(-1)
         for sig in (signal.SIGCHLD, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)
@@ -105,7 +105,10 @@ class Zygote:
         os.dup2(devnull, 0)
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)
-        os.closerange(3, 65536)
+        if work_r >= 0:
+            os.dup2(work_r, P.WORK_FD)
+            req["config"]["work_fd"] = P.WORK_FD
+        os.closerange(P.WORK_FD + 1 if work_r >= 0 else 3, 65536)
         os.environ.clear()
         os.environ.update(req["env"])
         try:
@@ -137,46 +140,15 @@ class Zygote:
             sid = self.children.pop(pid, None)
             if sid is None:
                 continue
-            # Relay what the rank wrote before it died, then its exit status.
-            for fd, (s, kind) in list(self.pipes.items()):
-                if s == sid:
-                    self.drain(fd, final=True)
             code = os.waitstatus_to_exitcode(status)
             self.emit(P.zygote_json(P.Z_EXITED, sid, {"returncode": code, "pid": pid}))
 
-    def drain(self, fd: int, final: bool = False, empty: bool = False) -> None:
-        """Relay what the pipe ``fd`` holds: one read; with ``empty``, reads until it is empty; with ``final``
-        (the rank exited), reads until it is empty and closes it (a grandchild may still hold the write end).
-
-        Before bytes read from a rank's stdout are relayed, whatever that rank's stderr pipe holds is relayed
-        first: a rank writes its stderr before the stdout record that ends a cell (protocol.RECORD_SYNC), so the
-        kernel sees all of the cell's output on both streams before that record.
-        """
-        sid, kind = self.pipes[fd]
-        while True:
-            try:
-                data = os.read(fd, 65536)
-            except BlockingIOError:
-                data = None
-            if data:
-                if kind == P.Z_STDOUT:
-                    err = self.stderr_of.get(sid)
-                    if err is not None and err in self.pipes:
-                        self.drain(err, empty=True)
-                self.emit(P.zygote_frame(kind, sid, data))
-                if final or empty:
-                    continue
-                return
-            if data is None and not final:
-                return
-            del self.pipes[fd]
-            if self.stderr_of.get(sid) == fd:
-                del self.stderr_of[sid]
-            os.close(fd)
-            return
-
     def handle_control(self) -> None:
-        data = os.read(self.ctl_in, 65536)
+        try:
+            data, fds, _, _ = socket.recv_fds(self.ctl, 65536, 16)
+        except OSError:
+            data, fds = b"", []
+        self.received_fds.extend(fds)
         if not data:
             self.shutdown(0)
         self.buf += data
@@ -208,9 +180,8 @@ class Zygote:
         self.emit(P.zygote_json(P.Z_READY, -1, {"pid": self.zygote_pid}))
         self.flush()
         while True:
-            fds = [self.ctl_in, self.sig_r, *self.pipes]
             try:
-                ready, _, _ = select.select(fds, [], [], 1.0)
+                ready, _, _ = select.select([self.ctl, self.sig_r], [], [], 1.0)
             except InterruptedError:
                 continue
             if os.getppid() != self.parent:
@@ -221,20 +192,17 @@ class Zygote:
                         os.read(self.sig_r, 4096)
                     except BlockingIOError:
                         pass
-                elif fd == self.ctl_in:
+                else:
                     self.handle_control()
-                elif fd in self.pipes:
-                    self.drain(fd)
             self.reap()
             self.flush()
 
 
 def main() -> None:
-    ctl_in = os.dup(0)
-    ev_out = os.dup(1)
+    ctl_fd = os.dup(0)
     devnull = os.open(os.devnull, os.O_RDWR)
     os.dup2(devnull, 0)
-    os.dup2(2, 1)  # anything printed by imports goes to the kernel's stderr, not into the event pipe
+    os.dup2(2, 1)  # anything printed by imports goes to the kernel's stderr
     os.close(devnull)
     import torch  # noqa: F401  - the point of the zygote: pay for this once
     import torch.distributed  # noqa: F401
@@ -243,7 +211,12 @@ def main() -> None:
 
     from . import runtime  # noqa: F401
 
-    Zygote(ctl_in, ev_out).serve()
+    # The objects of torch and the rest are long-lived: move them out of the collector's view before forking, so
+    # that a rank's garbage collections do not walk them over and over (and do not copy their pages on write).
+    # This is the standard pre-fork recipe of CPython's gc.freeze documentation.
+    gc.collect()
+    gc.freeze()
+    Zygote(ctl_fd).serve()
 
 
 if __name__ == "__main__":

@@ -16,7 +16,9 @@ import itertools
 import json
 import logging
 import os
+import selectors
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -29,7 +31,7 @@ from ..errors import MeshStartError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Launcher", "LocalLauncher", "LauncherEvents", "LaunchError", "prewarm", "shutdown"]
+__all__ = ["Launcher", "LocalLauncher", "LauncherEvents", "LaunchError", "WorkPipe", "prewarm", "shutdown"]
 
 
 class LaunchError(MeshStartError):
@@ -55,6 +57,10 @@ class Launcher:
     def start(self, rank: int, env: dict[str, str], config: dict, sink: LauncherEvents) -> None:
         raise NotImplementedError
 
+    def work_pipe(self, rank: int) -> WorkPipe | None:
+        """The kernel's end of ``rank``'s work pipe (protocol.WORK_FD); None: work goes over the socket."""
+        return None
+
     def signal(self, rank: int, sig: int) -> None:
         """Send ``sig`` to ``rank``; ``rank`` -1 means every rank this launcher started."""
         raise NotImplementedError
@@ -68,10 +74,79 @@ class Launcher:
         raise NotImplementedError
 
 
+class WorkPipe:
+    """The kernel's end of a local rank's work pipe (protocol.WORK_FD): ``send`` from any thread never blocks.
+
+    What the pipe cannot take now (the rank is busy and the pipe's 64 KiB are full) waits here, in order, until
+    ``flush`` (the mesh's I/O thread, when the pipe is writable) moves it on.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        os.set_blocking(fd, False)
+        self._lock = threading.Lock()
+        self._pending: list[memoryview] = []
+        self.closed = False
+
+    def send(self, data: bytes) -> bool:
+        """Queue ``data`` (one framed message); False when part of it waits for ``flush``."""
+        with self._lock:
+            if self.closed:
+                return True  # the rank is gone; its death is reported by the launcher
+            if not self._pending:
+                view = self._write(memoryview(data))
+                if view is None:
+                    return True
+            else:
+                view = memoryview(data)
+            self._pending.append(view)
+            return False
+
+    def _write(self, view: memoryview) -> memoryview | None:
+        """Write what the pipe takes now; the rest, or None when all of it went."""
+        try:
+            while view:
+                view = view[os.write(self.fd, view):]
+        except BlockingIOError:
+            return view
+        except OSError:  # the rank exited (EPIPE): nothing more to deliver
+            self.closed = True
+            self._pending.clear()
+        return None
+
+    def flush(self) -> bool:
+        """Write what waits, as far as the pipe takes it; True when nothing waits any more."""
+        with self._lock:
+            while self._pending and not self.closed:
+                rest = self._write(self._pending[0])
+                if rest is not None:
+                    self._pending[0] = rest
+                    return False
+                self._pending.pop(0)
+            return True
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._pending)
+
+    def close(self) -> None:
+        with self._lock:
+            if not self.closed:
+                self.closed = True
+                self._pending.clear()
+                try:
+                    os.close(self.fd)
+                except OSError:
+                    pass
+
+
 class _Zygote:
     """The kernel's handle on one fork server process; shared by every local mesh of this kernel.
 
-    The reader thread owns the event pipe; ``_send`` (any thread) writes the control pipe under a lock.
+    One Unix socket carries frames both ways (protocol.ZYGOTE_HEADER) and hands over file descriptors
+    (SCM_RIGHTS): each rank's work pipe goes to the zygote with the spawn request, and the read ends of the rank's
+    stdout and stderr pipes come back with Z_SPAWNED. The reader thread owns the receiving side of the socket and
+    every rank's output pipes; ``_send`` (any thread) sends under a lock.
     """
 
     _instance: _Zygote | None = None
@@ -92,19 +167,19 @@ class _Zygote:
             z.close()
 
     def __init__(self, start_timeout: float) -> None:
-        ctl_r, self._ctl_w = os.pipe()
-        self._ev_r, ev_w = os.pipe()
+        self._ctl, ctl_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = dict(os.environ)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "monarch_worker.zygote"],
-            stdin=ctl_r,
-            stdout=ev_w,
+            stdin=ctl_child.fileno(),
             env=env,
             start_new_session=True,  # the kernel's SIGINT (sent to its process group) must not reach ranks
             close_fds=True,
         )
-        os.close(ctl_r)
-        os.close(ev_w)
+        ctl_child.close()
+        self._selector = selectors.DefaultSelector()  # the reader thread's: the socket and the output pipes
+        self._outputs: dict[int, tuple[int, int]] = {}  # spawn id -> read fds of its (stdout, stderr) pipes
+        self._work: dict[int, WorkPipe] = {}  # spawn id -> the kernel's end of that rank's work pipe
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._sinks: dict[int, tuple[LauncherEvents, int]] = {}  # spawn id -> (sink, rank)
@@ -127,18 +202,28 @@ class _Zygote:
             if time.monotonic() > deadline:
                 raise LaunchError(f"the local fork server did not import torch within {timeout:.0f} s")
 
-    def _send(self, kind: int, sid: int, body: dict) -> None:
+    def _send(self, kind: int, sid: int, body: dict, fds: list[int] | None = None) -> None:
         frame = P.zygote_json(kind, sid, body)
         with self._lock:
-            os.write(self._ctl_w, frame)
+            sent = socket.send_fds(self._ctl, [frame], fds) if fds else 0
+            self._ctl.sendall(frame[sent:])
 
     def spawn(self, rank: int, env: dict, config: dict, sink: LauncherEvents) -> int:
         sid = next(self._ids)
+        work_r, work_w = os.pipe()
         with self._cond:
             self._sinks[sid] = (sink, rank)
             self._alive.add(sid)
-        self._send(P.Z_SPAWN, sid, {"env": env, "cwd": os.getcwd(), "sys_path": sys.path, "config": config})
+            self._work[sid] = WorkPipe(work_w)
+        try:
+            self._send(P.Z_SPAWN, sid, {"env": env, "cwd": os.getcwd(), "sys_path": sys.path, "config": config,
+                                        "work_pipe": True}, [work_r])
+        finally:
+            os.close(work_r)  # the fork server holds its own copy now
         return sid
+
+    def work_pipe(self, sid: int) -> WorkPipe | None:
+        return self._work.get(sid)
 
     def signal(self, sid: int, sig: int) -> None:
         try:
@@ -159,61 +244,131 @@ class _Zygote:
     def _read_loop(self) -> None:
         hs = P.ZYGOTE_HEADER.size
         buf = b""
-        while True:
-            try:
-                data = os.read(self._ev_r, 1 << 20)
-            except OSError:
-                data = b""
-            if not data:
-                break
-            buf += data
-            frames = []
-            pos = 0
-            while len(buf) - pos >= hs:
-                kind, sid, n = P.ZYGOTE_HEADER.unpack_from(buf, pos)
-                if len(buf) - pos < hs + n:
+        fds: list[int] = []  # received with SCM_RIGHTS, not claimed by a frame yet
+        self._selector.register(self._ctl, selectors.EVENT_READ, None)
+        alive = True
+        while alive:
+            for key, _ in self._selector.select():
+                if key.data is not None:  # a rank's output pipe
+                    if self._selector.get_map().get(key.fd) is key:  # not closed by an earlier key of this batch
+                        self._read_output(key.fd, *key.data)
+                    continue
+                try:
+                    data, new_fds, _, _ = socket.recv_fds(self._ctl, 1 << 16, 64)
+                except OSError:
+                    data, new_fds = b"", []
+                fds.extend(new_fds)
+                if not data:
+                    alive = False
                     break
-                frames.append((kind, sid, buf[pos + hs:pos + hs + n]))
-                pos += hs + n
-            buf = buf[pos:]
-            for kind, sid, body in frames:
-                self._dispatch(kind, sid, body)
+                buf += data
+                pos = 0
+                while len(buf) - pos >= hs:
+                    kind, sid, n = P.ZYGOTE_HEADER.unpack_from(buf, pos)
+                    if len(buf) - pos < hs + n:
+                        break
+                    self._dispatch(kind, sid, buf[pos + hs:pos + hs + n], fds)
+                    pos += hs + n
+                buf = buf[pos:]
         # The zygote is gone: every rank it had is gone too.
+        for sid in list(self._outputs):
+            self._drain_outputs(sid)
+        for fd in fds:
+            os.close(fd)
         with self._cond:
             lost = list(self._alive)
             self._alive.clear()
+            works, self._work = list(self._work.values()), {}
             self._cond.notify_all()
+        for work in works:
+            work.close()
         for sid in lost:
             sink, rank = self._sinks.get(sid, (None, -1))
             if sink is not None:
                 sink.on_exit(rank, -signal.SIGKILL)
+        self._selector.close()
 
-    def _dispatch(self, kind: int, sid: int, body: bytes) -> None:
+    def _read_output(self, fd: int, sid: int, stream: str, until_empty: bool = False) -> None:
+        """Read a rank's output pipe (non-blocking) and pass it on; reader thread only.
+
+        Before bytes read from stdout are passed on, whatever the rank's stderr pipe holds is: a rank writes its
+        stderr before the stdout record that ends a cell (protocol.RECORD_SYNC), so the mesh sees every line of
+        the cell on both streams before that record.
+        """
+        sink, rank = self._sinks.get(sid, (None, -1))
+        for _ in range(256 if until_empty else 1):  # bounded: a process the rank started may write on and on
+            try:
+                data = os.read(fd, 1 << 16)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:  # every writer closed it: the rank (and anything it started) exited
+                self._close_output(sid, fd)
+                return
+            if stream == "stdout":
+                pipes = self._outputs.get(sid)
+                if pipes is not None and pipes[1] >= 0:
+                    self._read_output(pipes[1], sid, "stderr", until_empty=True)
+            if sink is not None:
+                sink.on_output(rank, stream, data)
+
+    def _close_output(self, sid: int, fd: int) -> None:
+        self._selector.unregister(fd)
+        os.close(fd)
+        out, err = self._outputs.get(sid, (-1, -1))
+        out, err = (-1 if out == fd else out), (-1 if err == fd else err)
+        if out < 0 and err < 0:
+            self._outputs.pop(sid, None)
+        else:
+            self._outputs[sid] = (out, err)
+
+    def _drain_outputs(self, sid: int) -> None:
+        """Pass on what a rank that exited left in its pipes, then stop reading them (a process it started may
+        still hold them open)."""
+        out = self._outputs.get(sid, (-1, -1))[0]
+        if out >= 0:
+            self._read_output(out, sid, "stdout", until_empty=True)
+        err = self._outputs.get(sid, (-1, -1))[1]
+        if err >= 0:
+            self._read_output(err, sid, "stderr", until_empty=True)
+        for fd in self._outputs.pop(sid, (-1, -1)):
+            if fd >= 0:
+                self._selector.unregister(fd)
+                os.close(fd)
+
+    def _dispatch(self, kind: int, sid: int, body: bytes, fds: list[int]) -> None:
         if kind == P.Z_READY:
             self._ready.set()
             return
         sink, rank = self._sinks.get(sid, (None, -1))
-        if kind in (P.Z_STDOUT, P.Z_STDERR):
-            if sink is not None:
-                sink.on_output(rank, "stdout" if kind == P.Z_STDOUT else "stderr", body)
-        elif kind == P.Z_SPAWNED:
+        if kind == P.Z_SPAWNED:
+            out, err = fds.pop(0), fds.pop(0)  # the rank's stdout and stderr pipes came with this frame
+            for fd, stream in ((out, "stdout"), (err, "stderr")):
+                os.set_blocking(fd, False)
+                self._selector.register(fd, selectors.EVENT_READ, (sid, stream))
+            self._outputs[sid] = (out, err)
             pid = json.loads(body)["pid"]
             self._pids[sid] = pid
             if sink is not None:
                 sink.on_spawned(rank, pid)
         elif kind == P.Z_EXITED:
+            self._drain_outputs(sid)  # what it printed before it exited comes first
             rc = json.loads(body)["returncode"]
             with self._cond:
                 self._alive.discard(sid)
                 self._sinks.pop(sid, None)
                 self._pids.pop(sid, None)
+                work = self._work.pop(sid, None)
                 self._cond.notify_all()
+            if work is not None:
+                work.close()
             if sink is not None:
                 sink.on_exit(rank, rc)
 
     def close(self) -> None:
         try:
-            os.close(self._ctl_w)  # EOF: the zygote kills its ranks and exits
+            self._ctl.shutdown(socket.SHUT_WR)  # EOF: the zygote kills its ranks and exits
         except OSError:
             pass
         try:
@@ -260,6 +415,11 @@ class LocalLauncher(Launcher):
 
     def wait(self, timeout: float) -> bool:
         return self._zygote.wait_exit(set(self._sids.values()), timeout)
+
+    def work_pipe(self, rank: int) -> WorkPipe | None:
+        """The kernel's end of ``rank``'s work pipe (protocol.WORK_FD), or None when it has exited."""
+        sid = self._sids.get(rank)
+        return None if sid is None else self._zygote.work_pipe(sid)
 
     def pids(self) -> dict[int, int]:
         """rank -> pid of the ranks still alive."""

@@ -52,7 +52,7 @@ from ..errors import (
 )
 from .debugger import MeshDebugger
 from .join import Listener
-from .launcher import Launcher, LocalLauncher
+from .launcher import Launcher, LocalLauncher, WorkPipe
 from .output import StreamSplitter, write_lines
 from .ranks import RankMap, format_ranks, parse_ranks
 from .remote import JoinCommands, make_launcher
@@ -452,6 +452,9 @@ class Mesh(RecoveryMixin):
         self._secret = os.urandom(32)
         self._signer = P.Signer(self._secret)
         self._record_signer = P.Signer(self._secret)  # verifies records (on the launcher's reader thread)
+        self._work_signer = P.Signer(self._secret)  # signs what goes through work pipes (under _work_lock)
+        self._work_lock = threading.Lock()
+        self._pipes_waiting: set[WorkPipe] = set()  # work pipes with bytes the I/O thread still has to write
         self._outbox = Outbox()
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
@@ -885,14 +888,22 @@ class Mesh(RecoveryMixin):
             self._note_group_down(ranks)
             self._cells[cell_id] = handle
             self._last_cell = handle
+            launcher = self._launcher
             for group_ranks, msg, payload, buffers in groups:
-                identities = []
+                identities, pipes = [], []
                 for r in group_ranks:
                     info = self._ranks[r]
                     info.cells.append(handle)
                     info.state = RankState.RUNNING
-                    identities.append(info.identity)
-                self._outbox.put((identities, msg, payload, buffers))
+                    pipe = launcher.work_pipe(r) if launcher is not None else None
+                    if pipe is not None:
+                        pipes.append(pipe)
+                    else:
+                        identities.append(info.identity)
+                if pipes:
+                    self._send_work(pipes, msg, payload, buffers)
+                if identities:
+                    self._outbox.put((identities, msg, payload, buffers))
         self._event("cell_started", cell_id=cell_id, ranks=ranks, handle=handle)
         return handle
 
@@ -1118,8 +1129,26 @@ class Mesh(RecoveryMixin):
 
     def _post(self, info: RankInfo, msg: P.Message) -> None:
         """Queue a message without payload for ``info`` (any thread)."""
+        if isinstance(msg, _WORK_TYPES) and self._launcher is not None:
+            pipe = self._launcher.work_pipe(info.rank)
+            if pipe is not None:
+                self._send_work([pipe], msg, b"", [])
+                return
         if info.identity is not None:
             self._outbox.put(([info.identity], msg, b"", []))
+
+    def _send_work(self, pipes: list[WorkPipe], msg: P.Message, payload: bytes, buffers: list) -> None:
+        """Write ``msg`` (signed once) into local ranks' work pipes (protocol.WORK_FD), from any thread without
+        blocking; what a full pipe cannot take now, the I/O thread writes later, in order."""
+        waiting = False
+        with self._work_lock:  # signing order is writing order: each rank checks that sequence numbers increase
+            data = P.work_message(self._work_signer.pack(msg, payload, buffers))
+            for pipe in pipes:
+                if not pipe.send(data):
+                    self._pipes_waiting.add(pipe)
+                    waiting = True
+        if waiting:
+            self._outbox.put(None)  # wakes the I/O thread
 
     def _io_loop(self) -> None:
         poller = zmq.Poller()
@@ -1145,7 +1174,13 @@ class Mesh(RecoveryMixin):
         by_identity: dict[bytes, int] = {}
         next_ping = 0.0
         while not self._io_stop.is_set():
-            events = dict(poller.poll(int(self.heartbeat_interval * 1000)))
+            # While some work pipe is full, retry it every few milliseconds (a pipe that closes meanwhile must not
+            # sit in the poller).
+            wait_ms = 5 if self._pipes_waiting else int(self.heartbeat_interval * 1000)
+            events = dict(poller.poll(wait_ms))
+            for pipe in list(self._pipes_waiting):
+                if pipe.flush():
+                    self._pipes_waiting.discard(pipe)
             if self._router in events:
                 while (frames := recv_frames(self._router)) is not None:
                     identity = bytes(frames[0])
@@ -1423,6 +1458,9 @@ class Mesh(RecoveryMixin):
         if not expected:
             self._after_death(rank, killed or "", failed, notify=killed is None)  # recovery.py
         self._event("rank_state", rank=rank, state=info.state.value, returncode=returncode)
+
+
+_WORK_TYPES = P.work_types()
 
 
 def _render_syntax_error(e: SyntaxError) -> list[str]:

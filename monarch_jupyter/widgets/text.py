@@ -158,6 +158,18 @@ class TextLiveView(LiveView):
         self._reported: dict[int, str] = {}  # rank -> failure already printed
         self._last_line = ""
 
+    def _render(self, final: bool) -> None:
+        # Most cells are fast and go well, and then this view prints nothing: skip the snapshot for them (before
+        # the cell is submitted, and at the end of one that printed nothing and failed nowhere).
+        quiet_end = final and self._printed_at is None and not self._reported and (
+            self.handle is not None and not self.handle.errors)
+        if quiet_end or (not final and self.follow_cell and self.handle is None):
+            self._seen = self.monitor.version
+            self._last_render = time.monotonic()
+            self.final = self.final or final
+            return
+        super()._render(final)
+
     def _write(self, line: str) -> None:
         stream = self.stream or sys.stderr
         stream.write(line + "\n")
