@@ -685,7 +685,9 @@ def records(body: bytes, sync: bool = False) -> list[bytes]:
 # holds. The kernel sends the messages that the rank's main thread runs (cells, calls, transfers, regroup,
 # shutdown) there, signed, so a cell reaches the thread that runs it in one hop rather than through two ZeroMQ
 # I/O threads and the rank's own I/O thread. Messages its I/O thread answers (interrupts, stack requests,
-# debugger input, heartbeats) still go over the socket, so they are heard while a cell runs.
+# debugger input, heartbeats) still go over the socket, so they are heard while a cell runs. So do Abort and
+# Regroup: the I/O thread hands both to the main thread in the order they came, and a Regroup must never overtake
+# the Abort before it (that would tear down the new process group).
 #
 #   body length (uint64) | pack_frames(signed frames)
 
@@ -695,7 +697,7 @@ WORK_HEADER = struct.Struct("!Q")
 
 def work_types() -> tuple[type[Message], ...]:
     """The messages a kernel sends through a rank's work pipe when it has one."""
-    return (Exec, Call, Push, Pull, DebugPostMortem, Regroup, Shutdown)
+    return (Exec, Call, Push, Pull, DebugPostMortem, Shutdown)
 
 
 def work_message(frames: list) -> bytes:

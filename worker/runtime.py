@@ -227,8 +227,10 @@ class Rank:
                                 recovery.last_collective()))
 
     def _on_abort(self, msg: P.Abort, payload: bytes, bufs: list) -> None:
+        # Queued first: the main thread leaves the group before anything that comes after the collective this
+        # releases (the cell's end, a Regroup), whichever way that comes.
+        self.work.put((msg, payload, bufs))
         recovery.abort_communicators(msg.reason, self.group_sockets)
-        self.work.put((msg, payload, bufs))  # the main thread destroys the group when it is free
 
     # ---- main thread ------------------------------------------------------------------------------------------
 
