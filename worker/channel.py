@@ -68,6 +68,20 @@ class Mailbox:
         except BlockingIOError:
             pass  # the pipe already holds wake-ups
 
+    def get_nowait(self) -> Any:
+        """The next item, or None (no system call: pair it with ``clear_wake`` when ``wake_fd`` is readable)."""
+        try:
+            return self._q.get_nowait()
+        except queue.Empty:
+            return None
+
+    def clear_wake(self) -> None:
+        """Consume the wake-ups ``wake_fd`` holds (call ``get_nowait`` after, for items put meanwhile)."""
+        try:
+            os.read(self.wake_fd, 65536)
+        except BlockingIOError:
+            pass
+
     def get(self, timeout: float | None = None) -> Any:
         """The next item; None when none came within ``timeout`` seconds (None: wait as long as it takes)."""
         try:

@@ -397,12 +397,14 @@ class Rank:
 
         def next_work() -> tuple | None:
             while True:
-                item = self.work.get(timeout=0)
+                item = self.work.get_nowait()
                 if item is not None:
                     return item
                 if ready:
                     return ready.pop(0)
                 r, _, _ = select.select([fd, self.work.wake_fd], [], [])
+                if self.work.wake_fd in r:
+                    self.work.clear_wake()
                 if fd not in r:
                     continue
                 data = os.read(fd, 65536)

@@ -218,6 +218,8 @@ class MeshDebugger(PostMortemMixin):
             mesh._event("rank_state", rank=rank, state="running", cell_id=stop.cell_id)
 
     def _on_event(self, kind: str, data: dict) -> None:
+        if kind not in ("started", "rank_result", "rank_state"):
+            return
         with self.mesh._cond:
             if kind == "started":
                 self._stops.clear()

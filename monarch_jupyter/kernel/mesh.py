@@ -718,12 +718,12 @@ class Mesh(RecoveryMixin):
         filename = filename or f"<mesh cell {cell_id}>"
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
         try:
-            compile(code, filename, "exec", dont_inherit=True)  # SyntaxError here, once, before anything runs
+            compiled = compile(code, filename, "exec", dont_inherit=True)  # SyntaxError here, before anything runs
         except SyntaxError as e:
             # IPython shows the offending line and caret, not the controller's frames.
             e._render_traceback_ = functools.partial(_render_syntax_error, e)  # type: ignore[attr-defined]
             raise e.with_traceback(None) from None
-        refs, sources = _notebook_refs(code, namespace) if namespace is not None else ({}, {})
+        refs, sources = _notebook_refs(code, namespace, compiled) if namespace is not None else ({}, {})
         msg = P.Exec(cell_id, code, filename, sources)
         handle = self._submit(cell_id, chosen, msg, refs if refs else None, bool(refs), "the cell", order)
         if not block:
@@ -1491,19 +1491,35 @@ def _check_gpus(nproc: int) -> None:
             "use --backend gloo or fewer ranks")
 
 
-def _notebook_refs(code: str, namespace: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
-    """Functions and classes defined in the notebook (module __main__) that ``code`` refers to."""
+def _notebook_refs(code: str, namespace: dict[str, Any],
+                   compiled: Any = None) -> tuple[dict[str, Any], dict[str, str]]:
+    """Functions and classes defined in the notebook (module __main__) that ``code`` refers to.
+
+    ``compiled`` (the code object of ``code``) lets most cells skip the syntax tree: its names, and those of the
+    functions and classes it defines, are a superset of the names it loads.
+    """
+    if compiled is not None and not any(_notebook_defined(namespace.get(n)) for n in _code_names(compiled)):
+        return {}, {}
     try:
         tree = ast.parse(code)
     except SyntaxError:
         return {}, {}
     names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
-    refs = {}
-    for name in names:
-        value = namespace.get(name)
-        if (inspect.isfunction(value) or inspect.isclass(value)) and getattr(value, "__module__", None) == "__main__":
-            refs[name] = value
+    refs = {name: namespace[name] for name in names if _notebook_defined(namespace.get(name))}
     return refs, _sources_of(refs.values())
+
+
+def _notebook_defined(value: Any) -> bool:
+    return (inspect.isfunction(value) or inspect.isclass(value)) and getattr(value, "__module__", None) == "__main__"
+
+
+def _code_names(code: Any) -> set[str]:
+    """Global and attribute names used by a code object and the code objects nested in it."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= _code_names(const)
+    return names
 
 
 def _sources_of(objs: Iterable[Any]) -> dict[str, str]:

@@ -124,6 +124,8 @@ class StreamSplitter:
 
     def end_line(self) -> list[tuple[str, object]]:
         """The line written so far without a newline, as a ("line", text) event (its cell ended)."""
+        if not self._line and not self._decoder.getstate()[0]:
+            return []
         events: list[tuple[str, object]] = []
         self._flush_partial(events)
         return events

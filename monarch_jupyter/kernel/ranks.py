@@ -80,7 +80,10 @@ class RankMap(dict):
     """
 
     def __init__(self, items: Iterable[tuple[int, Any]] | dict = ()) -> None:
-        super().__init__(sorted(dict(items).items()))
+        pairs = list(items.items() if isinstance(items, dict) else items)
+        if any(pairs[i][0] > pairs[i + 1][0] for i in range(len(pairs) - 1)):
+            pairs = sorted(dict(pairs).items())
+        super().__init__(pairs)
 
     @property
     def ranks(self) -> list[int]:
