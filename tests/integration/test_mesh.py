@@ -293,3 +293,75 @@ def test_rank_stuck_in_a_collective_refuses_new_cells_until_released() -> None:
         assert m.run("rank", ranks=1) == {1: 1}  # the other rank is free
         m.interrupt(force=True)
         assert m.run("u = torch.ones(1); dist.all_reduce(u); u.item()", timeout=30) == {0: 2.0, 1: 2.0}
+
+
+# ---- how a local rank's result reaches the notebook: records in its stdout pipe, or the socket when large
+
+
+@pytest.mark.parametrize("size", [0, 100, 10_000, 100_000, 300_000])
+def test_results_of_every_size_arrive_whole_after_the_cells_output(
+        mesh: Mesh, capsys: pytest.CaptureFixture[str], size: int) -> None:
+    # Up to 64 KiB a result travels as records behind the output (cut into PIPE_BUF pieces past 4 KiB); larger
+    # ones go over the socket after sync markers. Either way every line comes first, on both streams.
+    got = run(mesh, f"""
+        import sys, torch
+        for i in range(50):
+            print(f"out {{i}}")
+            print(f"err {{i}}", file=sys.stderr)
+        sys.stderr.write("stderr tail, no newline")
+        (bytes([rank]) * {size}, torch.full(({size} // 4,), float(rank)))
+    """)
+    cap = capsys.readouterr()
+    for r in range(4):
+        blob, tensor = got[r]
+        assert blob == bytes([r]) * size
+        assert tensor.shape == (size // 4,) and bool((tensor == r).all())
+        assert cap.out.count(f"[rank{r}]: out ") == 50
+        assert cap.err.count(f"[rank{r}]: err ") == 50
+        assert f"[rank{r}]: stderr tail, no newline" in cap.err
+
+
+def test_redirecting_fd_1_in_a_cell_does_not_cut_the_ranks_off(mesh: Mesh) -> None:
+    run(mesh, """
+        import os
+        _saved_stdout = os.dup(1)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    """, ranks=1)
+    try:
+        assert mesh.run("rank * 2", ranks="0,1") == {0: 0, 1: 2}
+    finally:
+        run(mesh, "os.dup2(_saved_stdout, 1); os.close(_saved_stdout)", ranks=1)
+    assert mesh.run("rank", ranks=1) == {1: 1}
+
+
+def test_results_stay_whole_while_another_thread_floods_stdout(mesh: Mesh, capsys: pytest.CaptureFixture[str]) -> None:
+    run(mesh, """
+        import threading, os
+        _flood_stop = threading.Event()
+        def _flood():
+            while not _flood_stop.is_set():
+                os.write(1, b"x" * 5000 + b"\\n")  # longer than PIPE_BUF: the kernel may split this write
+        _flooder = threading.Thread(target=_flood, daemon=True)
+        _flooder.start()
+    """)
+    try:
+        for i in range(30):
+            assert mesh.run(f"'{i}' * 3000") == {r: str(i) * 3000 for r in range(4)}
+    finally:
+        run(mesh, "_flood_stop.set(); _flooder.join()")
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "x" in ln]
+    assert lines and all(ln.endswith("x" * 100) for ln in lines)
+
+
+def test_an_interrupt_that_overtakes_its_cell_stops_it_when_it_starts(mesh: Mesh) -> None:
+    # Cells reach a local rank through its work pipe, interrupts through its socket: an interrupt can arrive
+    # first. The rank remembers it and the cell stops as soon as it starts (the cell before it is not touched).
+    from monarch_worker import protocol as P
+
+    first = mesh.run("import time; time.sleep(0.5); 'first'", ranks=2, block=False)
+    second = mesh.run("'second ran'", ranks=2, block=False)
+    mesh._post(mesh._ranks[2], P.Interrupt(second.cell_id))  # what Ctrl-C on the waiting cell sends
+    assert first.result(timeout=30) == {2: "first"}
+    with pytest.raises(KeyboardInterrupt, match="interrupted rank"):
+        second.result(timeout=30)
+    assert mesh.run("'after'", ranks=2) == {2: "after"}

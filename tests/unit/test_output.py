@@ -42,3 +42,87 @@ def test_utf8_split_across_reads() -> None:
 def test_carriage_return_keeps_what_a_terminal_shows() -> None:
     s = StreamSplitter()
     assert lines(s.feed(b" 10%\r 50%\r100%\r\n")) == ["100%"]
+
+
+# ---- records: signed messages a local rank writes into its stdout pipe (protocol.RECORD_PREFIX)
+
+from monarch_worker import protocol as P  # noqa: E402
+
+KEY = b"k" * 32
+
+
+def record_bytes(msg: P.Message, sync: bool = True, payload: bytes = b"") -> bytes:
+    return b"".join(P.records(P.pack_frames(P.Signer(KEY).pack(msg, payload)), sync))
+
+
+def msgs(events: list) -> list:
+    return [v for k, v in events if k == "msg"]
+
+
+def test_record_alone_and_after_a_partial_line() -> None:
+    rec = record_bytes(P.Result(7, "ok"))
+    s = StreamSplitter()
+    ev = s.feed(rec)
+    assert [k for k, _ in ev] == ["msg"]
+    flags, body = ev[0][1]
+    assert flags & P.RECORD_SYNC and not flags & P.RECORD_MORE
+    msg, _, _ = P.Signer(KEY).unpack(P.unpack_frames(body))
+    assert msg == P.Result(7, "ok")
+    # A sync record ends the cell: the line it interrupts is complete; what follows is the next line.
+    s = StreamSplitter()
+    ev = s.feed(b"a\nno newline" + rec + b"next\n")
+    assert [k for k, _ in ev] == ["line", "line", "msg", "line"]
+    assert lines(ev) == ["a", "no newline", "next"]
+
+
+def test_record_split_across_reads_at_every_byte() -> None:
+    data = b"before\n" + record_bytes(P.Result(3, "ok"), payload=b"\n\x1b]monarch-" * 20) + b"after\n"
+    for cut in range(1, len(data)):
+        s = StreamSplitter()
+        ev = s.feed(data[:cut]) + s.feed(data[cut:])
+        assert lines(ev) == ["before", "after"], cut
+        assert len(msgs(ev)) == 1, cut
+
+
+def test_progress_record_inside_a_line_keeps_the_line_whole() -> None:
+    rec = record_bytes(P.Progress(1, 3, 10), sync=False)
+    s = StreamSplitter()
+    ev = s.feed(b"epoch " + rec + b"1 done\n")
+    assert lines(ev) == ["epoch 1 done"] and len(msgs(ev)) == 1
+
+
+def test_long_message_is_cut_into_atomic_records() -> None:
+    body = P.pack_frames(P.Signer(KEY).pack(P.Result(1, "ok", True), b"x" * 20000))
+    recs = P.records(body, sync=True)
+    assert len(recs) > 1 and all(len(r) <= P.PIPE_BUF for r in recs)
+    s = StreamSplitter()
+    ev = s.feed(b"".join(recs))
+    parts = msgs(ev)
+    assert [bool(f & P.RECORD_MORE) for f, _ in parts] == [True] * (len(recs) - 1) + [False]
+    assert b"".join(b for _, b in parts) == body
+
+
+def test_text_that_only_looks_like_a_record_is_text() -> None:
+    s = StreamSplitter()
+    ev = s.feed(b"\x1b]monarch-nothing\n\x1b]monarch-msg\n")
+    assert lines(ev) == ["\x1b]monarch-nothing", "\x1b]monarch-msg"] and not msgs(ev)
+
+
+def test_malformed_frames_are_rejected() -> None:
+    import pytest
+
+    body = P.pack_frames([b"a", b"bc"])
+    assert P.unpack_frames(body) == [b"a", b"bc"]
+    for bad in (body[:-1], body + b"x", b"\xff"):
+        with pytest.raises(P.ProtocolError):
+            P.unpack_frames(bad)
+
+
+def test_work_reader_splits_messages_across_reads() -> None:
+    msgs_in = [P.work_message([b"m", bytes([i]) * i]) for i in range(1, 30)]
+    data = b"".join(msgs_in)
+    r = P.WorkReader()
+    out = []
+    for i in range(0, len(data), 7):
+        out += r.feed(data[i:i + 7])
+    assert [P.unpack_frames(b) for b in out] == [[b"m", bytes([i]) * i] for i in range(1, 30)]
