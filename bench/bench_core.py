@@ -6,8 +6,10 @@ Prints seconds and the ratios the foundation issue sets targets for:
 - cold start of N ranks (a fresh process: no fork server yet) to ready (torch imported and the process group up
   in every rank) / one `python -c "import torch"`   target <= 1.5x
 - restart (fresh processes and process group) / the same import                                   "well under" 1x
-- median latency of a trivial cell (`x = 1`) on N ranks, through Mesh.run and through the %%mesh magic,
-  target < 1 ms; peers: ipyparallel `%px a=1` (view.execute) and torchmonarch's endpoint call.
+- median latency of a trivial cell (`x = 1`) on N ranks, through Mesh.run and through the %%mesh magic (in
+  IPython's InteractiveShell: bench_widget.py measures it through a real Jupyter kernel), target < 1 ms; the CPU
+  time it costs the kernel and each rank; peers: ipyparallel `%px a=1` (view.execute) and torchmonarch's endpoint
+  call.
 Wall-clock numbers on a shared 2-core machine are noisy; each figure is a median of several runs.
 """
 
@@ -72,10 +74,27 @@ def cell_latency(n: int, cells: int) -> dict[str, float]:
             t0 = time.perf_counter()
             shell.run_cell_magic("mesh", "", "x = 1")
             magic.append(time.perf_counter() - t0)
+        pids = {"kernel": [os.getpid()], "ranks": [st["pid"] for st in mesh.status().values()]}
+        before = {k: [_cpu_seconds(p) for p in v] for k, v in pids.items()}
+        for _ in range(cells):
+            mesh.run("x = 1")
+        cpu = {k: statistics.mean(_cpu_seconds(p) - b for p, b in zip(v, before[k])) / cells
+               for k, v in pids.items()}
     finally:
         shell.run_line_magic("unload_ext", "monarch_jupyter")
     return {"api_s": statistics.median(api), "magic_s": statistics.median(magic),
-            "api_p90_s": sorted(api)[int(0.9 * len(api))]}
+            "api_p90_s": sorted(api)[int(0.9 * len(api))], "cpu_kernel_s": cpu["kernel"],
+            "cpu_rank_s": cpu["ranks"]}
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (Linux /proc; 0 elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def main() -> None:
@@ -98,6 +117,8 @@ def main() -> None:
           f"{start['restart_s'] / imp:5.2f}x import torch")
     print(f"  trivial cell, Mesh.run (median)          {lat['api_s'] * 1e3:8.3f} ms  (p90 {lat['api_p90_s'] * 1e3:.3f} ms)")
     print(f"  trivial cell, %%mesh magic (median)      {lat['magic_s'] * 1e3:8.3f} ms  (target < 1 ms)")
+    print(f"  CPU per trivial cell (Mesh.run)          kernel {lat['cpu_kernel_s'] * 1e3:.3f} ms, "
+          f"each rank {lat['cpu_rank_s'] * 1e3:.3f} ms")
     if args.no_peers:
         return
     try:
