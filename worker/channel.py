@@ -1,7 +1,9 @@
-"""A thread-safe outbox drained by the thread that owns a ZeroMQ socket.
+"""Queues between threads that a consumer can wait on together with sockets and pipes.
 
-ZeroMQ sockets must be used by one thread only. Other threads put items here; the owning I/O thread polls
-``wake_fd`` together with its socket and sends what ``drain`` returns, in the order the items were put.
+ZeroMQ sockets must be used by one thread only. Other threads put items in an ``Outbox``; the owning I/O thread
+polls ``wake_fd`` together with its socket and sends what ``drain`` returns, in the order the items were put. A
+``Mailbox`` is the same queue for a consumer that takes one item at a time (a rank's main thread, which waits on
+its work pipe as well).
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ import zmq
 __all__ = ["Outbox", "Mailbox", "send_frames", "recv_frames"]
 
 
-class Outbox:
-    """FIFO of outgoing items; ``put`` from any thread, ``drain`` from the owning I/O thread only."""
+class _WakeQueue:
+    """A FIFO whose ``wake_fd`` becomes readable when an item is put (``put`` from any thread)."""
 
     def __init__(self) -> None:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
@@ -31,17 +33,19 @@ class Outbox:
         except BlockingIOError:
             pass  # the pipe already holds wake-ups
 
-    def drain(self) -> list:
+    def clear_wake(self) -> None:
+        """Consume the wake-ups ``wake_fd`` holds (look for items after: one put meanwhile has lost its own)."""
         try:
             os.read(self.wake_fd, 65536)
         except BlockingIOError:
             pass
-        items = []
-        while True:
-            try:
-                items.append(self._q.get_nowait())
-            except queue.Empty:
-                return items
+
+    def get_nowait(self) -> Any:
+        """The next item, or None (no system call)."""
+        try:
+            return self._q.get_nowait()
+        except queue.Empty:
+            return None
 
     def close(self) -> None:
         for fd in (self.wake_fd, self._wake_w):
@@ -51,36 +55,19 @@ class Outbox:
                 pass
 
 
-class Mailbox:
-    """FIFO for one consumer thread that may also wait on other file descriptors: ``wake_fd`` is readable while
-    items wait. ``put`` from any thread."""
+class Outbox(_WakeQueue):
+    """FIFO of outgoing items; ``put`` from any thread, ``drain`` from the owning I/O thread only."""
 
-    def __init__(self) -> None:
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self.wake_fd, self._wake_w = os.pipe()
-        os.set_blocking(self.wake_fd, False)
-        os.set_blocking(self._wake_w, False)
+    def drain(self) -> list:
+        self.clear_wake()
+        items = []
+        while (item := self.get_nowait()) is not None or not self._q.empty():
+            items.append(item)
+        return items
 
-    def put(self, item: Any) -> None:
-        self._q.put(item)
-        try:
-            os.write(self._wake_w, b"\0")
-        except BlockingIOError:
-            pass  # the pipe already holds wake-ups
 
-    def get_nowait(self) -> Any:
-        """The next item, or None (no system call: pair it with ``clear_wake`` when ``wake_fd`` is readable)."""
-        try:
-            return self._q.get_nowait()
-        except queue.Empty:
-            return None
-
-    def clear_wake(self) -> None:
-        """Consume the wake-ups ``wake_fd`` holds (call ``get_nowait`` after, for items put meanwhile)."""
-        try:
-            os.read(self.wake_fd, 65536)
-        except BlockingIOError:
-            pass
+class Mailbox(_WakeQueue):
+    """FIFO for one consumer thread that may also wait on other file descriptors (items are never None)."""
 
     def get(self, timeout: float | None = None) -> Any:
         """The next item; None when none came within ``timeout`` seconds (None: wait as long as it takes)."""
@@ -88,15 +75,8 @@ class Mailbox:
             return self._q.get(timeout=timeout) if timeout != 0 else self._q.get_nowait()
         except queue.Empty:
             pass
-        # Nothing waits: clear the wake-ups, then look again for an item put meanwhile (its wake-up may be gone).
-        try:
-            os.read(self.wake_fd, 65536)
-        except BlockingIOError:
-            pass
-        try:
-            return self._q.get_nowait()
-        except queue.Empty:
-            return None
+        self.clear_wake()  # nothing waits: clear the wake-ups, then look again for an item put meanwhile
+        return self.get_nowait()
 
 
 # Lean multipart send/receive for the I/O threads' hot path. pyzmq's send_multipart/recv_multipart go through
