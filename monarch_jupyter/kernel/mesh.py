@@ -1364,27 +1364,42 @@ class Mesh(RecoveryMixin):
                 self._ranks[rank].pid = pid
 
     def on_output(self, rank: int, stream: str, data: bytes) -> None:
-        with self._cond:
-            info = self._ranks.get(rank)
-            if info is None:
-                return
-            for kind, value in info.splitters[stream].feed(data):
-                if kind == "line":
-                    self._route_line(info, stream, str(value))
-                elif kind == "sync":
+        info = self._ranks.get(rank)
+        if info is None:
+            return
+        events = info.splitters[stream].feed(data)  # the splitters are the reader thread's own
+        i, n = 0, len(events)
+        while i < n:
+            with self._cond:
+                while i < n and events[i][0] != "msg":
+                    kind, value = events[i]
+                    i += 1
+                    if kind == "line":
+                        self._route_line(info, stream, str(value))
+                        continue
                     cell = self._cells.get(int(value))  # type: ignore[arg-type]
                     if cell is not None and rank in cell.synced:
                         cell.synced[rank].add(stream)
                         cell._check_rank(rank)
-                else:
-                    self._on_record(info, *value)  # type: ignore[misc]
+                if i == n:
+                    return
+                record = self._take_record(info, *events[i][1])  # type: ignore[misc]
+                i += 1
+            if record is not None:  # its handler unpickles values: outside the lock, as for socket messages
+                msg, payload, bufs = record
+                try:
+                    self._record_handlers[type(msg)](rank, msg, payload, bufs)
+                except Exception:  # noqa: BLE001 - keep the reader thread alive whatever a rank sent
+                    log.exception("handling %s from rank %d failed", msg.TYPE, rank)
 
-    def _on_record(self, info: RankInfo, flags: int, body: bytes) -> None:
-        """A message the rank wrote into its stdout pipe (protocol.RECORD_PREFIX), behind its output; under the
-        lock, on the launcher's reader thread."""
+    def _take_record(self, info: RankInfo, flags: int, body: bytes) -> tuple | None:
+        """A record the rank wrote into its stdout pipe (protocol.RECORD_PREFIX), behind its output, under the
+        lock: its verified message once all of its parts are in, else None. A cell's ``Result`` record also
+        completes the cell's output on both streams: the launcher passes on a rank's stderr ahead of each stdout
+        read, and the rank wrote its stderr before the record."""
         if flags & P.RECORD_MORE:
             info.record_parts.append(body)
-            return
+            return None
         if info.record_parts:
             body = b"".join(info.record_parts) + body
             info.record_parts = []
@@ -1392,21 +1407,16 @@ class Mesh(RecoveryMixin):
             msg, payload, bufs = self._record_signer.unpack(P.unpack_frames(body))
         except (P.ProtocolError, ValueError, TypeError, KeyError) as e:
             log.warning("dropped a record of rank %d: %s", info.rank, e)
-            return
-        if not isinstance(msg, P.record_types()):
+            return None
+        if type(msg) not in self._record_handlers:
             log.warning("rank %d sent an unexpected %s record", info.rank, msg.TYPE)
-            return
-        if isinstance(msg, P.Result):
+            return None
+        if isinstance(msg, P.Result) and flags & P.RECORD_SYNC:
             cell = self._cells.get(msg.cell_id)
-            if cell is not None and info.rank in cell.synced and flags & P.RECORD_SYNC:
-                # Everything the rank wrote on both streams before this record has been routed (the fork
-                # server relays its stderr ahead of its stdout).
+            if cell is not None and info.rank in cell.synced:
                 self._flush_partial(info, "stderr")
                 cell.synced[info.rank].update(("stdout", "stderr"))
-        try:
-            self._record_handlers[type(msg)](info.rank, msg, payload, bufs)
-        except Exception:  # noqa: BLE001 - keep the reader thread alive whatever a rank sent
-            log.exception("handling %s from rank %d failed", msg.TYPE, info.rank)
+        return msg, payload, bufs
 
     def _flush_partial(self, info: RankInfo, stream: str) -> None:
         """Route the last line of ``stream`` that has no newline yet (the cell that wrote it ended)."""
