@@ -143,6 +143,7 @@ class CellHandle:
         self._final: tuple[Any, BaseException | None] | None = None  # outcome, once computed
         self._keep_outcome = False
         self._abandoned = False  # interrupted or timed out while some ranks still ran it
+        self._interrupted = False  # its ranks were sent an interrupt (Mesh._on_interrupt)
         self._wake = threading.Condition(mesh._lock)  # notified when lines arrive for a waiter, or when done
         self._waiting = False
         self._result_seen_at: dict[int, float] = {}
@@ -729,7 +730,7 @@ class Mesh(RecoveryMixin):
         if not block:
             handle._keep_outcome = True
             return handle
-        return handle.result(timeout if timeout is not None else self.timeout)
+        return self._result(handle, timeout if timeout is not None else self.timeout)
 
     def call(
         self,
@@ -753,7 +754,7 @@ class Mesh(RecoveryMixin):
         if not block:
             handle._keep_outcome = True
             return handle
-        return handle.result(timeout if timeout is not None else self.timeout)
+        return self._result(handle, timeout if timeout is not None else self.timeout)
 
     # ------------------------------------------------------------------ values between notebook and ranks
 
@@ -904,15 +905,29 @@ class Mesh(RecoveryMixin):
                     self._send_work(pipes, msg, payload, buffers)
                 if identities:
                     self._outbox.put((identities, msg, payload, buffers))
-        self._event("cell_started", cell_id=cell_id, ranks=ranks, handle=handle)
+        # From here on the ranks run it: an interrupt that lands before the caller waits must reach them too
+        # (a fast cell's first output can be on screen, and interrupted, before that).
+        try:
+            self._event("cell_started", cell_id=cell_id, ranks=ranks, handle=handle)
+        except KeyboardInterrupt:
+            raise mesh_interrupt(self._on_interrupt(handle)) from None
         return handle
+
+    def _result(self, handle: CellHandle, timeout: float | None) -> RankMap | None:
+        """``handle.result(timeout)``, interrupting the ranks whenever the caller is interrupted."""
+        try:
+            return handle.result(timeout)
+        except KeyboardInterrupt:
+            if handle._interrupted:
+                raise
+            raise mesh_interrupt(self._on_interrupt(handle)) from None
 
     def _wait(self, cell: CellHandle, timeout: float | None, raise_on_timeout: bool) -> bool:
         """Wait for ``cell`` and write its output from this thread; returns True when it finished."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            cell._waiting = True
         try:
+            with self._cond:
+                cell._waiting = True
             while True:
                 with self._lock:
                     if not cell._lines and not cell._all_done:
@@ -954,12 +969,14 @@ class Mesh(RecoveryMixin):
         Returns what to say in the KeyboardInterrupt: where the ranks stopped (stuck ones are reported on stderr).
         """
         with self._cond:
+            cell._interrupted = True
             running = [r for r in cell.ranks if r not in cell.finished]
             for r in running:
                 self._post(self._ranks[r], P.Interrupt(cell.cell_id))
         if not running:
             return "interrupted (the ranks had finished the cell)"
         deadline = time.monotonic() + self.interrupt_grace
+        resend = time.monotonic() + INTERRUPT_RESEND
         try:
             while time.monotonic() < deadline:
                 with self._lock:
@@ -967,6 +984,13 @@ class Mesh(RecoveryMixin):
                         break
                     cell._wake.wait(0.05)
                     lines, cell._lines = cell._lines, []
+                    if time.monotonic() >= resend:
+                        # A SIGINT that lands just before a rank's blocking call starts (time.sleep, a socket
+                        # read) waits for that call to end: a second one interrupts the call itself.
+                        resend = time.monotonic() + INTERRUPT_RESEND
+                        for r in cell.ranks:
+                            if r not in cell.finished:
+                                self._post(self._ranks[r], P.Interrupt(cell.cell_id))
                 write_lines(lines)
         except KeyboardInterrupt:
             pass  # a second interrupt: stop waiting now
@@ -1471,6 +1495,7 @@ class Mesh(RecoveryMixin):
 
 
 _WORK_TYPES = P.work_types()
+INTERRUPT_RESEND = 1.0  # seconds between interrupts sent to ranks that still run an interrupted cell
 
 
 def _render_syntax_error(e: SyntaxError) -> list[str]:

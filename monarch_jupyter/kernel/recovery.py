@@ -279,7 +279,7 @@ class RecoveryMixin:
         ValueError
             Bad rank selection.
         """
-        from .mesh import RankState
+        from .mesh import INTERRUPT_RESEND, RankState
 
         self._check_running()
         chosen = parse_ranks(ranks, self.nproc)
@@ -305,8 +305,13 @@ class RecoveryMixin:
                         and self._ranks[r].cells and self._ranks[r].cells[0].cell_id == cid]
 
             deadline = time.monotonic() + grace
+            resend = time.monotonic() + INTERRUPT_RESEND
             while running() and time.monotonic() < deadline:
                 self._cond.wait(0.05)
+                if time.monotonic() >= resend:  # a SIGINT just before a blocking call waits for its end
+                    resend = time.monotonic() + INTERRUPT_RESEND
+                    for r in running():
+                        self._post(self._ranks[r], P.Interrupt(busy[r]))
             stuck = running()
         report.interrupted = [r for r in busy if r not in stuck]
         if stuck:

@@ -202,7 +202,7 @@ class Transfers:
             raise
         lent.clear()  # sent: each rank gives its segments back itself (or dies, and on_rank_exit does)
         try:
-            handle.result(timeout if timeout is not None else mesh.timeout)
+            mesh._result(handle, timeout if timeout is not None else mesh.timeout)
         except MeshError as e:
             retry = [r for r, err in e.errors.items()
                      if isinstance(err, RemoteError) and err.ename == "ShmUnavailableError"]
@@ -218,8 +218,8 @@ class Transfers:
                 its, frs, data = repack(r)
                 resend[r] = (P.Push(cell_id, its, device), data, frs)
             try:
-                mesh._submit_groups(cell_id, _grouped(resend), what, "arrival").result(
-                    timeout if timeout is not None else mesh.timeout)
+                mesh._result(mesh._submit_groups(cell_id, _grouped(resend), what, "arrival"),
+                             timeout if timeout is not None else mesh.timeout)
             except MeshError as e2:
                 others.update(e2.errors)
             if others:
@@ -344,7 +344,7 @@ def _result(handle: Any, timeout: float | None) -> Any:
     """``handle.result(timeout)``, then forget the values: the mesh keeps its last CellHandle (for late output),
     and pulled values must live only as long as the caller keeps them (they may be views of a rank's memory)."""
     try:
-        return handle.result(timeout)
+        return handle.mesh._result(handle, timeout)
     finally:
         with handle.mesh._cond:
             handle.values.clear()

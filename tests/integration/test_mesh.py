@@ -365,3 +365,27 @@ def test_an_interrupt_that_overtakes_its_cell_stops_it_when_it_starts(mesh: Mesh
     with pytest.raises(KeyboardInterrupt, match="interrupted rank"):
         second.result(timeout=30)
     assert mesh.run("'after'", ranks=2) == {2: "after"}
+
+
+def test_an_interrupt_before_the_caller_waits_still_stops_the_ranks(mesh: Mesh) -> None:
+    # A fast cell's first output can be on screen, and the user can interrupt, before the submitting thread is in
+    # its wait loop (here: while the cell_started listeners run). The ranks must be interrupted all the same, or
+    # they would go on with the cell and the next cell's output would be filed under this one.
+    import signal
+    import threading
+
+    fired = []
+
+    def listener(kind: str, data: dict) -> None:
+        if kind == "cell_started" and not fired and threading.current_thread() is threading.main_thread():
+            fired.append(data["cell_id"])
+            signal.raise_signal(signal.SIGINT)  # as the kernel's interrupt does, at this exact moment
+
+    mesh.add_listener(listener)
+    try:
+        with pytest.raises(KeyboardInterrupt, match="interrupted rank"):
+            mesh.run("import time\ntime.sleep(600)")
+    finally:
+        mesh.remove_listener(listener)
+    assert fired
+    assert mesh.run("'next'") == {r: "next" for r in range(4)}
