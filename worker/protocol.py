@@ -618,10 +618,10 @@ def sync_marker(cell_id: int) -> bytes:
 # Records: signed messages that a local rank writes into its own stdout pipe, in line with its output.
 #
 # A rank started by the fork server sends what its main thread reports (a cell's Result, progress, debugger
-# prompts) as records on the pipe behind fd 1 rather than over ZeroMQ. The fork server relays stdout and stderr
-# to the kernel in one ordered stream, and it relays everything a rank wrote to stderr before the stdout bytes it
-# has just read, so a Result record arrives after every byte of output the cell wrote on either stream: no sync
-# marker and no ZeroMQ round trip are needed for it. Each record is one write() of at most PIPE_BUF bytes, which
+# prompts) as records on the pipe behind fd 1 rather than over ZeroMQ. The kernel reads the rank's stdout and
+# stderr pipes itself, and passes on everything the stderr pipe holds before the stdout bytes it has just read, so
+# a Result record arrives after every byte of output the cell wrote on either stream: no sync marker and no ZeroMQ
+# round trip are needed for it. Each record is one write() of at most PIPE_BUF bytes, which
 # POSIX makes atomic on a pipe, so output written by other threads never lands inside one; a longer message is
 # cut into several records (flag RECORD_MORE on all but the last).
 #

@@ -12,6 +12,7 @@ Threads
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import logging
 import os
 import select
@@ -112,6 +113,8 @@ class Rank:
         # Records (protocol.RECORD_PREFIX): once the rank serves cells, its main thread writes what it reports
         # into its stdout pipe, through a copy of fd 1 that user code redirecting fd 1 does not affect.
         self._record_fd = -1
+        self._stderr_fd = -1  # a copy of fd 2, for sync markers (user code may redirect fd 2)
+        self._pid = os.getpid()  # a process forked by user code (multiprocessing) must not write records
         self._record_types = P.record_types()
         self._main_signer = P.Signer(bytes.fromhex(config.secret))  # the main thread's own sender session
 
@@ -122,7 +125,7 @@ class Rank:
         """
         payload, buffers = dumps(value) if with_value else (b"", [])
         if (self._record_fd >= 0 and isinstance(msg, self._record_types)
-                and threading.get_ident() == self._main_ident):
+                and threading.get_ident() == self._main_ident and os.getpid() == self._pid):
             self._write_records(msg, payload, buffers)
             return
         self.outbox.put((msg, payload, buffers))
@@ -357,7 +360,13 @@ class Rank:
     def serve(self) -> None:
         """Main loop: take work and run it until Shutdown."""
         if self.config.output_records:
-            self._record_fd = os.dup(1)
+            # Copies (not inherited by subprocesses) that user code redirecting or closing fds 1 and 2 cannot touch.
+            self._record_fd = fcntl.fcntl(1, fcntl.F_DUPFD_CLOEXEC, 100)
+            self._stderr_fd = fcntl.fcntl(2, fcntl.F_DUPFD_CLOEXEC, 100)
+        if self.config.work_fd >= 0:  # the same for the work pipe, away from the low fd numbers code may close
+            fd = fcntl.fcntl(self.config.work_fd, fcntl.F_DUPFD_CLOEXEC, 100)
+            os.close(self.config.work_fd)
+            self.config = dataclasses.replace(self.config, work_fd=fd)
         dispatch = {
             P.Exec: self._exec,
             P.Call: self._call,
@@ -481,7 +490,7 @@ class Rank:
         if self.relay is not None:
             self.relay.mark(marker, 1.0)  # the cell's output (and markers) is queued before its Result
             return
-        for fd in (1, 2):
+        for fd in (self._record_fd if self._record_fd >= 0 else 1, self._stderr_fd if self._stderr_fd >= 0 else 2):
             try:
                 os.write(fd, marker)
             except OSError:

@@ -190,7 +190,7 @@ class MeshDebugger(PostMortemMixin):
     def on_message(self, rank: int, msg: P.Message, payload: bytes, bufs: list) -> None:
         """Record a rank's debug message (mesh I/O thread) and wake whoever waits for its cell."""
         mesh = self.mesh
-        with mesh._cond:
+        with mesh._lock:
             if isinstance(msg, P.DebugReply):
                 replies = self._replies.get(msg.request_id)
                 if replies is not None:
@@ -220,7 +220,7 @@ class MeshDebugger(PostMortemMixin):
     def _on_event(self, kind: str, data: dict) -> None:
         if kind not in ("started", "rank_result", "rank_state"):
             return
-        with self.mesh._cond:
+        with self.mesh._lock:
             if kind == "started":
                 self._stops.clear()
                 self._failed.clear()
@@ -256,7 +256,7 @@ class MeshDebugger(PostMortemMixin):
 
     def attach(self) -> bool:
         """Talk to ranks stopped in cells nobody waits for (``block=False``); False when none is stopped."""
-        with self.mesh._cond:
+        with self.mesh._lock:
             if not any(s.state == "prompt" for s in self._stops.values()):
                 return False
         self._converse(None, None)
@@ -264,7 +264,7 @@ class MeshDebugger(PostMortemMixin):
 
     def stopped(self) -> dict[int, str]:
         """rank -> where it waits at a pdb prompt ("<mesh In[3]> line 4, in <module>")."""
-        with self.mesh._cond:
+        with self.mesh._lock:
             return {r: s.where for r, s in sorted(self._stops.items()) if s.state in ("prompt", "busy")}
 
     def _matches(self, key: int | None, stop: _Stop) -> bool:
@@ -276,7 +276,7 @@ class MeshDebugger(PostMortemMixin):
                 self._settle(cell)
             while True:
                 self._pump(cell)
-                with self.mesh._cond:
+                with self.mesh._lock:
                     at_prompt = sorted(r for r, s in self._stops.items()
                                        if s.state == "prompt" and self._matches(key, s))
                     current = self._stops.get(self._current) if self._current is not None else None
@@ -309,7 +309,7 @@ class MeshDebugger(PostMortemMixin):
         deadline = time.monotonic() + self.first_stop_settle
         while time.monotonic() < deadline:
             self._pump(cell)
-            with self.mesh._cond:
+            with self.mesh._lock:
                 if all(r in cell.finished or ((s := self._stops.get(r)) is not None and s.state == "prompt"
                                               and s.cell_id == cell.cell_id) for r in cell.ranks):
                     return
@@ -407,7 +407,7 @@ class MeshDebugger(PostMortemMixin):
         except ValueError as e:
             self._write(f"cast: {e}\n")
             return
-        with self.mesh._cond:
+        with self.mesh._lock:
             ready = [t for t in targets if (s := self._stops.get(t)) is not None and s.state == "prompt"
                      and self._matches(key, s)]
         skipped = [t for t in targets if t not in ready]
@@ -421,7 +421,7 @@ class MeshDebugger(PostMortemMixin):
             write_lines(lines)
 
     def _continue_all(self, key: int | None) -> list[int]:
-        with self.mesh._cond:
+        with self.mesh._lock:
             ready = sorted(r for r, s in self._stops.items() if s.state == "prompt" and self._matches(key, s))
         for r in ready:
             self._discard_output(r)
@@ -429,7 +429,7 @@ class MeshDebugger(PostMortemMixin):
         return ready
 
     def _switch(self, key: int | None, k: int) -> None:
-        with self.mesh._cond:
+        with self.mesh._lock:
             stop = self._stops.get(k)
             ok = stop is not None and stop.state == "prompt" and self._matches(key, stop)
             at_prompt = sorted(r for r, s in self._stops.items() if s.state == "prompt" and self._matches(key, s))
@@ -439,7 +439,7 @@ class MeshDebugger(PostMortemMixin):
         self._greet(key, k, at_prompt)
 
     def _ranks_text(self, key: int | None, cell: CellHandle | None) -> str:
-        with self.mesh._cond:
+        with self.mesh._lock:
             stops = {r: s for r, s in self._stops.items() if s.state in ("prompt", "busy") and self._matches(key, s)}
             ranks = cell.ranks if cell is not None else sorted(self.mesh._ranks)
         out = []
@@ -454,7 +454,7 @@ class MeshDebugger(PostMortemMixin):
 
     def _interrupted(self, key: int | None) -> None:
         """KeyboardInterrupt while talking to ranks: apply ``on_interrupt`` to the ranks stopped in pdb."""
-        with self.mesh._cond:
+        with self.mesh._lock:
             mine = sorted(r for r, s in self._stops.items() if s.state in ("prompt", "busy") and self._matches(key, s))
             ready = [r for r in mine if self._stops[r].state == "prompt"]
         if self.on_interrupt == "raise":
@@ -472,7 +472,7 @@ class MeshDebugger(PostMortemMixin):
     # ------------------------------------------------------------------ plumbing
 
     def _send_line(self, r: int, line: str) -> bool:
-        with self.mesh._cond:
+        with self.mesh._lock:
             stop = self._stops.get(r)
             if stop is None or stop.state != "prompt":
                 self._write(f"rank {r} is not at its prompt any more\n")
@@ -482,7 +482,7 @@ class MeshDebugger(PostMortemMixin):
         return True
 
     def _send_action(self, r: int, action: str) -> None:
-        with self.mesh._cond:
+        with self.mesh._lock:
             stop = self._stops.get(r)
             if stop is None or stop.state != "prompt":
                 return
@@ -501,7 +501,7 @@ class MeshDebugger(PostMortemMixin):
             self._pump(cell)
             if stream is not None:
                 self._show(stream)
-            with self.mesh._cond:
+            with self.mesh._lock:
                 busy = [r for r in ranks if (s := self._stops.get(r)) is not None and s.state == "busy"]
                 for r in list(busy):
                     info = self.mesh._ranks.get(r)
@@ -516,7 +516,7 @@ class MeshDebugger(PostMortemMixin):
         """Write the cell's ordinary output lines that arrived meanwhile."""
         if cell is None:
             return
-        with self.mesh._cond:
+        with self.mesh._lock:
             lines, cell._lines = cell._lines, []
         write_lines(lines)
 
@@ -527,17 +527,17 @@ class MeshDebugger(PostMortemMixin):
         if cell is None:
             yield
             return
-        with self.mesh._cond:
+        with self.mesh._lock:
             cell._waiting = False
             cell._deliver_now()
         try:
             yield
         finally:
-            with self.mesh._cond:
+            with self.mesh._lock:
                 cell._waiting = True
 
     def _take_output(self, r: int) -> str:
-        with self.mesh._cond:
+        with self.mesh._lock:
             stop = self._stops.get(r)
             if stop is None:
                 return ""

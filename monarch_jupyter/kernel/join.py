@@ -228,7 +228,7 @@ class Listener:
             log.warning("rejected a rank from %s (pid %d): %s", msg.host, msg.pid, reason)
             self._send(identity, P.Rejected(reason))
             return
-        with self.mesh._cond:
+        with self.mesh._lock:
             self._arrivals += 1
             self._pending[identity] = _Joiner(identity, msg, self._arrivals, time.monotonic(), msg.rank)
             if msg.rank >= 0:  # numbered by its launcher: %mesh status shows where it is while others come
@@ -280,7 +280,7 @@ class Listener:
                    for j in joiners}
         use_env = len(masters) == 1 and None not in next(iter(masters)) and all(j.hello.rank >= 0 for j in joiners)
         now = time.monotonic()
-        with self.mesh._cond:
+        with self.mesh._lock:
             for j in joiners:
                 info = self.mesh._ranks[j.rank]
                 info.identity, info.host, info.pid, info.last_heard = j.identity, j.hello.host, j.hello.pid, now
@@ -328,7 +328,7 @@ class Listener:
 
     def _forget(self, identity: bytes) -> None:
         """A rank that waited to be admitted is gone."""
-        with self.mesh._cond:
+        with self.mesh._lock:
             j = self._pending.pop(identity, None)
             if j is not None and j.rank >= 0:
                 info = self.mesh._ranks[j.rank]
@@ -341,7 +341,7 @@ class Listener:
     def _rank_exited(self, rank: int, returncode: int) -> None:
         from .mesh import RankState
 
-        with self.mesh._cond:
+        with self.mesh._lock:
             info = self.mesh._ranks.get(rank)
             if info is None or info.state in (RankState.DEAD, RankState.STOPPED):
                 return
@@ -350,7 +350,7 @@ class Listener:
 
     def on_launcher_exit(self, returncode: int) -> None:
         """(launcher's waiter thread) The engine exited: so did every rank it ran."""
-        with self.mesh._cond:
+        with self.mesh._lock:
             self._launcher_rc = returncode
             ranks = list(self.mesh._ranks)
             self.mesh._cond.notify_all()
@@ -380,7 +380,7 @@ class Listener:
             report = self.missing_report()
             for identity in list(self._pending):
                 self._send(identity, P.Rejected(f"the mesh did not get all its ranks in time: {report}"))
-            with self.mesh._cond:
+            with self.mesh._lock:
                 self.failed = report
                 self.mesh._cond.notify_all()
                 waiting = self.waiting
@@ -389,7 +389,7 @@ class Listener:
 
     def reject_pending(self, reason: str) -> None:
         """(any thread) Tell the ranks still waiting to be admitted to exit."""
-        with self.mesh._cond:
+        with self.mesh._lock:
             identities = list(self._pending)
         if identities:
             self.mesh._outbox.put((identities, P.Rejected(reason), b"", []))

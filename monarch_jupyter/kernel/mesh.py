@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import atexit
+import contextlib
 import contextvars
 import enum
 import functools
@@ -23,12 +24,13 @@ import itertools
 import linecache
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -211,7 +213,7 @@ class CellHandle:
 
     def done(self) -> bool:
         """True when every rank has finished this cell (or died)."""
-        with self.mesh._cond:
+        with self.mesh._lock:
             return self._all_done
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -548,7 +550,7 @@ class Mesh(RecoveryMixin):
         return env
 
     def _wait_started(self, deadline: float) -> None:
-        with self._cond:
+        with self._lock:
             while True:
                 failed = [i for i in self._ranks.values() if i.start_error or i.state is RankState.DEAD]
                 if failed:
@@ -621,7 +623,7 @@ class Mesh(RecoveryMixin):
             self._xfer.close()
         launcher = self._launcher
         if graceful and was_running and launcher is not None:
-            with self._cond:
+            with self._lock:
                 targets = [i for i in self._ranks.values() if i.identity and i.state is not RankState.DEAD]
             for info in targets:
                 self._post(info, P.Shutdown())
@@ -635,7 +637,7 @@ class Mesh(RecoveryMixin):
             self._io_stop.set()
             self._outbox.put(None)
             self._io.join(5.0)
-        with self._cond:
+        with self._lock:
             for info in self._ranks.values():
                 if info.state is not RankState.DEAD:
                     info.state = RankState.STOPPED
@@ -874,37 +876,48 @@ class Mesh(RecoveryMixin):
         message (signed once). Raises MeshError, sending nothing, when a chosen rank is dead."""
         ranks = sorted(r for group in groups for r in group[0])
         handle = CellHandle(self, cell_id, ranks, what, order)
-        with self._cond:
-            dead = [r for r in ranks if self._ranks[r].state is RankState.DEAD]
-            if dead:
-                raise MeshError({r: RankDiedError(r, self._ranks[r].returncode, "\n".join(self._ranks[r].last_lines))
-                                 for r in dead}, what=what + " (not run)", hint=restart_hint(dead))
-            busy = [r for r in ranks if any(c._abandoned and r not in c.finished for c in self._ranks[r].cells)]
-            if busy:
-                raise RankBusyError(
-                    f"{what} was not run: rank(s) {rank_list(busy)} still run an earlier cell that was interrupted "
-                    "or timed out and did not stop (blocked in a collective?); new code there could pair its "
-                    "collectives with the stuck ones. Run  %mesh stacks  to see where,  %mesh interrupt --force "
-                    f"--ranks {rank_list(busy)}  to release them, or  %mesh restart.", busy)
-            self._note_group_down(ranks)
-            self._cells[cell_id] = handle
-            self._last_cell = handle
-            launcher = self._launcher
-            for group_ranks, msg, payload, buffers in groups:
-                identities, pipes = [], []
-                for r in group_ranks:
-                    info = self._ranks[r]
-                    info.cells.append(handle)
-                    info.state = RankState.RUNNING
-                    pipe = launcher.work_pipe(r) if launcher is not None else None
-                    if pipe is not None:
-                        pipes.append(pipe)
-                    else:
-                        identities.append(info.identity)
-                if pipes:
-                    self._send_work(pipes, msg, payload, buffers)
-                if identities:
-                    self._outbox.put((identities, msg, payload, buffers))
+        sent = False
+        try:
+            # An interrupt must not cut a message in half on its way into a work pipe, nor leave some ranks with
+            # the cell and others without: it is held until the cell is on its way to every rank, then raised.
+            with _sigint_held(), self._lock:
+                dead = [r for r in ranks if self._ranks[r].state is RankState.DEAD]
+                if dead:
+                    raise MeshError({r: RankDiedError(r, self._ranks[r].returncode,
+                                                      "\n".join(self._ranks[r].last_lines)) for r in dead},
+                                    what=what + " (not run)", hint=restart_hint(dead))
+                busy = [r for r in ranks
+                        if any(c._abandoned and r not in c.finished for c in self._ranks[r].cells)]
+                if busy:
+                    raise RankBusyError(
+                        f"{what} was not run: rank(s) {rank_list(busy)} still run an earlier cell that was "
+                        "interrupted or timed out and did not stop (blocked in a collective?); new code there could "
+                        "pair its collectives with the stuck ones. Run  %mesh stacks  to see where,  %mesh interrupt "
+                        f"--force --ranks {rank_list(busy)}  to release them, or  %mesh restart.", busy)
+                self._note_group_down(ranks)
+                self._cells[cell_id] = handle
+                self._last_cell = handle
+                launcher = self._launcher
+                for group_ranks, msg, payload, buffers in groups:
+                    identities, pipes = [], []
+                    for r in group_ranks:
+                        info = self._ranks[r]
+                        info.cells.append(handle)
+                        info.state = RankState.RUNNING
+                        pipe = launcher.work_pipe(r) if launcher is not None else None
+                        if pipe is not None:
+                            pipes.append(pipe)
+                        else:
+                            identities.append(info.identity)
+                    if pipes:
+                        self._send_work(pipes, msg, payload, buffers)
+                    if identities:
+                        self._outbox.put((identities, msg, payload, buffers))
+                sent = True
+        except KeyboardInterrupt:
+            if not sent:
+                raise
+            raise mesh_interrupt(self._on_interrupt(handle)) from None
         # From here on the ranks run it: an interrupt that lands before the caller waits must reach them too
         # (a fast cell's first output can be on screen, and interrupted, before that).
         try:
@@ -926,7 +939,7 @@ class Mesh(RecoveryMixin):
         """Wait for ``cell`` and write its output from this thread; returns True when it finished."""
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            with self._cond:
+            with self._lock:
                 cell._waiting = True
             while True:
                 with self._lock:
@@ -949,7 +962,7 @@ class Mesh(RecoveryMixin):
             summary = self._on_interrupt(cell)
             raise mesh_interrupt(summary) from None
         finally:
-            with self._cond:
+            with self._lock:
                 cell._waiting = False
                 cell._deliver_now()
 
@@ -968,7 +981,7 @@ class Mesh(RecoveryMixin):
 
         Returns what to say in the KeyboardInterrupt: where the ranks stopped (stuck ones are reported on stderr).
         """
-        with self._cond:
+        with self._lock:
             cell._interrupted = True
             running = [r for r in cell.ranks if r not in cell.finished]
             for r in running:
@@ -994,7 +1007,7 @@ class Mesh(RecoveryMixin):
                 write_lines(lines)
         except KeyboardInterrupt:
             pass  # a second interrupt: stop waiting now
-        with self._cond:
+        with self._lock:
             stuck = [r for r in cell.ranks if r not in cell.finished]
             cell._abandoned = bool(stuck)  # nobody waits for it now: later cells must not queue behind it
             stopped = {r: e for r, e in cell.errors.items()
@@ -1006,11 +1019,11 @@ class Mesh(RecoveryMixin):
         return f"interrupted rank(s) {rank_list(stopped)} (they keep their state): {where_interrupted(stopped)}"
 
     def _on_timeout(self, cell: CellHandle, timeout: float) -> None:
-        with self._cond:
+        with self._lock:
             late = [r for r in cell.ranks if r not in cell.finished]
         report = self.stacks(ranks=late)
         self._on_interrupt(cell)
-        with self._cond:
+        with self._lock:
             errors: dict[int, MonarchError] = {}
             for r in cell.ranks:
                 e = cell.errors.get(r)
@@ -1050,7 +1063,7 @@ class Mesh(RecoveryMixin):
         return value
 
     def _compute_outcome(self, cell: CellHandle) -> RankMap | None:
-        with self._cond:
+        with self._lock:
             self._cells.pop(cell.cell_id, None)
             errors = dict(cell.errors)
             results = RankMap((r, cell.values.get(r)) for r in cell.ranks if r in cell.finished and r not in errors)
@@ -1070,7 +1083,7 @@ class Mesh(RecoveryMixin):
     def status(self) -> dict[int, dict[str, Any]]:
         """rank -> {"state", "pid", "host", "device", "rss", "cuda_allocated", "cuda_reserved" (bytes),
         "returncode", "backend"}."""
-        with self._cond:
+        with self._lock:
             return {
                 r: {"state": i.state.value, "pid": i.pid, "host": i.host, "device": i.device, "rss": i.rss,
                     "cuda_allocated": i.cuda_allocated, "cuda_reserved": i.cuda_reserved,
@@ -1093,7 +1106,7 @@ class Mesh(RecoveryMixin):
         self._check_running()
         chosen = parse_ranks(ranks, self.nproc)
         request_id = next(self._cell_ids)
-        with self._cond:
+        with self._lock:
             replies: dict[int, P.Stacks] = {}
             self._stack_requests[request_id] = replies
             asked = [r for r in chosen if self._ranks[r].state is not RankState.DEAD]
@@ -1235,7 +1248,7 @@ class Mesh(RecoveryMixin):
             now = time.monotonic()
             if now >= next_ping:
                 next_ping = now + self.heartbeat_interval
-                with self._cond:
+                with self._lock:
                     idents = [i.identity for i in self._ranks.values()
                               if i.identity and i.state is not RankState.DEAD]
                 for ident in idents:
@@ -1281,7 +1294,7 @@ class Mesh(RecoveryMixin):
             log.warning("rank %d speaks protocol %d, controller %d; ignored", msg.rank, msg.version,
                         P.PROTOCOL_VERSION)
             return
-        with self._cond:
+        with self._lock:
             info = self._ranks.get(msg.rank)
             if info is None or info.identity is not None:
                 log.warning("rejected hello for rank %d (unknown or taken)", msg.rank)
@@ -1303,14 +1316,14 @@ class Mesh(RecoveryMixin):
         if self._listener is not None:
             self._listener.on_store_ready(rank, msg)
             return
-        with self._cond:
+        with self._lock:
             self._store_port = msg.port
             for info in self._ranks.values():
                 if info.rank != 0 and info.identity is not None:
                     self._welcome(info, msg.port)
 
     def _on_ready(self, rank: int, msg: P.Ready, payload: bytes, bufs: list) -> None:
-        with self._cond:
+        with self._lock:
             info = self._ranks[rank]
             info.state = RankState.IDLE
             info.device, info.backend, info.host = msg.device, msg.backend, msg.host
@@ -1318,7 +1331,7 @@ class Mesh(RecoveryMixin):
         self._event("rank_state", rank=rank, state="idle", host=msg.host, device=msg.device, pid=msg.pid)
 
     def _on_start_failed(self, rank: int, msg: P.StartFailed, payload: bytes, bufs: list) -> None:
-        with self._cond:
+        with self._lock:
             self._ranks[rank].start_error = msg.error
             self._cond.notify_all()
 
@@ -1334,7 +1347,7 @@ class Mesh(RecoveryMixin):
             err = msg.error or {}
             error = RemoteError(rank, err.get("type", "Exception"), err.get("message", ""),
                                 err.get("traceback", ""), err.get("module", ""), err.get("frames"))
-        with self._cond:
+        with self._lock:
             cell = self._cells.get(msg.cell_id)
             if cell is None:
                 return
@@ -1355,14 +1368,14 @@ class Mesh(RecoveryMixin):
         self.on_output(rank, msg.name, msg.data.encode())
 
     def _on_stacks(self, rank: int, msg: P.Stacks, payload: bytes, bufs: list) -> None:
-        with self._cond:
+        with self._lock:
             replies = self._stack_requests.get(msg.request_id)
             if replies is not None:
                 replies[rank] = msg
                 self._cond.notify_all()
 
     def _on_heartbeat(self, rank: int, msg: P.Heartbeat, payload: bytes, bufs: list) -> None:
-        with self._cond:
+        with self._lock:
             info = self._ranks[rank]
             info.rss = msg.rss
             info.cuda_allocated, info.cuda_reserved = msg.cuda_allocated, msg.cuda_reserved
@@ -1375,7 +1388,7 @@ class Mesh(RecoveryMixin):
             self._listener.on_goodbye(rank, msg)
 
     def _on_progress(self, rank: int, msg: P.Progress, payload: bytes, bufs: list) -> None:
-        with self._cond:
+        with self._lock:
             self._ranks[rank].progress = (msg.n, msg.total, msg.desc)
         self._event("progress", rank=rank, n=msg.n, total=msg.total, desc=msg.desc, cell_id=msg.cell_id,
                     postfix=msg.postfix)
@@ -1383,7 +1396,7 @@ class Mesh(RecoveryMixin):
     # ------------------------------------------------------------------ launcher events (reader thread)
 
     def on_spawned(self, rank: int, pid: int) -> None:
-        with self._cond:
+        with self._lock:
             if rank in self._ranks:
                 self._ranks[rank].pid = pid
 
@@ -1394,7 +1407,7 @@ class Mesh(RecoveryMixin):
         events = info.splitters[stream].feed(data)  # the splitters are the reader thread's own
         i, n = 0, len(events)
         while i < n:
-            with self._cond:
+            with self._lock:
                 while i < n and events[i][0] != "msg":
                     kind, value = events[i]
                     i += 1
@@ -1424,13 +1437,16 @@ class Mesh(RecoveryMixin):
         if flags & P.RECORD_MORE:
             info.record_parts.append(body)
             return None
-        if info.record_parts:
-            body = b"".join(info.record_parts) + body
-            info.record_parts = []
-        try:
-            msg, payload, bufs = self._record_signer.unpack(P.unpack_frames(body))
-        except (P.ProtocolError, ValueError, TypeError, KeyError) as e:
-            log.warning("dropped a record of rank %d: %s", info.rank, e)
+        parts, info.record_parts = info.record_parts + [body], []
+        error: Exception | None = None
+        for start in range(len(parts)):  # leading parts that fail to verify came from output that looked like one
+            try:
+                msg, payload, bufs = self._record_signer.unpack(P.unpack_frames(b"".join(parts[start:])))
+                break
+            except (P.ProtocolError, ValueError, TypeError, KeyError) as e:
+                error = e
+        else:
+            log.warning("dropped a record of rank %d: %s", info.rank, error)
             return None
         if type(msg) not in self._record_handlers:
             log.warning("rank %d sent an unexpected %s record", info.rank, msg.TYPE)
@@ -1465,7 +1481,7 @@ class Mesh(RecoveryMixin):
                     cell_id=None if target is None else target.cell_id)
 
     def on_exit(self, rank: int, returncode: int) -> None:
-        with self._cond:
+        with self._lock:
             info = self._ranks.get(rank)
             if info is None:
                 return
@@ -1495,6 +1511,29 @@ class Mesh(RecoveryMixin):
 
 
 _WORK_TYPES = P.work_types()
+
+
+@contextlib.contextmanager
+def _sigint_held() -> Iterator[None]:
+    """On the main thread: a SIGINT that arrives inside the block is raised (KeyboardInterrupt) when it ends."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[tuple] = []
+    try:
+        previous = signal.signal(signal.SIGINT, lambda *args: caught.append(args))
+    except ValueError:  # not the main interpreter
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            if callable(previous):
+                previous(*caught[0])
+            elif previous != signal.SIG_IGN:
+                raise KeyboardInterrupt
 INTERRUPT_RESEND = 1.0  # seconds between interrupts sent to ranks that still run an interrupted cell
 
 

@@ -20,6 +20,7 @@ __all__ = ["StreamSplitter", "label", "write_lines"]
 _ESCAPE = b"\x1b]monarch-"
 _RECORD_MIN = len(P.RECORD_PREFIX) + P.RECORD_HEADER.size
 _PREFIX_MAX = max(len(P.SYNC_PREFIX), len(P.RECORD_PREFIX))
+_FLAGS_MAX = P.RECORD_MORE | P.RECORD_SYNC
 assert P.SYNC_PREFIX.startswith(_ESCAPE) and P.RECORD_PREFIX.startswith(_ESCAPE)
 
 LineSink = Callable[[str, str, bool], None]  # (stream, text, partial)
@@ -44,14 +45,15 @@ class StreamSplitter:
     def feed(self, data: bytes) -> list[tuple[str, object]]:
         """Returns events in order: ("line", text) for a complete line, ("sync", cell_id) for a marker, and
         ("msg", (flags, body)) for a record (protocol.RECORD_PREFIX: a message the rank wrote into the stream)."""
-        if not self._raw and not self._line:  # the common cases: one marker or one record, nothing else
+        if not self._raw and not self._line and not self._decoder.getstate()[0]:
+            # The common cases: one marker or one record, nothing else.
             if data.startswith(P.SYNC_PREFIX) and data.endswith(P.SYNC_SUFFIX):
                 body = data[len(P.SYNC_PREFIX):-len(P.SYNC_SUFFIX)]
                 if body.isdigit():
                     return [("sync", int(body))]
             elif data.startswith(P.RECORD_PREFIX) and len(data) >= _RECORD_MIN:
                 n, flags = P.RECORD_HEADER.unpack_from(data, len(P.RECORD_PREFIX))
-                if len(data) == _RECORD_MIN + n:
+                if len(data) == _RECORD_MIN + n and n <= P.RECORD_BODY_MAX and flags <= _FLAGS_MAX:
                     return [("msg", (flags, data[_RECORD_MIN:]))]
         events: list[tuple[str, object]] = []
         raw = self._raw + data
@@ -75,6 +77,10 @@ class StreamSplitter:
                     self._raw = rest
                     break
                 n, flags = P.RECORD_HEADER.unpack_from(rest, len(P.RECORD_PREFIX))
+                if n > P.RECORD_BODY_MAX or flags > _FLAGS_MAX:  # not a record (none is longer): plain text
+                    self._text(raw[:i + len(_ESCAPE)], events)
+                    raw = raw[i + len(_ESCAPE):]
+                    continue
                 if len(rest) < _RECORD_MIN + n:
                     self._text(raw[:i], events)
                     self._raw = rest
@@ -86,16 +92,20 @@ class StreamSplitter:
                 raw = rest[_RECORD_MIN + n:]
                 continue
             if rest.startswith(P.SYNC_PREFIX):
-                j = rest.find(P.SYNC_SUFFIX, len(P.SYNC_PREFIX))
-                if j < 0:
+                # A marker is the prefix, up to 19 digits, the suffix; anything else is text that looks like one.
+                digits = rest[len(P.SYNC_PREFIX):len(P.SYNC_PREFIX) + 20]
+                k = len(digits) - len(digits.lstrip(b"0123456789"))
+                if k == len(digits) and len(digits) < 20:  # all digits so far: the rest comes with the next read
                     self._text(raw[:i], events)
                     self._raw = rest
                     break
+                j = len(P.SYNC_PREFIX) + k
+                if k == 0 or not rest.startswith(P.SYNC_SUFFIX, j):
+                    self._text(raw[:i + len(_ESCAPE)], events)
+                    raw = raw[i + len(_ESCAPE):]
+                    continue
                 self._text(raw[:i], events)
-                try:
-                    cell_id = int(rest[len(P.SYNC_PREFIX):j])
-                except ValueError:
-                    cell_id = -1
+                cell_id = int(rest[len(P.SYNC_PREFIX):j])
                 self._flush_partial(events)
                 events.append(("sync", cell_id))
                 raw = rest[j + len(P.SYNC_SUFFIX):]

@@ -79,7 +79,7 @@ class PostMortemMixin:
 
     def last_failed_rank(self) -> int | None:
         """The rank whose error came first in the most recent failed cell (None: no rank keeps one)."""
-        with self.mesh._cond:
+        with self.mesh._lock:
             if not self._failed:
                 return None
             return min(self._failed, key=lambda r: (-self._failed[r][0], self._failed[r][1]))
@@ -114,7 +114,7 @@ class PostMortemMixin:
                 raise NothingToDebugError("no rank keeps a traceback to debug: no cell failed since the last one "
                                           "that ran on it (pass a rank to try one anyway)")
         (rank,) = parse_ranks(int(rank), mesh.nproc)
-        with mesh._cond:
+        with mesh._lock:
             state = mesh._ranks[rank].state.value
         if state != "idle":
             raise MonarchError(f"rank {rank} is {state}; post-mortem debugging needs an idle rank "
@@ -166,7 +166,7 @@ class PostMortemMixin:
         Returns the ranks that had one. Raises MonarchError when some rank did not answer within ``timeout`` s.
         """
         chosen = parse_ranks(ranks, self.mesh.nproc)
-        with self.mesh._cond:
+        with self.mesh._lock:
             alive = [r for r in chosen if self.mesh._ranks[r].state.value not in ("dead", "stopped")]
             for r in chosen:
                 self._failed.pop(r, None)
@@ -180,7 +180,7 @@ class PostMortemMixin:
         mesh = self.mesh
         mesh._check_running()
         request_id = next(mesh._cell_ids)
-        with mesh._cond:
+        with mesh._lock:
             replies: dict[int, P.DebugReply] = {}
             self._replies[request_id] = replies
             for r in ranks:

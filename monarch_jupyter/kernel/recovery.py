@@ -168,7 +168,7 @@ class RecoveryMixin:
         last cell's output (not for ranks killed on purpose)."""
         from .mesh import RankState
 
-        with self._cond:
+        with self._lock:
             if self._stopping:
                 return
             dead = [r for r, i in self._ranks.items() if i.state is RankState.DEAD]
@@ -197,7 +197,7 @@ class RecoveryMixin:
         if self.heartbeat_timeout <= 0:
             return
         lost: list[tuple[int, str, list]] = []
-        with self._cond:
+        with self._lock:
             if self._stopping or not self._running:
                 return
             for info in self._ranks.values():
@@ -285,7 +285,7 @@ class RecoveryMixin:
         chosen = parse_ranks(ranks, self.nproc)
         grace = self.interrupt_grace if grace is None else float(grace)
         report = InterruptReport(grace=grace)
-        with self._cond:
+        with self._lock:
             busy: dict[int, int] = {}
             for r in chosen:
                 info = self._ranks[r]
@@ -335,14 +335,14 @@ class RecoveryMixin:
         gone for good never reports: the wait just ends)."""
         from .mesh import RankState
 
-        with self._cond:
+        with self._lock:
             for r in ranks:
                 self._killing[r] = why
         for r in ranks:
             if self._launcher is not None:
                 self._launcher.signal(r, signal.SIGKILL)
         deadline = time.monotonic() + EXIT_WAIT
-        with self._cond:
+        with self._lock:
             while time.monotonic() < deadline and not all(
                     self._ranks[r].state is RankState.DEAD and self._ranks[r].returncode is not None for r in ranks):
                 self._cond.wait(0.05)
@@ -360,14 +360,14 @@ class RecoveryMixin:
                 "these ranks were started elsewhere (torchrun, srun, a command you ran): that launcher owns their "
                 "processes, so they cannot be restarted one by one from here. Run  %mesh restart  (the mesh "
                 "listens again and prints the commands to start the ranks).")
-        with self._cond:
+        with self._lock:
             others_dead = [r for r, i in self._ranks.items() if r not in chosen and i.state is RankState.DEAD]
         if others_dead:
             raise MonarchError(
                 f"{_ranks_text(others_dead)} {'are' if len(others_dead) > 1 else 'is'} dead too; restart them "
                 f"together:  %mesh restart --rank {rank_list(sorted(set(chosen) | set(others_dead)))}")
         survivors = [r for r in range(self.nproc) if r not in chosen]
-        with self._cond:
+        with self._lock:
             busy = [r for r in survivors if self._ranks[r].cells]
         if busy:
             report = self.interrupt(busy)
@@ -377,7 +377,7 @@ class RecoveryMixin:
                     f"{self.interrupt_grace:g} s ({report.stacks}); a process group cannot be re-created around "
                     f"them. Stop them with  %mesh interrupt --force --ranks {rank_list(report.stuck)}  and "
                     f"restart them too, or run  %mesh restart  for a fresh mesh.")
-        with self._cond:  # every chosen rank whose exit was not reported yet (alive, or lost by heartbeat)
+        with self._lock:  # every chosen rank whose exit was not reported yet (alive, or lost by heartbeat)
             live = [r for r in chosen
                     if self._ranks[r].state is not RankState.DEAD or self._ranks[r].returncode is None]
         # Its exit must be in before a fresh process takes its place, or the report would hit the new one.
@@ -393,7 +393,7 @@ class RecoveryMixin:
         from .mesh import RankInfo, RankState
 
         survivors = [r for r in range(self.nproc) if r not in fresh]
-        with self._cond:
+        with self._lock:
             self._store_port = None
             self._regrouping = set(survivors)
             for r in fresh:
@@ -414,9 +414,9 @@ class RecoveryMixin:
         except MeshStartError as e:
             raise MeshStartError(f"{e.args[0]}; run  %mesh restart  for a fresh mesh", e.rank, e.detail) from None
         finally:
-            with self._cond:
+            with self._lock:
                 self._regrouping = set()
-        with self._cond:
+        with self._lock:
             self._group_down = ""
         self._event("regrouped", fresh=fresh)
 
@@ -429,7 +429,7 @@ class RecoveryMixin:
     def _regroup_store_ready(self: Mesh, msg: P.StoreReady) -> None:
         """I/O thread, during a regroup: rank 0's new store is up; survivors regroup, fresh ranks are welcomed."""
         addr = msg.addr or "127.0.0.1"
-        with self._cond:
+        with self._lock:
             self._store_port = msg.port
             for info in self._ranks.values():
                 if info.rank == 0 or info.identity is None:

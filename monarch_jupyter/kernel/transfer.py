@@ -346,7 +346,7 @@ def _result(handle: Any, timeout: float | None) -> Any:
     try:
         return handle.mesh._result(handle, timeout)
     finally:
-        with handle.mesh._cond:
+        with handle.mesh._lock:
             handle.values.clear()
 
 

@@ -158,6 +158,19 @@ class TextLiveView(LiveView):
         self._reported: dict[int, str] = {}  # rank -> failure already printed
         self._last_line = ""
 
+    def _final_render(self) -> None:
+        if self._waited():
+            return  # the waiting thread's finish() prints the last line, after the cell's own output
+        super()._final_render()
+
+    def tick(self) -> bool:
+        if self._waited() and self._finished():
+            return True
+        return super().tick()
+
+    def _waited(self) -> bool:
+        return self.handle is not None and getattr(self.handle, "_waiting", False)
+
     def _render(self, final: bool) -> None:
         # Most cells are fast and go well, and then this view prints nothing: skip the snapshot for them (before
         # the cell is submitted, and at the end of one that printed nothing and failed nowhere).

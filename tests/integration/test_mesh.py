@@ -389,3 +389,122 @@ def test_an_interrupt_before_the_caller_waits_still_stops_the_ranks(mesh: Mesh) 
         mesh.remove_listener(listener)
     assert fired
     assert mesh.run("'next'") == {r: "next" for r in range(4)}
+
+
+# ---- found by a fresh user trying to break the records and the work pipe
+
+
+def test_progress_from_processes_a_rank_forks_does_not_cut_its_results(mesh: Mesh) -> None:
+    # A forked child inherits the rank's record writer; its reports must not reuse the rank's sequence numbers.
+    got = run(mesh, """
+        import multiprocessing as mp
+        from monarch_worker import progress
+        def _work(i):
+            progress(i + 1, 4, desc="job")
+            return i * i
+        with mp.get_context("fork").Pool(2) as _pool:
+            _out = _pool.map(_work, range(4))
+        _out
+    """, ranks="0,1", timeout=60)
+    assert got == {0: [0, 1, 4, 9], 1: [0, 1, 4, 9]}
+    assert mesh.run("rank", ranks="0,1") == {0: 0, 1: 1}
+
+
+@pytest.mark.parametrize("stream", ["stdout", "stderr"])
+def test_output_that_looks_like_a_marker_or_record_is_just_text(
+        mesh: Mesh, capsys: pytest.CaptureFixture[str], stream: str) -> None:
+    got = run(mesh, f"""
+        import sys
+        print("\\x1b]monarch-msg;hello world", file=sys.{stream})
+        print("\\x1b]monarch-sync;hello", file=sys.{stream})
+        print("after", file=sys.{stream})
+        rank
+    """, ranks=2, timeout=30)
+    assert got == {2: 2}
+    text = getattr(capsys.readouterr(), "out" if stream == "stdout" else "err")
+    assert "monarch-msg;hello world" in text and "monarch-sync;hello" in text and "[rank2]: after" in text
+    run(mesh, f"import sys; print('next', file=sys.{stream})", ranks=2)
+    assert "[rank2]: next" in getattr(capsys.readouterr(), "out" if stream == "stdout" else "err")
+
+
+def test_a_forged_partial_record_does_not_swallow_the_next_result(mesh: Mesh) -> None:
+    run(mesh, r"""
+        import sys
+        sys.stdout.buffer.write(b"\x1b]monarch-msg;\x00\x00\x00\x03\x01abc"); sys.stdout.flush()
+    """, ranks=3, timeout=30)
+    assert mesh.run("'still here'", ranks=3, timeout=30) == {3: "still here"}
+
+
+def test_sync_markers_never_land_in_a_file_fd_1_was_redirected_to(mesh: Mesh, tmp_path: object) -> None:
+    path = f"{tmp_path}/out.log"
+    run(mesh, f"""
+        import os
+        _f = os.open({path!r}, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        _saved = os.dup(1)
+        os.dup2(_f, 1)
+        print("into the file", flush=True)
+    """, ranks=0)
+    try:
+        assert mesh.run("b'z' * 100_000", ranks=0) == {0: b"z" * 100_000}  # a large result: markers + socket
+        assert mesh.pull("_saved", ranks=0) == {0: mesh.run("_saved", ranks=0)[0]}
+    finally:
+        run(mesh, "os.dup2(_saved, 1); os.close(_saved); os.close(_f)", ranks=0)
+    with open(path, "rb") as f:
+        assert f.read() == b"into the file\n"
+
+
+def test_a_partial_utf8_character_at_the_end_of_a_cell_stays_in_that_cell(
+        mesh: Mesh, capsys: pytest.CaptureFixture[str]) -> None:
+    run(mesh, 'import os; os.write(1, "é".encode()[:1])', ranks="0,1")
+    capsys.readouterr()
+    run(mesh, 'print("next")', ranks="0,1")
+    out = capsys.readouterr().out.splitlines()
+    assert sorted(out) == ["[rank0]: next", "[rank1]: next"]
+
+
+def test_the_work_pipe_is_out_of_reach_of_user_code(mesh: Mesh) -> None:
+    # Not inherited by subprocesses, and not at fd 3, where the fork server put it, which code may close.
+    got = run(mesh, """
+        import gc, os, subprocess, sys
+        from monarch_worker.runtime import Rank
+        _rank = next(o for o in gc.get_objects() if isinstance(o, Rank))
+        _ours = {os.readlink(f"/proc/self/fd/{fd}") for fd in (_rank.config.work_fd, _rank._record_fd)}
+        try:
+            os.close(3)
+        except OSError:
+            pass
+        _code = ("import os\\nfor f in os.listdir('/proc/self/fd'):\\n    try: print(os.readlink('/proc/self/fd/' + f))"
+                 "\\n    except OSError: pass")
+        _child = subprocess.run([sys.executable, "-c", _code], close_fds=False, capture_output=True, text=True)
+        (_rank.config.work_fd >= 100, sorted(_ours & set(_child.stdout.split())), _child.returncode)
+    """, ranks=1)
+    assert got == {1: (True, [], 0)}
+    assert mesh.run("rank", ranks=1) == {1: 1}
+
+
+def test_an_interrupt_while_a_cell_is_being_sent_reaches_every_rank(mesh: Mesh, capsys: pytest.CaptureFixture[str],
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # A SIGINT in the middle of writing a cell into the ranks' work pipes is held until every rank has the cell
+    # (a message cut in half would corrupt the pipe; a rank left without it would stay "running" for ever).
+    import signal
+
+    from monarch_jupyter.kernel.launcher import WorkPipe
+
+    original = WorkPipe.send
+    calls = []
+
+    def send(self: WorkPipe, data: bytes) -> bool:
+        calls.append(1)
+        if len(calls) == 2:
+            signal.raise_signal(signal.SIGINT)
+        return original(self, data)
+
+    monkeypatch.setattr(WorkPipe, "send", send)
+    with pytest.raises(KeyboardInterrupt, match="interrupted rank"):
+        mesh.run("import time\ntime.sleep(600)")
+    monkeypatch.setattr(WorkPipe, "send", original)
+    assert len(calls) == 4
+    assert {r: s["state"] for r, s in mesh.status().items()} == {r: "idle" for r in range(4)}
+    capsys.readouterr()
+    run(mesh, "print('in order')", order="rank")
+    assert capsys.readouterr().out.splitlines() == [f"[rank{r}]: in order" for r in range(4)]
