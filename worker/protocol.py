@@ -638,6 +638,9 @@ PIPE_BUF = 4096  # POSIX guarantees at least 512; Linux gives 4096
 RECORD_BODY_MAX = PIPE_BUF - len(RECORD_PREFIX) - RECORD_HEADER.size
 _FRAME_COUNT = struct.Struct("!H")
 _FRAME_LEN = struct.Struct("!I")
+# How the first (or only) record of every message begins: after the frame count (2 bytes), the length of the
+# first frame and that frame, MAGIC. Output that merely looks like a record does not (see StreamSplitter).
+RECORD_BODY_START = _FRAME_LEN.pack(len(MAGIC)) + MAGIC
 
 
 def record_types() -> tuple[type[Message], ...]:

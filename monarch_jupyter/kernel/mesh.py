@@ -113,7 +113,8 @@ class RankInfo:
     last_heard: float = 0.0
     cells: deque = field(default_factory=deque)  # cells submitted to this rank, not yet finished on it
     last_lines: deque = field(default_factory=lambda: deque(maxlen=LAST_LINES))
-    splitters: dict = field(default_factory=lambda: {"stdout": StreamSplitter(), "stderr": StreamSplitter()})
+    splitters: dict = field(default_factory=lambda: {"stdout": StreamSplitter(),
+                                                     "stderr": StreamSplitter(records=False)})
     progress: tuple | None = None
     record_parts: list = field(default_factory=list)  # bodies of a record message not complete yet
 
@@ -988,8 +989,9 @@ class Mesh(RecoveryMixin):
                 self._post(self._ranks[r], P.Interrupt(cell.cell_id))
         if not running:
             return "interrupted (the ranks had finished the cell)"
-        deadline = time.monotonic() + self.interrupt_grace
-        resend = time.monotonic() + INTERRUPT_RESEND
+        started = time.monotonic()
+        deadline = started + self.interrupt_grace
+        resend = started + INTERRUPT_RESEND
         try:
             while time.monotonic() < deadline:
                 with self._lock:
@@ -1013,7 +1015,9 @@ class Mesh(RecoveryMixin):
             stopped = {r: e for r, e in cell.errors.items()
                        if r in running and isinstance(e, RemoteError) and e.interrupted}
         if stuck:
-            sys.stderr.write(self._stuck_message(stuck, self.interrupt_grace))
+            # A second interrupt ends the wait early: say how long the ranks really had.
+            waited = min(self.interrupt_grace, time.monotonic() - started)
+            sys.stderr.write(self._stuck_message(stuck, round(waited, 1)))
         if not stopped:
             return f"interrupted; rank(s) {rank_list(stuck)} did not stop"
         return f"interrupted rank(s) {rank_list(stopped)} (they keep their state): {where_interrupted(stopped)}"

@@ -37,10 +37,12 @@ class StreamSplitter:
     Not thread-safe; each (rank, stream) has one, fed from one thread.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, records: bool = True) -> None:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._raw = b""
         self._line = ""
+        self._records = records  # only a rank's stdout carries records; on stderr their prefix is text
+        self._more = False  # the last record said more parts of its message follow
 
     def feed(self, data: bytes) -> list[tuple[str, object]]:
         """Returns events in order: ("line", text) for a complete line, ("sync", cell_id) for a marker, and
@@ -51,9 +53,11 @@ class StreamSplitter:
                 body = data[len(P.SYNC_PREFIX):-len(P.SYNC_SUFFIX)]
                 if body.isdigit():
                     return [("sync", int(body))]
-            elif data.startswith(P.RECORD_PREFIX) and len(data) >= _RECORD_MIN:
+            elif self._records and data.startswith(P.RECORD_PREFIX) and len(data) >= _RECORD_MIN:
                 n, flags = P.RECORD_HEADER.unpack_from(data, len(P.RECORD_PREFIX))
-                if len(data) == _RECORD_MIN + n and n <= P.RECORD_BODY_MAX and flags <= _FLAGS_MAX:
+                if (len(data) == _RECORD_MIN + n and n <= P.RECORD_BODY_MAX and flags <= _FLAGS_MAX
+                        and (self._more or data.startswith(P.RECORD_BODY_START, _RECORD_MIN + 2))):
+                    self._more = bool(flags & P.RECORD_MORE)
                     return [("msg", (flags, data[_RECORD_MIN:]))]
         events: list[tuple[str, object]] = []
         raw = self._raw + data
@@ -71,13 +75,16 @@ class StreamSplitter:
                 self._text(text, events)
                 break
             rest = raw[i:]
-            if rest.startswith(P.RECORD_PREFIX):
-                if len(rest) < _RECORD_MIN:
+            if self._records and rest.startswith(P.RECORD_PREFIX):
+                head = _RECORD_MIN if self._more else _RECORD_MIN + 2 + len(P.RECORD_BODY_START)
+                if len(rest) < head:
                     self._text(raw[:i], events)
                     self._raw = rest
                     break
                 n, flags = P.RECORD_HEADER.unpack_from(rest, len(P.RECORD_PREFIX))
-                if n > P.RECORD_BODY_MAX or flags > _FLAGS_MAX:  # not a record (none is longer): plain text
+                if n > P.RECORD_BODY_MAX or flags > _FLAGS_MAX or not (
+                        self._more or rest.startswith(P.RECORD_BODY_START, _RECORD_MIN + 2)):
+                    # Not a record (none is longer, and a message's first record starts so): plain text.
                     self._text(raw[:i + len(_ESCAPE)], events)
                     raw = raw[i + len(_ESCAPE):]
                     continue
@@ -88,6 +95,7 @@ class StreamSplitter:
                 self._text(raw[:i], events)
                 if flags & P.RECORD_SYNC:
                     self._flush_partial(events)
+                self._more = bool(flags & P.RECORD_MORE)
                 events.append(("msg", (flags, rest[_RECORD_MIN:_RECORD_MIN + n])))
                 raw = rest[_RECORD_MIN + n:]
                 continue
@@ -110,7 +118,8 @@ class StreamSplitter:
                 events.append(("sync", cell_id))
                 raw = rest[j + len(P.SYNC_SUFFIX):]
                 continue
-            if len(rest) < _PREFIX_MAX and (P.SYNC_PREFIX.startswith(rest) or P.RECORD_PREFIX.startswith(rest)):
+            if len(rest) < _PREFIX_MAX and (P.SYNC_PREFIX.startswith(rest)
+                                            or self._records and P.RECORD_PREFIX.startswith(rest)):
                 self._text(raw[:i], events)
                 self._raw = rest  # the start of a marker or record; the rest comes with the next read
                 break
@@ -133,10 +142,13 @@ class StreamSplitter:
             events.append(("line", _terminal_view(rest)))
 
     def end_line(self) -> list[tuple[str, object]]:
-        """The line written so far without a newline, as a ("line", text) event (its cell ended)."""
-        if not self._line and not self._decoder.getstate()[0]:
+        """The line written so far without a newline, as a ("line", text) event (its cell ended): bytes held back
+        because they might have begun a marker are part of it."""
+        if not self._line and not self._raw and not self._decoder.getstate()[0]:
             return []
         events: list[tuple[str, object]] = []
+        self._text(self._raw, events)
+        self._raw = b""
         self._flush_partial(events)
         return events
 

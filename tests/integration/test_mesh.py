@@ -508,3 +508,27 @@ def test_an_interrupt_while_a_cell_is_being_sent_reaches_every_rank(mesh: Mesh, 
     capsys.readouterr()
     run(mesh, "print('in order')", order="rank")
     assert capsys.readouterr().out.splitlines() == [f"[rank{r}]: in order" for r in range(4)]
+
+
+def test_a_binary_record_header_in_the_output_swallows_nothing(mesh: Mesh, capsys: pytest.CaptureFixture[str]) -> None:
+    # Bytes that look exactly like a record header (with a length) but not like a record's body are text: the
+    # result and the lines after them still arrive.
+    got = run(mesh, r"""
+        import os, struct, sys
+        os.write(1, b"\x1b]monarch-msg;" + struct.pack("!IB", 100, 0))
+        os.write(2, b"\x1b]monarch-msg;" + struct.pack("!IB", 4000, 0))
+        print("err after", file=sys.stderr)
+        'result'
+    """, ranks=3, timeout=30)
+    assert got == {3: "result"}
+    cap = capsys.readouterr()
+    assert cap.err.rstrip().endswith("err after") and "monarch-msg;" in cap.out  # shown as the text it is
+
+
+def test_a_partial_escape_at_the_end_of_a_cells_stderr_stays_in_that_cell(
+        mesh: Mesh, capsys: pytest.CaptureFixture[str]) -> None:
+    run(mesh, 'import os; os.write(2, b"err\\x1b]monarch-")', ranks=0)
+    first = capsys.readouterr().err
+    run(mesh, 'import sys; print("next", file=sys.stderr)', ranks=0)
+    assert "[rank0]: err" in first
+    assert capsys.readouterr().err.splitlines() == ["[rank0]: next"]
