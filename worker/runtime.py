@@ -12,6 +12,7 @@ Threads
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
 import logging
 import os
@@ -393,6 +394,15 @@ class Rank:
             except KeyboardInterrupt:
                 # An interrupt that landed just after its cell ended (or a stray SIGINT): the rank stays up.
                 log.info("rank %d: interrupt outside a cell ignored", self.rank)
+            except OSError as e:
+                private = {self.config.work_fd, self._record_fd, self._stderr_fd} - {-1}
+                if getattr(e, "errno", None) != errno.EBADF or not private:
+                    raise
+                # User code closed one of the rank's own pipes (fds >= 100): it can no longer talk to the kernel.
+                os.write(2, (f"monarch_worker rank {self.rank}: code in a cell closed this rank's own pipe to the "
+                             f"kernel (one of fds {sorted(private)}); the rank exits. Restart it with  %mesh "
+                             f"restart --rank {self.rank}\n").encode())
+                return
 
     def _work_source(self) -> Any:
         """A function returning the next work item (message, payload, buffers), or None once the kernel has
