@@ -105,8 +105,11 @@ def test_printed_sbatch_script(slurm: SlurmCluster, monkeypatch: pytest.MonkeyPa
     finally:
         m.stop()
         if job:
-            for _ in range(100):
-                state = slurm.run("scontrol", "show", "job", job).stdout
+            state = ""
+            for _ in range(300):  # up to a minute: slurmd can be slow to finish a job on a loaded machine
+                out = slurm.run("scontrol", "show", "job", job).stdout
+                if "JobState=" in out:  # a record caught mid-update can lack the field: ask again
+                    state = out
                 if "JobState=COMPLETED" in state or "JobState=FAILED" in state:
                     break
                 subprocess.run(["sleep", "0.2"])
