@@ -66,9 +66,9 @@ class RankConfig:
     pg_timeout: float = 1800.0  # torch.distributed collective timeout
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 30.0  # exit when the controller is silent this long
-    relay_output: bool = False  # True: this process sends its own stdout/stderr (no fork server relays it)
+    relay_output: bool = False  # True: this process sends its own stdout/stderr (no kernel reads its pipes)
     relay_tee: bool = False  # with relay_output: also copy the output to this process's original fds 1 and 2
-    output_records: bool = False  # fd 1 is a pipe the fork server relays: the main thread reports in records there
+    output_records: bool = False  # fd 1 is a pipe the kernel reads: the main thread reports in records there
     work_fd: int = -1  # the read end of the kernel's work pipe (protocol.WORK_FD), or -1: work comes by socket
     env: dict = field(default_factory=dict)
     curve_serverkey: str = ""  # the controller's CurveZMQ public key (Z85) when it encrypts; "" for plain TCP

@@ -402,7 +402,7 @@ class LocalLauncher(Launcher):
         self._sids: dict[int, int] = {}  # rank -> spawn id
 
     def start(self, rank: int, env: dict[str, str], config: dict, sink: LauncherEvents) -> None:
-        # The fork server relays the rank's stdout and stderr in order: its main thread reports in records.
+        # This kernel reads the rank's stdout and stderr pipes itself: its main thread reports in records there.
         config = {**config, "output_records": True}
         self._sids[rank] = self._zygote.spawn(rank, env, config, sink)
 
