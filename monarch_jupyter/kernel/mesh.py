@@ -538,8 +538,10 @@ class Mesh(RecoveryMixin):
     def _rank_env(self) -> dict[str, str]:
         env = dict(os.environ)
         env.update(self.env)
-        # As torchrun: one OpenMP thread per rank unless the user chose, so N ranks do not oversubscribe cores.
-        env.setdefault("OMP_NUM_THREADS", "1")
+        # As torchrun: one OpenMP thread per rank when several share this host, unless the user chose, so N ranks
+        # do not oversubscribe its cores (the rank applies it: monarch_worker.runtime.apply_thread_settings).
+        if self.nproc > 1:
+            env.setdefault("OMP_NUM_THREADS", "1")
         # Local ranks talk over loopback; this also silences gloo's hostname-resolution warning.
         env.setdefault("GLOO_SOCKET_IFNAME", _loopback_ifname())
         # torch.distributed's flight recorder: the last collectives of each rank, shown by stack reports
