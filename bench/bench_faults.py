@@ -133,9 +133,9 @@ def ours_api(n: int, repeat: int) -> dict[str, Any]:
         mesh.stop()
 
     # Interrupt while the mesh starts (the rendezvous): how long until the caller has its prompt back.
-    from monarch_jupyter.kernel import launcher
+    from monarch_jupyter.kernel.launch import local as launcher
 
-    zygote = launcher._Zygote.get(60).proc.pid
+    zygote = launcher.ForkServer.get(60).proc.pid
     during = []
     for _ in range(repeat):
         stamp: list[float] = []
@@ -221,8 +221,8 @@ def ours_kernel(n: int, repeat: int) -> dict[str, Any]:
                 times.append(time.perf_counter() - sent[0])
             res[key] = _median(times)
         out: list[str] = []
-        _execute(kc, "import json\nfrom monarch_jupyter.kernel import launcher as _l\n"
-                     "print(json.dumps([s['pid'] for s in m.status().values()] + [_l._Zygote._instance.proc.pid]))",
+        _execute(kc, "import json\nfrom monarch_jupyter.kernel.launch import local as _l\n"
+                     "print(json.dumps([s['pid'] for s in m.status().values()] + [_l.fork_server_pid()]))",
                  on_stream=out.append)
         pids = json.loads("".join(out).strip().splitlines()[-1])
         os.kill(km.provisioner.process.pid, signal.SIGKILL)

@@ -32,7 +32,8 @@ from .errors import (
     RankDiedError,
     RemoteError,
 )
-from .kernel import CellHandle, Mesh, RankMap, RankState, current_mesh
+from .kernel import CellHandle, Mesh, RankState, current_mesh
+from .ranks import RankMap
 
 __version__ = "0.1.0"
 

@@ -11,6 +11,8 @@ import functools
 import signal
 from typing import Any
 
+from .ranks import ranks_text
+
 __all__ = [
     "MonarchError",
     "MeshStartError",
@@ -201,8 +203,7 @@ class RankAbortedError(MonarchError):
 
     def summary(self) -> str:
         """What happened, without the rank number (ranks with the same summary are shown on one line)."""
-        dead = ",".join(str(r) for r in self.dead)
-        who = f"rank{'s' if len(self.dead) > 1 else ''} {dead}"
+        who = ranks_text(self.dead)
         if self.still_running:
             return (f"still running when {who} died (stuck in C code?): see  %mesh stacks ;  "
                     "%mesh interrupt --force  stops it")
@@ -251,8 +252,7 @@ class MeshError(MonarchError):
         return next(iter(self.errors.values()))
 
     def __str__(self) -> str:
-        failed = ", ".join(str(r) for r in sorted(self.errors))
-        return f"{self.what} failed on rank(s) {failed}; first failure: {self.root_cause}"
+        return f"{self.what} failed on {ranks_text(self.errors)}; first failure: {self.root_cause}"
 
     def _render_traceback_(self) -> list[str]:
         root_rank = next(iter(self.errors))
@@ -268,7 +268,7 @@ class MeshError(MonarchError):
 
         def also(rank: int) -> str:
             rs = same.get(rank)
-            return f"; rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))} failed the same way" if rs else ""
+            return f"; {ranks_text(rs)} failed the same way" if rs else ""
 
         lines = [f"MeshError: {self}"]
         lines.append(f"--- root cause: rank {root_rank} (first failure seen){also(root_rank)} ---")
@@ -283,11 +283,9 @@ class MeshError(MonarchError):
             lines.append(f"--- rank {rank}{also(rank)} ---")
             lines += err.render()  # type: ignore[attr-defined]
         for summary, ranks in aborted.items():
-            lines.append(f"--- rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, sorted(ranks)))}: "
-                         f"{summary} ---")
+            lines.append(f"--- {ranks_text(ranks)}: {summary} ---")
         if self.results:
-            ok = ", ".join(str(r) for r in sorted(self.results))
-            lines.append(f"(rank(s) {ok} finished; their results are in .results of this error)")
+            lines.append(f"({ranks_text(self.results)} finished; their results are in .results of this error)")
         if self.hint:
             lines.append(self.hint)
         return lines
@@ -304,16 +302,14 @@ class MeshTimeoutError(MeshError):
         self.args = (errors, results, what, stacks, timeout, hint)
 
     def __str__(self) -> str:
-        return f"{self.what} did not finish within {self.timeout:g} s on rank(s) " + ", ".join(
-            str(r) for r in sorted(self.errors))
+        return f"{self.what} did not finish within {self.timeout:g} s on {ranks_text(self.errors)}"
 
     def _render_traceback_(self) -> list[str]:
         lines = [f"MeshTimeoutError: {self}"]
         if self.stacks:
             lines += ["Where each rank was:", *self.stacks.splitlines()]
         if self.results:
-            ok = ", ".join(str(r) for r in sorted(self.results))
-            lines.append(f"(rank(s) {ok} finished; their results are in .results of this error)")
+            lines.append(f"({ranks_text(self.results)} finished; their results are in .results of this error)")
         if self.hint:
             lines.append(self.hint)
         return lines

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from monarch_jupyter import Mesh
-from monarch_jupyter.kernel import launcher
+from monarch_jupyter.kernel.launch import local as launcher
 
 # Every process this test session starts (kernels, fork servers, ranks) inherits this tag, so the orphan check
 # finds exactly ours even when other meshes run on the machine.

@@ -35,7 +35,7 @@ import types
 from typing import TYPE_CHECKING, Any
 
 from . import protocol as P
-from .executor import _is_internal, main_thread_stack
+from .executor import is_internal, main_thread_stack
 
 if TYPE_CHECKING:
     from .runtime import Rank
@@ -142,7 +142,7 @@ class RemotePdb(pdb.Pdb):
         while f is not None:
             f.f_trace = self.trace_dispatch
             self.botframe = f
-            if f.f_back is None or _is_internal(f.f_back.f_code.co_filename):
+            if f.f_back is None or is_internal(f.f_back.f_code.co_filename):
                 break
             f = f.f_back
         self.set_step()
@@ -262,7 +262,7 @@ class RankDebugger:
             return True, {"debugged": False, "reason": f"rank {self._rank.rank} keeps no traceback: its last cell "
                           "did not raise, or the traceback was cleared"}
         tb = exc.__traceback__
-        while tb is not None and _is_internal(tb.tb_frame.f_code.co_filename):
+        while tb is not None and is_internal(tb.tb_frame.f_code.co_filename):
             tb = tb.tb_next
         if tb is None:
             return True, {"debugged": False, "reason": f"the error of rank {self._rank.rank} has no frames of "
@@ -448,7 +448,7 @@ _DEBUGGER_FILES = {os.path.abspath(m.__file__) for m in (bdb, pdb, code, cmd)}
 
 def _is_debugger_frame(frame: types.FrameType) -> bool:
     name = frame.f_code.co_filename
-    return _is_internal(name) or os.path.abspath(name) in _DEBUGGER_FILES
+    return is_internal(name) or os.path.abspath(name) in _DEBUGGER_FILES
 
 
 def _innermost_cell_frame(frame: types.FrameType) -> types.FrameType | None:

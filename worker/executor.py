@@ -26,7 +26,7 @@ def register_source(filename: str, source: str) -> None:
     linecache.cache[filename] = (len(source), None, lines, filename)
 
 
-def _is_internal(filename: str) -> bool:
+def is_internal(filename: str) -> bool:
     """Frames of this runtime (and of runpy, which started it) are not shown to users."""
     return filename.startswith(_PACKAGE_DIR) or filename.startswith("<frozen ")
 
@@ -34,7 +34,7 @@ def _is_internal(filename: str) -> bool:
 def format_error(exc: BaseException) -> dict:
     """Describe ``exc`` for a Result: type, module, message and the traceback without our own frames."""
     tb = exc.__traceback__
-    while tb is not None and _is_internal(tb.tb_frame.f_code.co_filename):
+    while tb is not None and is_internal(tb.tb_frame.f_code.co_filename):
         tb = tb.tb_next
     te = traceback.TracebackException(type(exc), exc, tb, compact=True)
     return {
@@ -54,7 +54,7 @@ def main_thread_stack(frame: types.FrameType | None) -> list[tuple[str, int, str
     summary = traceback.extract_stack(frame)
     frames = [(f.filename, f.lineno or 0, f.name, (f.line or "").strip()) for f in summary]
     # Drop the runtime's own frames at the bottom (main loop, dispatch).
-    while frames and _is_internal(frames[0][0]):
+    while frames and is_internal(frames[0][0]):
         frames.pop(0)
     return frames
 

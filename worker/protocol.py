@@ -24,7 +24,7 @@ A receiver verifies the signature (``hmac.compare_digest``) and rejects replays 
 sender session must increase) before it parses the header or unpickles anything. ``PROTOCOL_VERSION`` is checked
 at the handshake.
 
-The local launcher's fork server ("zygote") talks to the kernel over plain pipes with the small binary framing
+The local launcher's fork server talks to the kernel over plain pipes with the small binary framing
 at the end of this module; those pipes never leave the host and carry no code from outside.
 """
 
@@ -584,24 +584,24 @@ class Signer:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Zygote pipe framing (kernel <-> local fork server): a 9-byte header then a body.
+# Fork-server socket framing (kernel <-> local fork server): a 9-byte header then a body.
 #   kind (1 byte) | rank (int32, -1 for none) | body length (uint32)
 
-ZYGOTE_HEADER = struct.Struct("!BiI")
-Z_SPAWN = 1  # kernel -> zygote: body is JSON {"rank", "env", "cwd", "config"}
-Z_KILL = 2  # kernel -> zygote: body is JSON {"signal"}; rank -1 means every rank
-Z_SPAWNED = 10  # zygote -> kernel: body is JSON {"pid"}; the read ends of its stdout and stderr pipes come with it
-Z_EXITED = 11  # zygote -> kernel: body is JSON {"returncode"} (negative: killed by that signal)
-Z_READY = 14  # zygote -> kernel: the fork server imported torch and waits for work
+FORK_SERVER_HEADER = struct.Struct("!BiI")
+FS_SPAWN = 1  # kernel -> fork server: body is JSON {"rank", "env", "cwd", "config"}
+FS_KILL = 2  # kernel -> fork server: body is JSON {"signal"}; rank -1 means every rank
+FS_SPAWNED = 10  # fork server -> kernel: body is JSON {"pid"}; the read ends of its stdout and stderr pipes come with it
+FS_EXITED = 11  # fork server -> kernel: body is JSON {"returncode"} (negative: killed by that signal)
+FS_READY = 14  # fork server -> kernel: the fork server imported torch and waits for work
 
 
-def zygote_frame(kind: int, rank: int, body: bytes) -> bytes:
+def fork_server_frame(kind: int, rank: int, body: bytes) -> bytes:
     """One pipe frame: header plus body."""
-    return ZYGOTE_HEADER.pack(kind, rank, len(body)) + body
+    return FORK_SERVER_HEADER.pack(kind, rank, len(body)) + body
 
 
-def zygote_json(kind: int, rank: int, obj: dict) -> bytes:
-    return zygote_frame(kind, rank, json.dumps(obj).encode())
+def fork_server_json(kind: int, rank: int, obj: dict) -> bytes:
+    return fork_server_frame(kind, rank, json.dumps(obj).encode())
 
 
 # A marker each rank writes to its stdout and stderr after every cell, so the controller knows it has all the

@@ -22,7 +22,6 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -30,6 +29,9 @@ import zmq
 from . import live
 from . import protocol as P
 from . import recovery
+from .addresses import address_toward
+from .config import RankConfig
+from .options import RANK_SETTINGS
 from .channel import Mailbox, Outbox, recv_frames, send_frames
 from .debugger import RankDebugger
 from .executor import Namespace, format_error, main_thread_stack, register_source
@@ -38,41 +40,10 @@ from .transfer import RankTransfers
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RankConfig", "Rank", "run_rank", "JoinRejected"]
-
-# Welcome.settings keys a joined rank takes from the controller (it started with the launcher's environment only).
-CONTROLLER_SETTINGS = ("backend", "pg_timeout", "heartbeat_interval", "heartbeat_timeout", "env")
-
+__all__ = ["Rank", "run_rank", "JoinRejected", "apply_thread_settings"]
 
 class JoinRejected(RuntimeError):
     """The controller did not admit this rank (the message says why)."""
-
-
-@dataclass(frozen=True)
-class RankConfig:
-    """What a rank needs to join a mesh; sent by the launcher (never on a command line).
-
-    Times are in seconds.
-    """
-
-    controller: str  # ZeroMQ address of the controller's ROUTER socket, e.g. "tcp://127.0.0.1:5555"
-    secret: str  # per-mesh secret, hex
-    rank: int = -1
-    world_size: int = -1
-    local_rank: int = -1
-    local_world_size: int = -1
-    backend: str = "auto"  # "auto", "gloo" or "nccl"
-    join_timeout: float = 60.0
-    pg_timeout: float = 1800.0  # torch.distributed collective timeout
-    heartbeat_interval: float = 1.0
-    heartbeat_timeout: float = 30.0  # exit when the controller is silent this long
-    relay_output: bool = False  # True: this process sends its own stdout/stderr (no kernel reads its pipes)
-    relay_tee: bool = False  # with relay_output: also copy the output to this process's original fds 1 and 2
-    output_records: bool = False  # fd 1 is a pipe the kernel reads: the main thread reports in records there
-    work_fd: int = -1  # the read end of the kernel's work pipe (protocol.WORK_FD), or -1: work comes by socket
-    env: dict = field(default_factory=dict)
-    curve_serverkey: str = ""  # the controller's CurveZMQ public key (Z85) when it encrypts; "" for plain TCP
-    launcher_env: dict = field(default_factory=dict)  # what the launcher told this rank (sent in Hello)
 
 
 class Rank:
@@ -85,6 +56,8 @@ class Rank:
         # Work for the main thread that the I/O thread received (all of it, for a rank without a work pipe).
         self.work = Mailbox()
         self.current_cell = -1  # cell the main thread runs now (-1: idle)
+        self._in_cell = False  # the main thread runs a cell's own code (user code), not the runtime's
+        self._sigint_cell = -1  # the cell the I/O thread last sent SIGINT for (-1: none pending)
         self._cell_lock = threading.Lock()
         self._last_started = 0  # the id of the last cell the main thread started
         self._early_interrupts: set[int] = set()  # cells interrupted before they reached the main thread
@@ -217,11 +190,27 @@ class Rank:
             return  # it waited at a pdb prompt: it raises KeyboardInterrupt there
         with self._cell_lock:
             if self.current_cell == msg.cell_id:
+                self._sigint_cell = msg.cell_id  # read by on_sigint, in the main thread
                 signal.pthread_kill(self._main_ident, signal.SIGINT)
             elif msg.cell_id > self._last_started:
                 # The cell has not reached the main thread yet (it travels by another pipe): it stops at once
                 # when it does.
                 self._early_interrupts.add(msg.cell_id)
+
+    def on_sigint(self, signum: int, frame: Any) -> None:
+        """SIGINT handler (main thread): KeyboardInterrupt in the cell it was meant for.
+
+        The I/O thread sends SIGINT for one cell; it may arrive after that cell ended, while the main thread runs the
+        runtime's own code (writing the result, reading the next cell) or the next cell: there it is dropped, so it
+        never breaks a result or interrupts the wrong cell. A SIGINT from elsewhere (a terminal) interrupts the
+        running cell, and is ignored between cells, as before.
+        """
+        ours, self._sigint_cell = self._sigint_cell, -1
+        if not self._in_cell:
+            return
+        if ours >= 0 and ours != self.current_cell:
+            return
+        raise KeyboardInterrupt
 
     def _on_stacks(self, msg: P.StacksRequest, payload: bytes, bufs: list) -> None:
         frame = sys._current_frames().get(self._main_ident)
@@ -278,7 +267,7 @@ class Rank:
         welcome, _, _ = self._wait_for(P.Welcome, cfg.join_timeout)
         self._joined = True
         self.rank = welcome.rank
-        settings = {k: v for k, v in welcome.settings.items() if k in CONTROLLER_SETTINGS}
+        settings = {k: v for k, v in welcome.settings.items() if k in RANK_SETTINGS}
         if settings:
             os.environ.update(settings.pop("env", {}))
             self.config = cfg = dataclasses.replace(cfg, **settings)
@@ -329,8 +318,6 @@ class Rank:
             if master_addr:
                 addr = master_addr
             else:  # an address the other ranks can reach: ours toward the controller
-                from .join import address_toward
-
                 addr = address_toward(cfg.controller)
             store = dist.TCPStore(addr, 0, world_size, is_master=True,
                                   timeout=timedelta(seconds=cfg.join_timeout), wait_for_workers=False)
@@ -437,7 +424,7 @@ class Rank:
 
         return next_work
 
-    def _run(self, cell_id: int, body: Any, reply: Any = None) -> None:
+    def run_work(self, cell_id: int, body: Any, reply: Any = None) -> None:
         """Run ``body()`` as cell ``cell_id`` and report its Result after its output is flushed.
 
         ``reply(result, value)``, when given, sends the outcome instead of a plain ``Result`` (pulls do).
@@ -452,10 +439,12 @@ class Rank:
         has_value, error = False, None
         try:
             try:
+                self._in_cell = True
                 if interrupted:
                     raise KeyboardInterrupt
                 has_value, value = body()
             finally:
+                self._in_cell = False
                 with self._cell_lock:
                     self.current_cell = -1
                 self.debugger.cell_finished()
@@ -517,7 +506,7 @@ class Rank:
                     self.ns.inject(loads(payload, bufs))
                 return self.ns.run_cell(msg.code, msg.filename)
 
-        self._run(msg.cell_id, body)
+        self.run_work(msg.cell_id, body)
 
     def _call(self, msg: P.Call, payload: bytes, bufs: list) -> None:
         for filename, source in msg.sources.items():
@@ -529,10 +518,10 @@ class Rank:
                 value = fn(*args, **kwargs)
                 return value is not None, value
 
-        self._run(msg.cell_id, body)
+        self.run_work(msg.cell_id, body)
 
     def _post_mortem(self, msg: P.DebugPostMortem, payload: bytes, bufs: list) -> None:
-        self._run(msg.cell_id, self.debugger.post_mortem)
+        self.run_work(msg.cell_id, self.debugger.post_mortem)
 
     def start_io(self) -> None:
         self._io.start()
@@ -620,8 +609,8 @@ def run_rank(config: RankConfig) -> int:
         relay = OutputRelay(tee=config.relay_tee)  # fds 1 and 2 feed it from now on
     _unbuffered_std_streams()
     recovery.prepare_process()
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     rank = Rank(config)
+    signal.signal(signal.SIGINT, rank.on_sigint)
     live.install(rank.send, lambda: rank.current_cell)
     if relay is not None:
         relay.start(rank.outbox)

@@ -148,7 +148,7 @@ class RankTransfers:
             return False, None
 
         try:
-            self.rank._run(msg.cell_id, body)
+            self.rank.run_work(msg.cell_id, body)
         finally:
             mapped.clear()
 
@@ -211,7 +211,7 @@ class RankTransfers:
         def reply(result: P.Result, value: Any) -> None:
             self._reply(msg, result, value)
 
-        self.rank._run(msg.cell_id, body, reply=reply)
+        self.rank.run_work(msg.cell_id, body, reply=reply)
 
     def _reply(self, msg: P.Pull, result: P.Result, value: Any) -> None:
         out = self.rank.outbox

@@ -15,15 +15,14 @@ An interrupt while a rank waits at a prompt lets the stopped ranks continue (``o
 cell then runs to its end, later breakpoints are skipped) or raise KeyboardInterrupt where they stopped
 (``"raise"``: the cell is interrupted on every rank as usual).
 
-Threads: ``on_message`` and the event listener run on the mesh's I/O thread and only record state, under the mesh
-lock; everything else runs in the thread that waits for the cell.
+Threads: ``on_message`` runs on the mesh's I/O thread (or the output reader, for prompts sent as records) and only
+records state, under the mesh lock; everything else runs in the thread that waits for the cell.
 """
 
 from __future__ import annotations
 
 import builtins
 import contextlib
-import itertools
 import linecache
 import logging
 import re
@@ -35,12 +34,15 @@ from typing import TYPE_CHECKING, Any
 
 from monarch_worker import protocol as P
 
+from ..ranks import format_ranks, parse_ranks, ranks_text
+from .dispatch import Dispatcher
 from .output import label, write_lines
-from .postmortem import Inspection, NothingToDebugError, PostMortemMixin
-from .ranks import format_ranks, parse_ranks
+from .postmortem import Inspection, NothingToDebugError, PostMortem
+from .state import MeshState
 
 if TYPE_CHECKING:
-    from .mesh import CellHandle, Mesh
+    from .cells import CellHandle
+    from .waiting import Waiter
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +118,11 @@ class _Stop:
         return f"{self.filename} line {self.lineno}, in {self.function}"
 
 
-class MeshDebugger(PostMortemMixin):
+class MeshDebugger:
     """Debugging of one mesh's ranks from the notebook; ``mesh.debugger``.
+
+    Post-mortem, inspect and clear are done by its ``PostMortem`` (postmortem.py), reached through the methods of
+    the same names.
 
     Attributes
     ----------
@@ -133,8 +138,9 @@ class MeshDebugger(PostMortemMixin):
         lowest stopped rank is offered first.
     """
 
-    def __init__(self, mesh: Mesh) -> None:
-        self.mesh = mesh
+    def __init__(self, state: MeshState, dispatcher: Dispatcher, waiter: Waiter) -> None:
+        self.state = state
+        self.dispatcher = dispatcher
         self.on_interrupt = "continue"
         self.input: Callable[[str], str] | None = None
         self.step_grace = STEP_GRACE
@@ -145,11 +151,27 @@ class MeshDebugger(PostMortemMixin):
         self._detached: set[Any] = set()  # cells whose breakpoints are skipped now
         self._no_stdin: set[Any] = set()  # cells where input() said nobody can answer
         self._greeted: set[Any] = set()
-        self._failed: dict[int, tuple[int, int]] = {}  # rank -> (cell id, order) of its last failed cell
-        self._order = itertools.count()
-        self._own_cells: set[int] = set()  # post-mortem cells (their results do not change _failed)
-        self._replies: dict[int, dict[int, P.DebugReply]] = {}
-        mesh.add_listener(self._on_event)
+        self._generation = -1  # the mesh generation the stops belong to
+        self._pm = PostMortem(state, dispatcher, waiter, self)
+
+    # ------------------------------------------------------------------ post-mortem (postmortem.py)
+
+    def last_failed_rank(self) -> int | None:
+        """The rank whose error came first in the most recent failed cell (None: no rank keeps one)."""
+        return self._pm.last_failed_rank()
+
+    def post_mortem(self, rank: int | None = None, commands: str | Iterable[str] | None = None,
+                    timeout: float | None = None) -> None:
+        """Open pdb at the failing frame of ``rank``'s last failed cell; see ``PostMortem.post_mortem``."""
+        self._pm.post_mortem(rank, commands, timeout)
+
+    def inspect(self, expr: str, rank: int, *, frame: bool = False, timeout: float = 10.0) -> Inspection:
+        """Evaluate ``expr`` on ``rank`` beside its busy main thread; see ``PostMortem.inspect``."""
+        return self._pm.inspect(expr, rank, frame=frame, timeout=timeout)
+
+    def clear(self, ranks: str | int | Iterable[int] | None = None, timeout: float = 5.0) -> list[int]:
+        """Drop the tracebacks ranks keep for post-mortem; see ``PostMortem.clear``."""
+        return self._pm.clear(ranks, timeout)
 
     # ------------------------------------------------------------------ settings for the cells run inside
 
@@ -189,14 +211,12 @@ class MeshDebugger(PostMortemMixin):
 
     def on_message(self, rank: int, msg: P.Message, payload: bytes, bufs: list) -> None:
         """Record a rank's debug message (mesh I/O thread) and wake whoever waits for its cell."""
-        mesh = self.mesh
-        with mesh._lock:
-            if isinstance(msg, P.DebugReply):
-                replies = self._replies.get(msg.request_id)
-                if replies is not None:
-                    replies[rank] = msg
-                mesh._cond.notify_all()
-                return
+        state = self.state
+        if isinstance(msg, P.DebugReply):
+            self._pm.on_reply(rank, msg)
+            return
+        with state.lock:
+            self._forget_old_generation()
             stop = self._stops.setdefault(rank, _Stop(rank))
             if isinstance(msg, P.DebugOutput):
                 stop.output.append(msg.text)
@@ -206,40 +226,31 @@ class MeshDebugger(PostMortemMixin):
                                                                           msg.function)
             elif isinstance(msg, P.DebugResumed):
                 stop.state, stop.how, stop.resumed_at = "running", msg.how, time.monotonic()
-            cell = mesh._cells.get(stop.cell_id)
-            wake = getattr(cell, "_wake", None)
-            if wake is not None:
-                wake.notify_all()
-            mesh._cond.notify_all()
+            cell = state.cells.get(stop.cell_id)
+            if cell is not None:
+                cell.wake_all()
+            state.cond.notify_all()
         # The live view shows a rank stopped at a prompt ("breakpoint") and when it goes on ("running").
         if isinstance(msg, P.DebugPrompt):
-            mesh._event("rank_state", rank=rank, state="breakpoint", cell_id=msg.cell_id)
+            state.events.emit("rank_state", rank=rank, state="breakpoint", cell_id=msg.cell_id)
         elif isinstance(msg, P.DebugResumed):
-            mesh._event("rank_state", rank=rank, state="running", cell_id=stop.cell_id)
+            state.events.emit("rank_state", rank=rank, state="running", cell_id=stop.cell_id)
 
-    def _on_event(self, kind: str, data: dict) -> None:
-        if kind not in ("started", "rank_result", "rank_state"):
-            return
-        with self.mesh._lock:
-            if kind == "started":
-                self._stops.clear()
-                self._failed.clear()
-                self._current = None
-            elif kind == "rank_result" and data.get("cell_id") not in self._own_cells:
-                rank = data.get("rank", -1)
-                if data.get("status") == "error":
-                    self._failed[rank] = (data.get("cell_id", -1), next(self._order))
-                else:
-                    self._failed.pop(rank, None)
-            elif kind == "rank_state" and data.get("state") in ("dead", "stopped"):
-                self._failed.pop(data.get("rank", -1), None)
-                self._stops.pop(data.get("rank", -1), None)
+    def _forget_old_generation(self) -> None:
+        """Under the lock: a restarted mesh (a new generation) has no stopped ranks; a dead or stopped rank is no
+        longer stopped at a prompt."""
+        if self._generation != self.state.generation:
+            self._generation = self.state.generation
+            self._stops.clear()
+            self._current = None
+        for r in [r for r in self._stops if r in self.state.ranks and not self.state.ranks[r].alive]:
+            del self._stops[r]
 
     # ------------------------------------------------------------------ the conversation (waiting thread)
 
     def has_prompt(self, cell: CellHandle) -> bool:
-        """True when a rank of ``cell`` waits at a pdb prompt (cheap; called by Mesh._wait)."""
-        return any(s.state == "prompt" and s.cell_id == cell.cell_id for s in list(self._stops.values()))
+        """True when a rank of ``cell`` waits at a pdb prompt (cheap; called by waiting.Waiter)."""
+        return bool(self._stops) and any(s.state == "prompt" and s.cell_id == cell.cell_id for s in list(self._stops.values()))
 
     def serve(self, cell: CellHandle) -> float:
         """Talk to the stopped ranks of ``cell`` until none waits at a prompt; returns the seconds it took (the
@@ -256,7 +267,8 @@ class MeshDebugger(PostMortemMixin):
 
     def attach(self) -> bool:
         """Talk to ranks stopped in cells nobody waits for (``block=False``); False when none is stopped."""
-        with self.mesh._lock:
+        with self.state.lock:
+            self._forget_old_generation()
             if not any(s.state == "prompt" for s in self._stops.values()):
                 return False
         self._converse(None, None)
@@ -264,7 +276,7 @@ class MeshDebugger(PostMortemMixin):
 
     def stopped(self) -> dict[int, str]:
         """rank -> where it waits at a pdb prompt ("<mesh In[3]> line 4, in <module>")."""
-        with self.mesh._lock:
+        with self.state.lock:
             return {r: s.where for r, s in sorted(self._stops.items()) if s.state in ("prompt", "busy")}
 
     def _matches(self, key: int | None, stop: _Stop) -> bool:
@@ -276,7 +288,8 @@ class MeshDebugger(PostMortemMixin):
                 self._settle(cell)
             while True:
                 self._pump(cell)
-                with self.mesh._lock:
+                with self.state.lock:
+                    self._forget_old_generation()
                     at_prompt = sorted(r for r, s in self._stops.items()
                                        if s.state == "prompt" and self._matches(key, s))
                     current = self._stops.get(self._current) if self._current is not None else None
@@ -285,7 +298,7 @@ class MeshDebugger(PostMortemMixin):
                                                                  - current.resumed_at < self.step_grace)))
                     if not at_prompt or stepping:
                         if at_prompt and stepping:  # let the stepped rank stop again before offering another
-                            self.mesh._cond.wait(POLL)
+                            self.state.cond.wait(POLL)
                             continue
                         return
                     r = self._current if self._current in at_prompt and key in self._greeted else at_prompt[0]
@@ -309,11 +322,11 @@ class MeshDebugger(PostMortemMixin):
         deadline = time.monotonic() + self.first_stop_settle
         while time.monotonic() < deadline:
             self._pump(cell)
-            with self.mesh._lock:
+            with self.state.lock:
                 if all(r in cell.finished or ((s := self._stops.get(r)) is not None and s.state == "prompt"
                                               and s.cell_id == cell.cell_id) for r in cell.ranks):
                     return
-                self.mesh._cond.wait(POLL)
+                self.state.cond.wait(POLL)
 
     def _skip(self, key: int | None, stop: _Stop) -> bool:
         """Continue ``stop`` at once when nobody answers prompts here (detached, or no stdin); its pdb text is
@@ -334,10 +347,10 @@ class MeshDebugger(PostMortemMixin):
         self._current = r
         others = [o for o in at_prompt if o != r]
         stop = self._stops[r]
-        also = f"; also stopped: rank{'s' if len(others) > 1 else ''} {format_ranks(others)}" if others else ""
+        also = f"; also stopped: {ranks_text(others)}" if others else ""
         hint = "" if key in self._greeted else " (help mesh: commands for the mesh)"
         self._greeted.add(key)
-        if stop.cell_id in self._own_cells:
+        if self._pm.is_own(stop.cell_id):
             head = f"post-mortem of rank {r} at {stop.where}"
         else:
             head = f"rank {r} stopped at {stop.where}"
@@ -383,11 +396,11 @@ class MeshDebugger(PostMortemMixin):
             self._cast(key, cell, m.group(1), m.group(2))
         elif re.fullmatch(r"(c|cont|continue)\s+all", cmd):
             done = self._continue_all(key)
-            self._write(f"rank{'s' if len(done) > 1 else ''} {format_ranks(done)} continue\n")
+            self._write(f"{ranks_text(done)} continue\n")
         elif cmd == "detach":
             done = self._continue_all(key)
             self._detached.add(key)
-            self._write(f"detached: rank(s) {format_ranks(done) or 'none'} continue; the breakpoints of the rest "
+            self._write(f"detached: {ranks_text(done) if done else 'no rank'} continue; the breakpoints of the rest "
                         "of this cell are skipped\n")
         elif re.fullmatch(r"(h|help)\s+mesh", cmd):
             self._write(MESH_HELP)
@@ -403,16 +416,16 @@ class MeshDebugger(PostMortemMixin):
 
     def _cast(self, key: int | None, cell: CellHandle | None, spec: str, command: str) -> None:
         try:
-            targets = parse_ranks(spec, self.mesh.nproc)
+            targets = parse_ranks(spec, self.state.nproc)
         except ValueError as e:
             self._write(f"cast: {e}\n")
             return
-        with self.mesh._lock:
+        with self.state.lock:
             ready = [t for t in targets if (s := self._stops.get(t)) is not None and s.state == "prompt"
                      and self._matches(key, s)]
         skipped = [t for t in targets if t not in ready]
         if skipped:
-            self._write(f"cast: rank(s) {format_ranks(skipped)} not stopped at a prompt; skipped\n")
+            self._write(f"cast: {ranks_text(skipped)} not stopped at a prompt; skipped\n")
         sent = [t for t in ready if self._send_line(t, command)]
         self._await(sent, cell, stream=None)
         for t in sent:
@@ -421,7 +434,7 @@ class MeshDebugger(PostMortemMixin):
             write_lines(lines)
 
     def _continue_all(self, key: int | None) -> list[int]:
-        with self.mesh._lock:
+        with self.state.lock:
             ready = sorted(r for r, s in self._stops.items() if s.state == "prompt" and self._matches(key, s))
         for r in ready:
             self._discard_output(r)
@@ -429,7 +442,7 @@ class MeshDebugger(PostMortemMixin):
         return ready
 
     def _switch(self, key: int | None, k: int) -> None:
-        with self.mesh._lock:
+        with self.state.lock:
             stop = self._stops.get(k)
             ok = stop is not None and stop.state == "prompt" and self._matches(key, stop)
             at_prompt = sorted(r for r, s in self._stops.items() if s.state == "prompt" and self._matches(key, s))
@@ -439,9 +452,9 @@ class MeshDebugger(PostMortemMixin):
         self._greet(key, k, at_prompt)
 
     def _ranks_text(self, key: int | None, cell: CellHandle | None) -> str:
-        with self.mesh._lock:
+        with self.state.lock:
             stops = {r: s for r, s in self._stops.items() if s.state in ("prompt", "busy") and self._matches(key, s)}
-            ranks = cell.ranks if cell is not None else sorted(self.mesh._ranks)
+            ranks = cell.ranks if cell is not None else sorted(self.state.ranks)
         out = []
         for r, s in sorted(stops.items()):
             src = linecache.getline(s.filename, s.lineno).strip()
@@ -449,30 +462,30 @@ class MeshDebugger(PostMortemMixin):
             out.append(f"{mark} rank {r}: stopped at {s.where}" + (f": {src}" if src else ""))
         running = [r for r in ranks if r not in stops]
         if running:
-            out.append(f"  rank{'s' if len(running) > 1 else ''} {format_ranks(running)}: not stopped")
+            out.append(f"  {ranks_text(running)}: not stopped")
         return "\n".join(out) + "\n"
 
     def _interrupted(self, key: int | None) -> None:
         """KeyboardInterrupt while talking to ranks: apply ``on_interrupt`` to the ranks stopped in pdb."""
-        with self.mesh._lock:
+        with self.state.lock:
             mine = sorted(r for r, s in self._stops.items() if s.state in ("prompt", "busy") and self._matches(key, s))
             ready = [r for r in mine if self._stops[r].state == "prompt"]
         if self.on_interrupt == "raise":
             for r in ready:
                 self._send_action(r, "raise")
-            self._write(f"\ninterrupted at the debugger prompt: rank(s) {format_ranks(mine) or 'none'} raise "
+            self._write(f"\ninterrupted at the debugger prompt: {ranks_text(mine) if mine else 'no rank'} raise "
                         "KeyboardInterrupt where they stopped\n")
             raise KeyboardInterrupt("interrupted at the debugger prompt")
         for r in ready:
             self._send_action(r, "continue")
         self._detached.add(key)
-        self._write(f"\ninterrupted at the debugger prompt: rank(s) {format_ranks(mine) or 'none'} continue and the "
+        self._write(f"\ninterrupted at the debugger prompt: {ranks_text(mine) if mine else 'no rank'} continue and the "
                     "breakpoints of the rest of this cell are skipped (interrupt again to stop the cell)\n")
 
     # ------------------------------------------------------------------ plumbing
 
     def _send_line(self, r: int, line: str) -> bool:
-        with self.mesh._lock:
+        with self.state.lock:
             stop = self._stops.get(r)
             if stop is None or stop.state != "prompt":
                 self._write(f"rank {r} is not at its prompt any more\n")
@@ -482,7 +495,7 @@ class MeshDebugger(PostMortemMixin):
         return True
 
     def _send_action(self, r: int, action: str) -> None:
-        with self.mesh._lock:
+        with self.state.lock:
             stop = self._stops.get(r)
             if stop is None or stop.state != "prompt":
                 return
@@ -490,9 +503,8 @@ class MeshDebugger(PostMortemMixin):
             self._post(r, P.DebugInput(stop.prompt_id, action=action))
 
     def _post(self, r: int, msg: P.Message) -> None:
-        info = self.mesh._ranks.get(r)
-        if info is not None:
-            self.mesh._post(info, msg)
+        if r in self.state.ranks:
+            self.dispatcher.post(r, msg)
 
     def _await(self, ranks: list[int], cell: CellHandle | None, stream: int | None) -> None:
         """Wait until each rank of ``ranks`` answered (a new prompt, or it resumed, or died); stream the output
@@ -501,24 +513,22 @@ class MeshDebugger(PostMortemMixin):
             self._pump(cell)
             if stream is not None:
                 self._show(stream)
-            with self.mesh._lock:
+            with self.state.lock:
                 busy = [r for r in ranks if (s := self._stops.get(r)) is not None and s.state == "busy"]
                 for r in list(busy):
-                    info = self.mesh._ranks.get(r)
-                    if info is None or info.state.value in ("dead", "stopped"):
+                    info = self.state.ranks.get(r)
+                    if info is None or not info.alive:
                         self._stops[r].state = "running"
                         busy.remove(r)
                 if not busy:
                     return
-                self.mesh._cond.wait(POLL)
+                self.state.cond.wait(POLL)
 
     def _pump(self, cell: CellHandle | None) -> None:
         """Write the cell's ordinary output lines that arrived meanwhile."""
         if cell is None:
             return
-        with self.mesh._lock:
-            lines, cell._lines = cell._lines, []
-        write_lines(lines)
+        write_lines(cell.take_lines())
 
     @contextlib.contextmanager
     def _live_output(self, cell: CellHandle | None) -> Iterator[None]:
@@ -527,17 +537,16 @@ class MeshDebugger(PostMortemMixin):
         if cell is None:
             yield
             return
-        with self.mesh._lock:
-            cell._waiting = False
-            cell._deliver_now()
+        with self.state.lock:
+            cell.set_waiting(False)
         try:
             yield
         finally:
-            with self.mesh._lock:
-                cell._waiting = True
+            with self.state.lock:
+                cell.set_waiting(True)
 
     def _take_output(self, r: int) -> str:
-        with self.mesh._lock:
+        with self.state.lock:
             stop = self._stops.get(r)
             if stop is None:
                 return ""

@@ -1,12 +1,12 @@
-"""Post-mortem debugging, inspection of busy ranks, and the tracebacks ranks keep: ``mesh.debugger``'s
-request/answer side (the prompt conversation itself is in debugger.py).
+"""Post-mortem debugging, inspection of busy ranks, and the tracebacks ranks keep: the request/answer side of
+``mesh.debugger`` (the prompt conversation itself is in debugger.py).
 
 - ``post_mortem`` submits ``DebugPostMortem`` to one idle rank like a cell; the rank opens pdb on the traceback of
-  its last failed cell, and the prompts are served while the controller waits for that "cell" (Mesh._wait).
+  its last failed cell, and the prompts are served while the controller waits for that "cell" (waiting.py).
 - ``inspect`` and ``clear`` are requests answered off the rank's main thread (``DebugReply``), so they work while
   it is busy.
 
-Which rank failed first comes from the mesh's ``rank_result`` events (``_on_event`` in debugger.py).
+Which rank failed first comes from the results of cells (``MeshState.failures``, kept by cells.CellTable).
 """
 
 from __future__ import annotations
@@ -15,24 +15,25 @@ import contextlib
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from monarch_worker import protocol as P
 
 from ..errors import MonarchError
-from .ranks import format_ranks, parse_ranks
+from ..ranks import parse_ranks, ranks_text
+from .dispatch import Dispatcher
+from .state import MeshState, RankState
 
 if TYPE_CHECKING:
-    from .mesh import Mesh
+    from .waiting import Waiter
 
-__all__ = ["Inspection", "NothingToDebugError", "PostMortemMixin"]
+__all__ = ["Inspection", "NothingToDebugError", "PostMortem"]
 
 POLL = 0.05  # seconds between checks while waiting for answers
 
 
 class NothingToDebugError(MonarchError):
     """Post-mortem debugging found no traceback to open (no failed cell, or it was cleared)."""
-
 
 
 @dataclass(frozen=True)
@@ -66,23 +67,36 @@ class Inspection:
         p.text(str(self))
 
 
-class PostMortemMixin:
-    """Post-mortem, inspect and clear for MeshDebugger (which owns ``mesh``, ``_failed``, ``_own_cells``,
-    ``_replies`` and ``options``)."""
+class ScriptedPrompts(Protocol):
+    """The debugger's ``options`` (scripted answers for the prompts of the cells waited for inside it)."""
 
-    mesh: Mesh
-    _failed: dict[int, tuple[int, int]]
-    _own_cells: set[int]
-    _replies: dict[int, dict[int, P.DebugReply]]
-    options: Callable[..., Any]
-    _post: Callable[[int, P.Message], None]
+    def options(self, commands: str | Iterable[str] | None = None,
+                on_interrupt: str | None = None) -> contextlib.AbstractContextManager[Any]: ...
+
+
+class PostMortem:
+    """Post-mortem, inspect and clear of one mesh (see the module docstring)."""
+
+    def __init__(self, state: MeshState, dispatcher: Dispatcher, waiter: Waiter, prompts: ScriptedPrompts) -> None:
+        self.state = state
+        self.dispatcher = dispatcher
+        self.waiter = waiter
+        self.prompts = prompts
+        self._own_cells: set[int] = set()  # post-mortem cells
+        self._replies: dict[int, dict[int, P.DebugReply]] = {}  # request id -> rank -> reply (under the lock)
+
+    def is_own(self, cell_id: int) -> bool:
+        """``cell_id`` is a post-mortem session."""
+        return cell_id in self._own_cells
 
     def last_failed_rank(self) -> int | None:
         """The rank whose error came first in the most recent failed cell (None: no rank keeps one)."""
-        with self.mesh._lock:
-            if not self._failed:
+        with self.state.lock:
+            failed = {r: f for r, f in self.state.failures.items()
+                      if r in self.state.ranks and self.state.ranks[r].alive}
+            if not failed:
                 return None
-            return min(self._failed, key=lambda r: (-self._failed[r][0], self._failed[r][1]))
+            return min(failed, key=lambda r: (-failed[r][0], failed[r][1]))
 
     def post_mortem(self, rank: int | None = None, commands: str | Iterable[str] | None = None,
                     timeout: float | None = None) -> None:
@@ -106,28 +120,31 @@ class PostMortemMixin:
         ValueError
             ``rank`` is not a rank of this mesh.
         """
-        mesh = self.mesh
-        mesh._check_running()
+        state = self.state
+        state.check_running()
         if rank is None:
             rank = self.last_failed_rank()
             if rank is None:
                 raise NothingToDebugError("no rank keeps a traceback to debug: no cell failed since the last one "
                                           "that ran on it (pass a rank to try one anyway)")
-        (rank,) = parse_ranks(int(rank), mesh.nproc)
-        with mesh._lock:
-            state = mesh._ranks[rank].state.value
-        if state != "idle":
-            raise MonarchError(f"rank {rank} is {state}; post-mortem debugging needs an idle rank "
+        (rank,) = parse_ranks(int(rank), state.nproc)
+        with state.lock:
+            rank_state = state.ranks[rank].state
+        if rank_state is not RankState.IDLE:
+            raise MonarchError(f"rank {rank} is {rank_state.value}; post-mortem debugging needs an idle rank "
                                "(use  %mesh inspect  to look at a busy one)")
-        cell_id = next(mesh._cell_ids)
+        cell_id = next(state.ids)
         self._own_cells.add(cell_id)
-        with self.options(commands=commands) if commands is not None else contextlib.nullcontext():
-            handle = mesh._submit(cell_id, [rank], P.DebugPostMortem(cell_id), None, False,
-                                  f"post-mortem of rank {rank}", "arrival")
+        with self._scripted(commands):
+            handle = self.waiter.submit(cell_id, [([rank], P.DebugPostMortem(cell_id), b"", [])],
+                                        f"post-mortem of rank {rank}", tracks_failures=False)
             values = handle.result(timeout)
         outcome = (values or {}).get(rank) or {}
         if not outcome.get("debugged"):
             raise NothingToDebugError(outcome.get("reason") or f"rank {rank} has nothing to debug")
+
+    def _scripted(self, commands: str | Iterable[str] | None) -> contextlib.AbstractContextManager[Any]:
+        return self.prompts.options(commands=commands) if commands is not None else contextlib.nullcontext()
 
     def inspect(self, expr: str, rank: int, *, frame: bool = False, timeout: float = 10.0) -> Inspection:
         """Evaluate ``expr`` on ``rank`` beside its main thread, which may be busy (live state, read as it runs).
@@ -152,7 +169,7 @@ class PostMortemMixin:
             The rank did not answer within ``timeout`` seconds (dead, or the expression blocks).
         """
         compile(expr, "<inspect>", "eval")  # syntax only; it runs on the rank
-        (rank,) = parse_ranks(int(rank), self.mesh.nproc)
+        (rank,) = parse_ranks(int(rank), self.state.nproc)
         replies = self._request([rank], lambda rid: P.Inspect(rid, expr, frame), timeout)
         reply = replies.get(rank)
         if reply is None:
@@ -165,30 +182,39 @@ class PostMortemMixin:
 
         Returns the ranks that had one. Raises MonarchError when some rank did not answer within ``timeout`` s.
         """
-        chosen = parse_ranks(ranks, self.mesh.nproc)
-        with self.mesh._lock:
-            alive = [r for r in chosen if self.mesh._ranks[r].state.value not in ("dead", "stopped")]
+        state = self.state
+        chosen = parse_ranks(ranks, state.nproc)
+        with state.lock:
+            alive = [r for r in chosen if state.ranks[r].alive]
             for r in chosen:
-                self._failed.pop(r, None)
+                state.failures.pop(r, None)
         replies = self._request(alive, P.DebugClear, timeout)
         missing = [r for r in alive if r not in replies]
         if missing:
-            raise MonarchError(f"rank(s) {format_ranks(missing)} did not answer within {timeout:g} s")
+            raise MonarchError(f"{ranks_text(missing)} did not answer within {timeout:g} s")
         return sorted(r for r, rep in replies.items() if rep.text == "cleared")
 
+    def on_reply(self, rank: int, msg: P.DebugReply) -> None:
+        """A rank's answer to inspect or clear (I/O thread)."""
+        with self.state.lock:
+            replies = self._replies.get(msg.request_id)
+            if replies is not None:
+                replies[rank] = msg
+            self.state.cond.notify_all()
+
     def _request(self, ranks: list[int], make: Callable[[int], P.Message], timeout: float) -> dict[int, P.DebugReply]:
-        mesh = self.mesh
-        mesh._check_running()
-        request_id = next(mesh._cell_ids)
-        with mesh._lock:
+        state = self.state
+        state.check_running()
+        request_id = next(state.ids)
+        with state.lock:
             replies: dict[int, P.DebugReply] = {}
             self._replies[request_id] = replies
             for r in ranks:
-                self._post(r, make(request_id))
+                self.dispatcher.post(r, make(request_id))
             deadline = time.monotonic() + timeout
             try:
                 while len(replies) < len(ranks) and time.monotonic() < deadline:
-                    mesh._cond.wait(POLL)
+                    state.cond.wait(POLL)
             finally:
                 self._replies.pop(request_id, None)
             return dict(replies)

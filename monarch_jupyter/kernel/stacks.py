@@ -17,14 +17,18 @@ from __future__ import annotations
 
 import re
 import sysconfig
+import time
+from collections.abc import Iterable
 from typing import Any
 
 from monarch_worker import protocol as P
 
-from .ranks import format_ranks
+from ..ranks import parse_ranks, ranks_text
+from .dispatch import Dispatcher
+from .state import MeshState, RankState
 
 
-__all__ = ["StackReport", "summarize", "rank_list"]
+__all__ = ["StackReport", "StackRequests", "summarize"]
 
 Frame = tuple  # (filename, lineno, function, source line)
 
@@ -125,7 +129,7 @@ class StackReport:
     def text(self) -> str:
         out: list[str] = []
         for rs, key in self.groups():
-            who = f"rank{'s' if len(rs) > 1 else ''} {rank_list(rs)}"
+            who = ranks_text(rs)
             if key[0] == "no answer":
                 why = "dead" if key[1] == "dead" else "its I/O thread is not responding: stopped (SIGSTOP) or hung"
                 out.append(f"{who}: no answer ({why})")
@@ -152,6 +156,46 @@ class StackReport:
         p.text(self.text)
 
 
-def rank_list(ranks: list[int]) -> str:
-    """Ranks as read aloud: "0,1,3"; runs of three or more as ranges: "0-7", "0,2-5"."""
-    return format_ranks(ranks, min_run=3)
+class StackRequests:
+    """Asks ranks where their main thread is (``StacksRequest``), answered by each rank's I/O thread: it answers
+    while the main thread blocks in a collective, or runs a ``block=False`` cell."""
+
+    def __init__(self, state: MeshState, dispatcher: Dispatcher) -> None:
+        self.state = state
+        self.dispatcher = dispatcher
+        self._requests: dict[int, dict[int, P.Stacks]] = {}  # request id -> rank -> reply (under the mesh lock)
+
+    def ask(self, ranks: str | int | Iterable[int] | None, timeout: float) -> StackReport:
+        """Where each chosen rank is now; ranks that do not answer within ``timeout`` seconds (dead, stopped) are
+        listed as such.
+
+        Raises
+        ------
+        ValueError
+            Bad rank selection.
+        """
+        state = self.state
+        chosen = parse_ranks(ranks, state.nproc)
+        request_id = next(state.ids)
+        with state.lock:
+            replies: dict[int, P.Stacks] = {}
+            self._requests[request_id] = replies
+            asked = [r for r in chosen if state.ranks[r].state is not RankState.DEAD]
+            for r in asked:
+                self.dispatcher.post(r, P.StacksRequest(request_id))
+            deadline = time.monotonic() + timeout
+            try:
+                while len(replies) < len(asked) and time.monotonic() < deadline:
+                    state.cond.wait(0.05)
+            finally:
+                self._requests.pop(request_id, None)
+            states = {r: state.ranks[r].state for r in chosen}
+        return StackReport(chosen, dict(replies), states)
+
+    def on_reply(self, rank: int, msg: P.Stacks, payload: bytes, bufs: list) -> None:
+        """A rank's answer (I/O thread)."""
+        with self.state.lock:
+            replies = self._requests.get(msg.request_id)
+            if replies is not None:
+                replies[rank] = msg
+                self.state.cond.notify_all()

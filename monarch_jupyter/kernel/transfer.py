@@ -36,10 +36,13 @@ from monarch_worker import shm
 from monarch_worker.serialize import SerializationError, dumps
 
 from ..errors import MeshError, RemoteError
-from .ranks import RankMap, parse_ranks
+from ..ranks import RankMap, parse_ranks, ranks_text
+from .cells import CellHandle, CellTable
+from .dispatch import Dispatcher
+from .state import MeshState
 
 if TYPE_CHECKING:
-    from .mesh import Mesh
+    from .waiting import Waiter
 
 log = logging.getLogger(__name__)
 
@@ -61,28 +64,49 @@ class _Packed:
 
 
 class Transfers:
-    """Push/scatter/pull/gather for one generation of a mesh (made by ``Mesh.start``, closed at stop)."""
+    """Push/scatter/pull/gather of one mesh; ``open`` at each start, ``close`` at each stop (segments are per
+    generation)."""
 
-    def __init__(self, mesh: Mesh) -> None:
-        self.mesh = mesh
+    def __init__(self, state: MeshState, dispatcher: Dispatcher, cells: CellTable) -> None:
+        self.state = state
+        self.dispatcher = dispatcher
+        self.cells = cells
+        self.waiter: Waiter | None = None  # set by the mesh (waiting.py needs the mesh's recovery first)
         self.pool = shm.SegmentPool()
         self.host = socket.gethostname()
-        self._no_shm: set[int] = set()  # ranks that could not map our segments: the socket from now on
+        self.no_shm: set[int] = set()  # ranks that could not map our segments: the socket from now on
         # Reentrant: _release_to runs from finalizers, which garbage collection may call on a thread holding it.
         self._lock = threading.RLock()
-        self._closed = False
+        self._closed = True
+
+    def open(self) -> None:
+        """A new generation: a fresh segment pool."""
+        with self._lock:
+            if not self._closed:
+                return
+            self.pool = shm.SegmentPool()
+            self.no_shm = set()
+            self._closed = False
+
+    def _submit(self, per_rank: dict[int, tuple[P.Message, bytes, list]], cell_id: int, what: str) -> CellHandle:
+        assert self.waiter is not None
+        return self.waiter.submit(cell_id, _grouped(per_rank), what)
+
+    def _wait(self, handle: CellHandle, timeout: float | None) -> RankMap | None:
+        assert self.waiter is not None
+        return self.waiter.result(handle, timeout if timeout is not None else (self.state.options.timeout or None))
 
     # ------------------------------------------------------------------ routing
 
     def _shm_ok(self, rank: int) -> bool:
-        info = self.mesh._ranks[rank]
-        return shm.supported() and info.host == self.host and rank not in self._no_shm
+        info = self.state.ranks[rank]
+        return shm.supported() and info.host == self.host and rank not in self.no_shm
 
     def _route(self, size: int, chosen: list[int], via: str) -> str:
         remote = [r for r in chosen if not self._shm_ok(r)]
         if via == "shm" and remote:
             raise ValueError(f"via='shm' needs every chosen rank on this host ({self.host}) with shared memory; "
-                             f"rank(s) {remote} are not; use via='auto'")
+                             f"not so for {ranks_text(remote)}; use via='auto'")
         return choose_route(size, len(chosen), not remote, via)
 
     def _segment(self, packed: _Packed, holders: list[int]) -> dict | None:
@@ -104,8 +128,6 @@ class Transfers:
     # ------------------------------------------------------------------ push and scatter
 
     def push(self, values: dict[str, Any], ranks: Any, device: Any, timeout: float | None, via: str) -> None:
-        mesh = self.mesh
-        mesh._check_running()
         if not values:
             raise ValueError("push needs at least one value: mesh.push(x=x) or mesh.push({'x': x})")
         for name in values:
@@ -113,7 +135,7 @@ class Transfers:
         device = _device_spec(device)
         if via not in VIA:
             raise ValueError(f"via must be one of {', '.join(VIA)}; got {via!r}")
-        chosen = parse_ranks(ranks, mesh.nproc)
+        chosen = parse_ranks(ranks, self.state.nproc)
         packed = [_Packed(name, value, "cannot push") for name, value in values.items()]
         payload = b"".join(p.data for p in packed)
         items: dict[int, list[dict]] = {r: [] for r in chosen}
@@ -150,11 +172,9 @@ class Transfers:
                    timeout, lent, repack)
 
     def scatter(self, name: str, value: Any, dim: int, ranks: Any, device: Any, timeout: float | None) -> None:
-        mesh = self.mesh
-        mesh._check_running()
         _check_name(name)
         device = _device_spec(device)
-        chosen = parse_ranks(ranks, mesh.nproc)
+        chosen = parse_ranks(ranks, self.state.nproc)
         parts = split(name, value, len(chosen), dim)
         packed: dict[int, _Packed] = {}
         items: dict[int, list[dict]] = {}
@@ -192,17 +212,16 @@ class Transfers:
               lent: list, repack: Callable[[int], tuple[list[dict], list, bytes]]) -> None:
         """Submit one Push per rank and wait until every rank bound the values. Ranks that could not map a
         segment get the same values over the socket (``repack(rank)``), once."""
-        mesh = self.mesh
-        cell_id = next(mesh._cell_ids)
+        cell_id = next(self.state.ids)
         per_rank = {r: (P.Push(cell_id, items[r], device), payloads[r], frames[r]) for r in chosen}
         try:
-            handle = mesh._submit_groups(cell_id, _grouped(per_rank), what, "arrival")
+            handle = self._submit(per_rank, cell_id, what)
         except BaseException:
             self._give_back(lent)
             raise
         lent.clear()  # sent: each rank gives its segments back itself (or dies, and on_rank_exit does)
         try:
-            mesh._result(handle, timeout if timeout is not None else mesh.timeout)
+            self._wait(handle, timeout)
         except MeshError as e:
             retry = [r for r, err in e.errors.items()
                      if isinstance(err, RemoteError) and err.ename == "ShmUnavailableError"]
@@ -210,16 +229,15 @@ class Transfers:
                 raise
             log.warning("rank(s) %s cannot map this kernel's shared memory (%s); they get values over the socket "
                         "from now on", retry, e.errors[retry[0]])
-            self._no_shm.update(retry)
+            self.no_shm.update(retry)
             others = {r: err for r, err in e.errors.items() if r not in retry}
-            cell_id = next(mesh._cell_ids)
+            cell_id = next(self.state.ids)
             resend = {}
             for r in retry:
                 its, frs, data = repack(r)
                 resend[r] = (P.Push(cell_id, its, device), data, frs)
             try:
-                mesh._result(mesh._submit_groups(cell_id, _grouped(resend), what, "arrival"),
-                             timeout if timeout is not None else mesh.timeout)
+                self._wait(self._submit(resend, cell_id, what), timeout)
             except MeshError as e2:
                 others.update(e2.errors)
             if others:
@@ -228,25 +246,28 @@ class Transfers:
     # ------------------------------------------------------------------ pull and gather
 
     def pull(self, name: str, ranks: Any, timeout: float | None, op: str = "pull") -> RankMap:
-        mesh = self.mesh
-        mesh._check_running()
         _check_name(name)
-        chosen = parse_ranks(ranks, mesh.nproc)
+        chosen = parse_ranks(ranks, self.state.nproc)
         return self._pull(name, {r: self._shm_ok(r) for r in chosen}, timeout, f"{op} of {name!r}")
 
     def _pull(self, name: str, use_shm: dict[int, bool], timeout: float | None, what: str) -> RankMap:
-        mesh = self.mesh
-        cell_id = next(mesh._cell_ids)
+        cell_id = next(self.state.ids)
         per_rank = {r: (P.Pull(cell_id, name, shm=ok), b"", []) for r, ok in use_shm.items()}
-        handle = mesh._submit_groups(cell_id, _grouped(per_rank), what, "arrival")
+        handle = self._submit(per_rank, cell_id, what)
         try:
-            return _result(handle, timeout if timeout is not None else mesh.timeout) or RankMap()
+            # The values must live only as long as the caller keeps them (they may be views of a rank's memory):
+            # the mesh keeps its last handle (for late output), so the handle forgets them.
+            try:
+                return self._wait(handle, timeout) or RankMap()
+            finally:
+                with self.state.lock:
+                    handle.values.clear()
         except MeshError as e:
             retry = [r for r, err in e.errors.items() if isinstance(err, RemoteError)
                      and err.ename == "ShmUnavailableError" and use_shm.get(r)]
             if not retry:
                 raise
-            self._no_shm.update(retry)
+            self.no_shm.update(retry)
             results = RankMap(e.results)
             others = {r: err for r, err in e.errors.items() if r not in retry}
             try:
@@ -278,16 +299,15 @@ class Transfers:
         elif status == "ok":
             buffers = [_writable(b) for b in bufs]
         result = P.Result(msg.cell_id, status, has_value=status == "ok", error=error, duration=msg.duration)
-        self.mesh._on_result(rank, result, payload, buffers or [])
+        self.cells.on_result(rank, result, payload, buffers or [])
 
     def _release_to(self, rank: int, seg_id: int) -> None:
         """Tell ``rank`` we no longer map its segment (any thread; from a finalizer, maybe long after)."""
         with self._lock:
             if self._closed:
                 return
-            info = self.mesh._ranks.get(rank)
-            if info is not None:
-                self.mesh._post(info, P.ShmRelease(ids=[seg_id]))
+            if rank in self.state.ranks:
+                self.dispatcher.post(rank, P.ShmRelease(ids=[seg_id]))
 
     def on_release(self, rank: int, msg: P.ShmRelease, payload: bytes, bufs: list) -> None:
         """``rank`` dropped the values it built on these segments of ours."""
@@ -338,16 +358,6 @@ def _grouped(per_rank: dict[int, tuple[P.Message, bytes, list]]) -> list[tuple[l
         else:
             groups.append(([r], msg, payload, frames))
     return groups
-
-
-def _result(handle: Any, timeout: float | None) -> Any:
-    """``handle.result(timeout)``, then forget the values: the mesh keeps its last CellHandle (for late output),
-    and pulled values must live only as long as the caller keeps them (they may be views of a rank's memory)."""
-    try:
-        return handle.mesh._result(handle, timeout)
-    finally:
-        with handle.mesh._lock:
-            handle.values.clear()
 
 
 def _check_name(name: Any) -> None:

@@ -15,14 +15,14 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
-from traitlets import Bool, CaselessStrEnum, Float, Int, Unicode
 
 from .. import errors
-from ..kernel import mesh as mesh_mod
+from ..kernel import config, registry
+from ..kernel.launch import launcher_for
 from ..kernel.mesh import Mesh
-from . import transfer
-from .transfer import TransferMagics
+from ..ranks import parse_ranks
 from . import debug as debug_magics
+from . import transfer
 
 log = logging.getLogger(__name__)
 
@@ -40,45 +40,22 @@ def _rest(line: str) -> tuple[str, str]:
 
 
 @magics_class
-class MeshMagics(TransferMagics, Magics):
-    """``%mesh SUBCOMMAND ...`` manages the mesh; ``%%mesh [options]`` runs a cell on its ranks."""
+class MeshMagics(Magics):
+    """``%mesh SUBCOMMAND ...`` manages the mesh; ``%%mesh [options]`` runs a cell on its ranks.
 
-    default_nproc = Int(4, help="Ranks started by `%mesh start` without -n.").tag(config=True)
-    default_backend = CaselessStrEnum(
-        ["auto", "gloo", "nccl"], "auto",
-        help="torch.distributed backend: auto = nccl when there is a GPU per rank, else gloo.").tag(config=True)
-    start_timeout = Float(60.0, help="Seconds for all ranks to start and join before `%mesh start` fails."
-                          ).tag(config=True)
-    cell_timeout = Float(0.0, help="Default seconds a %%mesh cell may run before it is interrupted and each "
-                         "rank's stack is reported (0: no limit).").tag(config=True)
-    heartbeat_timeout = Float(30.0, help="Seconds a rank waits without hearing from this kernel before it exits."
-                              ).tag(config=True)
-    stream_order = CaselessStrEnum(
-        ["arrival", "rank"], "arrival",
-        help="Order of rank output in a cell: arrival (live, as it comes) or rank (rank r's lines after lower "
-             "ranks finished the cell: the same output every run, e.g. for nbval).").tag(config=True)
-    debug_on_interrupt = CaselessStrEnum(
-        ["continue", "raise"], "continue",
-        help="What ranks stopped at a pdb prompt do when the kernel is interrupted there: continue (the cell runs "
-             "on, its later breakpoints are skipped) or raise (KeyboardInterrupt where they stopped; the cell is "
-             "interrupted).").tag(config=True)
-    live_view = CaselessStrEnum(
-        ["auto", "widget", "text", "off"], "auto",
-        help="Live per-rank view under each %%mesh cell and in `%mesh status`: auto = a dashboard widget in a "
-             "Jupyter kernel, compact text in a terminal; widget, text, or off (`%%mesh --no-widget` turns it "
-             "off for one cell).").tag(config=True)
-    dashboard_fold = Int(16, help="Past this many ranks the dashboard folds into a per-state summary plus "
-                         "stragglers and failed ranks (the full table opens on demand).").tag(config=True)
-    listen_timeout = Float(300.0, help="Seconds `%mesh listen` waits for every rank to join before it reports who "
-                           "is missing.").tag(config=True)
-    listen_address = Unicode("", help="Default --address of `%mesh listen` and remote launchers: an interface "
-                             "(eth0), an address or host name of this host; empty: loopback only.").tag(config=True)
-    prewarm = Bool(True, help="Start the local fork server (which imports torch once) when the extension "
-                   "loads, so the first `%mesh start` does not wait for `import torch`.").tag(config=True)
+    Its configurable traitlets (``default_nproc``, ``cell_timeout``, ...) are derived from the one declaration of
+    the options (``monarch_worker.options``); docs/configuration.md lists them.
+    """
+
+    locals().update(config.traits())  # the class body's namespace: one traitlet per declared option
 
     def __init__(self, shell: Any = None, **kwargs: Any) -> None:
         super().__init__(shell=shell, **kwargs)
         self.meshes: list[Mesh] = []
+
+    def option(self, name: str) -> Any:
+        """The value of a mesh option as configured on these magics (``cell_timeout`` 0 -> None)."""
+        return config.trait_value(self, name)
 
     # ------------------------------------------------------------------ %mesh / %%mesh
 
@@ -102,10 +79,10 @@ class MeshMagics(TransferMagics, Magics):
             "stop": self._stop,
             "restart": self._restart,
             "stacks": self._stacks,
-            "push": self._push,
-            "pull": self._pull,
-            "scatter": self._scatter,
-            "gather": self._gather,
+            "push": lambda rest: transfer.push(self, rest),
+            "pull": lambda rest: transfer.pull(self, rest),
+            "scatter": lambda rest: transfer.scatter(self, rest),
+            "gather": lambda rest: transfer.gather(self, rest),
             "debug": lambda rest: debug_magics.debug(self, rest),
             "inspect": lambda rest: debug_magics.inspect(self, rest),
             "interrupt": self._interrupt,
@@ -119,7 +96,8 @@ class MeshMagics(TransferMagics, Magics):
     # ------------------------------------------------------------------ subcommands
 
     @magic_arguments()
-    @argument("-n", "--nproc", type=int, default=None, help="number of ranks (world size)")
+    @argument("-n", "--world-size", "--nproc", dest="world_size", type=int, default=None,
+              help="number of ranks: the world size (default: default_nproc)")
     @argument("--backend", choices=["auto", "gloo", "nccl"], default=None, help="torch.distributed backend")
     @argument("--timeout", type=float, default=None, help="seconds for every rank to start and join")
     @argument("--launcher", choices=["local", "torchrun", "slurm"], default="local",
@@ -134,41 +112,32 @@ class MeshMagics(TransferMagics, Magics):
     def _start(self, rest: str) -> Mesh:
         """%mesh start [-n N] [--backend gloo|nccl] [--timeout S] [--launcher local|torchrun|slurm] [...]: start N
         ranks on this host, under torchrun, or with srun inside a SLURM allocation."""
-        args = self._parse(self._start, rest, "start")
+        args = self.parse_args(self._start, rest, "start")
         self._check_none_running()
-        nproc = args.nproc
-        launcher: Any = "local"
-        address = args.address if args.address is not None else (self.listen_address or None)
+        world_size = args.world_size
+        if world_size is None:
+            per_node = args.nproc_per_node if args.launcher == "torchrun" else None
+            world_size = (per_node or self.default_nproc) * args.nnodes
+        if world_size < 1:
+            raise UsageError(f"-n must be at least 1 rank, got {world_size}")
+        address = args.address if args.address is not None else self.option("address")
+        if args.launcher == "local" and (args.address is not None or args.port or args.encrypt):
+            raise UsageError("--address/--port/--encrypt are for --launcher torchrun or slurm (local ranks use the "
+                             "fork server over loopback)")
+        if args.launcher == "slurm" and address is None:
+            raise UsageError("--launcher slurm starts ranks on other hosts: give --address with an interface or "
+                             "address of this host that they reach (e.g. --address ib0; --address 127.0.0.1 when "
+                             "the allocation is this host only). Nothing listens beyond loopback unless asked.")
         try:
-            if args.launcher == "torchrun":
-                from ..kernel.torchrun import TorchrunLauncher
-
-                if nproc is None:
-                    nproc = (args.nproc_per_node or self.default_nproc) * args.nnodes
-                launcher = TorchrunLauncher(args.nproc_per_node, args.nnodes)
-            elif args.launcher == "slurm":
-                from ..kernel.slurm import SlurmLauncher
-
-                if address is None:
-                    raise UsageError("--launcher slurm starts ranks on other hosts: give --address with an interface "
-                                     "or address of this host that they reach (e.g. --address ib0; --address "
-                                     "127.0.0.1 when the allocation is this host only). Nothing listens beyond "
-                                     "loopback unless asked.")
-                launcher = SlurmLauncher(args.nodes, args.srun_args, args.nproc_per_node)
-            elif (args.address, args.port, args.encrypt, args.nodes, args.srun_args, args.nproc_per_node) != (
-                    None, 0, False, None, "", None) or args.nnodes != 1:
-                raise UsageError("--address/--port/--encrypt/--nodes/--srun-args/--nnodes/--nproc-per-node are for "
-                                 "--launcher torchrun or slurm (local ranks use the fork server over loopback)")
-            nproc = nproc if nproc is not None else self.default_nproc
-            if nproc < 1:
-                raise UsageError(f"-n must be at least 1 rank, got {nproc}")
+            launcher = launcher_for(args.launcher, world_size, nproc_per_node=args.nproc_per_node,
+                                    nnodes=args.nnodes, nodes=args.nodes, srun_args=args.srun_args)
             m = Mesh(
-                nproc,
-                backend=args.backend or self.default_backend,
-                start_timeout=args.timeout if args.timeout is not None else self.start_timeout,
-                timeout=self.cell_timeout or None,
-                heartbeat_timeout=self.heartbeat_timeout,
-                launcher=launcher,
+                world_size,
+                launcher=args.launcher if launcher is None else launcher,
+                backend=args.backend or self.option("backend"),
+                start_timeout=args.timeout if args.timeout is not None else self.option("start_timeout"),
+                timeout=self.option("timeout"),
+                heartbeat_timeout=self.option("heartbeat_timeout"),
                 address=address if args.launcher != "local" else None,
                 port=args.port,
                 encrypt=args.encrypt,
@@ -182,7 +151,8 @@ class MeshMagics(TransferMagics, Magics):
         return m
 
     @magic_arguments()
-    @argument("-n", "--world-size", type=int, required=True, help="number of ranks that will join")
+    @argument("-n", "--world-size", dest="world_size", type=int, required=True,
+              help="number of ranks that will join: the world size")
     @argument("--address", default=None, help="interface (eth0), address or host name of this host that the ranks "
               "reach (default: loopback only)")
     @argument("--port", type=int, default=0, help="TCP port (0: any free port)")
@@ -194,9 +164,9 @@ class MeshMagics(TransferMagics, Magics):
         """%mesh listen --world-size N [--address HOST_OR_INTERFACE] [--timeout S] [--port P] [--nproc-per-node P]
         [--encrypt]: wait for N ranks started elsewhere (torchrun, srun, ...); prints the commands that start
         them. Cells run once all joined."""
-        args = self._parse(self._listen, rest, "listen")
+        args = self.parse_args(self._listen, rest, "listen")
         self._check_none_running()
-        address = args.address if args.address is not None else (self.listen_address or None)
+        address = args.address if args.address is not None else self.option("address")
         try:
             m = Mesh.listen(
                 args.world_size,
@@ -205,16 +175,16 @@ class MeshMagics(TransferMagics, Magics):
                 timeout=args.timeout if args.timeout is not None else self.listen_timeout,
                 encrypt=args.encrypt,
                 nproc_per_node=args.nproc_per_node,
-                backend=args.backend or self.default_backend,
-                heartbeat_timeout=self.heartbeat_timeout,
+                backend=args.backend or self.option("backend"),
+                heartbeat_timeout=self.option("heartbeat_timeout"),
             )
         except ValueError as e:
             raise UsageError(str(e)) from None
-        m.timeout = self.cell_timeout or None
+        m.options.timeout = self.option("timeout")  # a cell's default timeout (listen's `timeout` is the join's)
         self.meshes.append(m)
 
     def _check_none_running(self) -> None:
-        running = mesh_mod._current
+        running = registry.peek_current()
         if running is not None and running.start_failure:
             running.stop()  # a listen whose ranks did not all come (it said so in its cell): release it
         if running is not None and (running.running or running.listening):
@@ -224,8 +194,8 @@ class MeshMagics(TransferMagics, Magics):
     @magic_arguments()
     def _status(self, rest: str) -> Any:
         """%mesh status: state, pid, device and memory of every rank."""
-        self._parse(self._status, rest, "status")
-        m = self._mesh()
+        self.parse_args(self._status, rest, "status")
+        m = self.current()
         from ..widgets import status_view
 
         return status_view(m, mode=self.live_view, fold_threshold=self.dashboard_fold)
@@ -233,8 +203,8 @@ class MeshMagics(TransferMagics, Magics):
     @magic_arguments()
     def _stop(self, rest: str) -> None:
         """%mesh stop: stop every rank."""
-        self._parse(self._stop, rest, "stop")
-        m = self._mesh(require_running=False)
+        self.parse_args(self._stop, rest, "stop")
+        m = self.current(require_running=False)
         if not m.running:
             print("the mesh is already stopped (%mesh restart starts it again)")
             return
@@ -248,8 +218,8 @@ class MeshMagics(TransferMagics, Magics):
         """%mesh restart [--rank SPEC]: fresh processes, fresh namespaces, a fresh process group; with --rank,
         fresh processes for those ranks only, and every other rank keeps its namespace and joins a fresh
         process group with them."""
-        args = self._parse(self._restart, rest, "restart")
-        m = self._mesh(require_running=args.ranks is not None)
+        args = self.parse_args(self._restart, rest, "restart")
+        m = self.current(require_running=args.ranks is not None)
         try:
             return m.restart(ranks=args.ranks)
         except ValueError as e:
@@ -263,9 +233,9 @@ class MeshMagics(TransferMagics, Magics):
     def _interrupt(self, rest: str) -> None:
         """%mesh interrupt [--ranks SPEC] [--force] [--grace S]: KeyboardInterrupt in what the ranks run now
         (e.g. a %%mesh --async cell, or ranks that did not stop after the notebook's interrupt)."""
-        args = self._parse(self._interrupt, rest, "interrupt")
+        args = self.parse_args(self._interrupt, rest, "interrupt")
         try:
-            report = self._mesh().interrupt(args.ranks, force=args.force, grace=args.grace)
+            report = self.current().interrupt(args.ranks, force=args.force, grace=args.grace)
         except ValueError as e:
             raise UsageError(str(e)) from None
         print(report.text)
@@ -274,9 +244,9 @@ class MeshMagics(TransferMagics, Magics):
     @argument("--ranks", default=None, help="ranks to ask (default: all)")
     def _stacks(self, rest: str) -> Any:
         """%mesh stacks [--ranks SPEC]: where each rank's main thread is now, identical stacks grouped."""
-        args = self._parse(self._stacks, rest, "stacks")
+        args = self.parse_args(self._stacks, rest, "stacks")
         try:
-            return self._mesh().stacks(args.ranks)
+            return self.current().stacks(args.ranks)
         except ValueError as e:
             raise UsageError(str(e)) from None
 
@@ -298,8 +268,8 @@ class MeshMagics(TransferMagics, Magics):
     def _cell(self, line: str, cell: str) -> Any:
         """%%mesh [--ranks SPEC] [--timeout S] [--out NAME] [--order arrival|rank] [--no-widget] [--async]:
         run the cell on the ranks."""
-        args = self._parse(self._cell, line, None)
-        m = self._mesh()
+        args = self.parse_args(self._cell, line, None)
+        m = self.current()
         if args.out is not None and not args.out.isidentifier():
             raise UsageError(f"--out needs a Python name, got {args.out!r}")
         if args.async_ and (args.out or args.timeout is not None):
@@ -309,7 +279,6 @@ class MeshMagics(TransferMagics, Magics):
         filename = f"<mesh In[{count}]>" if count is not None else None
         view = None
         if not args.no_widget:
-            from ..kernel.ranks import parse_ranks
             from ..widgets import cell_view
 
             try:
@@ -323,7 +292,7 @@ class MeshMagics(TransferMagics, Magics):
                 result = m.run(
                     cell,
                     ranks=args.ranks,
-                    timeout=args.timeout if args.timeout is not None else (self.cell_timeout or None),
+                    timeout=args.timeout if args.timeout is not None else self.option("timeout"),
                     namespace=self.shell.user_ns if self.shell is not None else None,
                     filename=filename,
                     order=args.order or self.stream_order,
@@ -350,7 +319,10 @@ class MeshMagics(TransferMagics, Magics):
 
     # ------------------------------------------------------------------ helpers
 
-    def _parse(self, func: Any, rest: str, sub: str | None) -> Any:
+    def parse_args(self, func: Any, rest: str, sub: str | None) -> Any:
+        """Parse the arguments ``rest`` of subcommand ``sub`` (None: the cell magic) with ``func``'s parser.
+
+        Raises UsageError naming the subcommand and pointing at its --help."""
         try:
             shlex.split(rest)
         except ValueError as e:
@@ -365,8 +337,11 @@ class MeshMagics(TransferMagics, Magics):
             raise UsageError(f"{prog}: --timeout takes a positive number of seconds, got {timeout:g}")
         return args
 
-    def _mesh(self, require_running: bool = True) -> Mesh:
-        m = mesh_mod._current
+    def current(self, require_running: bool = True) -> Mesh:
+        """The mesh the magics act on (the current one, else the last one they started).
+
+        Raises UsageError when there is none, or (``require_running``) when it is stopped."""
+        m = registry.peek_current()
         if m is None and self.meshes:
             m = self.meshes[-1]
         if m is None:
@@ -409,9 +384,9 @@ def load(ipython: Any) -> None:
     if note:
         print(note, file=sys.stderr)
     if magics.prewarm:
-        from ..kernel.launcher import prewarm
+        from ..kernel.launch.local import prewarm
 
-        prewarm(magics.start_timeout)
+        prewarm(magics.option("start_timeout"))
 
 
 def unload(ipython: Any) -> None:
@@ -422,9 +397,10 @@ def unload(ipython: Any) -> None:
     for m in magics.meshes:
         if m.running:
             m.stop()
-    if mesh_mod._current is not None and mesh_mod._current.running:
-        mesh_mod._current.stop()
-    from ..kernel.launcher import shutdown
+    current = registry.peek_current()
+    if current is not None and current.running:
+        current.stop()
+    from ..kernel.launch.local import shutdown
 
     shutdown()
     # Loaded as `monarch` or as `monarch_jupyter`: unloading one name unloads both, so either loads again.

@@ -13,7 +13,8 @@ from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from .. import errors
-from ..kernel.debugger import NothingToDebugError
+from ..kernel.postmortem import NothingToDebugError
+from ..ranks import ranks_text
 
 if TYPE_CHECKING:
     from . import MeshMagics
@@ -42,12 +43,12 @@ def debug(magics: MeshMagics, rest: str) -> None:
     Each rank keeps the traceback of its last failed cell until its next cell (or --clear). Ranks stopped at a
     breakpoint() of a cell nobody waits for (run with block=False) are offered first.
     """
-    args = magics._parse(debug, rest, "debug")
-    m = magics._mesh()
+    args = magics.parse_args(debug, rest, "debug")
+    m = magics.current()
     try:
         if args.clear:
             had = m.debugger.clear()
-            print(f"dropped the tracebacks of rank(s) {', '.join(map(str, had))}" if had
+            print(f"dropped the tracebacks of {ranks_text(had)}" if had
                   else "no rank kept a traceback")
             return
         if args.rank is None and args.commands is None and m.debugger.attach():
@@ -99,7 +100,7 @@ def inspect(magics: MeshMagics, rest: str) -> Any:
     if rank is None or not expr:
         raise UsageError(f"%mesh inspect needs --rank R and an expression, e.g.  %mesh inspect --rank 1 "
                          f"loss.item()\n{INSPECT_USAGE}")
-    mesh = magics._mesh()
+    mesh = magics.current()
     try:
         return mesh.debugger.inspect(expr, rank, frame=frame, timeout=timeout)
     except SyntaxError as e:

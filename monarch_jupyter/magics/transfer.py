@@ -11,12 +11,15 @@ destination instead (on the ranks for push/scatter, in the notebook for pull/gat
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments
 
-__all__ = ["TransferMagics", "SUBCOMMANDS"]
+if TYPE_CHECKING:
+    from . import MeshMagics
+
+__all__ = ["push", "pull", "scatter", "gather", "SUBCOMMANDS"]
 
 SUBCOMMANDS = ("push", "pull", "scatter", "gather")
 
@@ -24,98 +27,92 @@ _RANKS_HELP = "ranks: 0 | 0,2 | 1-3 | ::2 (default: all)"
 _DEVICE_HELP = "where tensors go on the ranks: rank (each rank's own device), cpu, cuda, cuda:N (default: as sent)"
 
 
-class TransferMagics:
-    """Mixin of MeshMagics (it provides ``shell``, ``_parse`` and ``_mesh``)."""
+def _dest(args: Any, names: list[str], sub: str) -> list[str]:
+    if args.dest is None:
+        return names
+    if len(names) != 1:
+        raise UsageError(f"%mesh {sub}: --as names one destination; give one variable, got {len(names)}")
+    if not args.dest.isidentifier():
+        raise UsageError(f"%mesh {sub}: --as needs a Python name, got {args.dest!r}")
+    return [args.dest]
 
-    shell: Any
 
-    def _parse(self, func: Any, rest: str, sub: str | None) -> Any:  # provided by MeshMagics
-        raise NotImplementedError
+def _notebook_values(magics: MeshMagics, names: list[str], sub: str) -> list[Any]:
+    ns = magics.shell.user_ns
+    missing = [n for n in names if n not in ns]
+    if missing:
+        raise UsageError(f"%mesh {sub}: no notebook variable {', '.join(map(repr, missing))} to send")
+    return [ns[n] for n in names]
 
-    def _mesh(self, require_running: bool = True) -> Any:  # provided by MeshMagics
-        raise NotImplementedError
 
-    def _dest(self, args: Any, names: list[str], sub: str) -> list[str]:
-        if args.dest is None:
-            return names
-        if len(names) != 1:
-            raise UsageError(f"%mesh {sub}: --as names one destination; give one variable, got {len(names)}")
-        if not args.dest.isidentifier():
-            raise UsageError(f"%mesh {sub}: --as needs a Python name, got {args.dest!r}")
-        return [args.dest]
+@magic_arguments()
+@argument("names", nargs="+", help="notebook variables to send")
+@argument("--ranks", "-r", default=None, help=_RANKS_HELP)
+@argument("--device", "-d", default=None, help=_DEVICE_HELP)
+@argument("--as", dest="dest", default=None, help="name on the ranks (one variable only)")
+@argument("--timeout", "-t", type=float, default=None, help="seconds to wait for every rank")
+def push(magics: MeshMagics, rest: str) -> None:
+    """%mesh push x [y ...] [--ranks SPEC] [--device DEV] [--as NAME]: bind notebook variables on the ranks."""
+    args = magics.parse_args(push, rest, "push")
+    values = _notebook_values(magics, args.names, "push")
+    dests = _dest(args, args.names, "push")
+    m = magics.current()
+    try:
+        m.push(dict(zip(dests, values)), ranks=args.ranks, device=args.device, timeout=args.timeout)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
-    def _notebook_values(self, names: list[str], sub: str) -> list[Any]:
-        ns = self.shell.user_ns
-        missing = [n for n in names if n not in ns]
-        if missing:
-            raise UsageError(f"%mesh {sub}: no notebook variable {', '.join(map(repr, missing))} to send")
-        return [ns[n] for n in names]
 
-    @magic_arguments()
-    @argument("names", nargs="+", help="notebook variables to send")
-    @argument("--ranks", "-r", default=None, help=_RANKS_HELP)
-    @argument("--device", "-d", default=None, help=_DEVICE_HELP)
-    @argument("--as", dest="dest", default=None, help="name on the ranks (one variable only)")
-    @argument("--timeout", "-t", type=float, default=None, help="seconds to wait for every rank")
-    def _push(self, rest: str) -> None:
-        """%mesh push x [y ...] [--ranks SPEC] [--device DEV] [--as NAME]: bind notebook variables on the ranks."""
-        args = self._parse(self._push, rest, "push")
-        values = self._notebook_values(args.names, "push")
-        dests = self._dest(args, args.names, "push")
-        m = self._mesh()
+@magic_arguments()
+@argument("name", help="notebook variable to split")
+@argument("--dim", type=int, default=0, help="dimension to split along (default 0)")
+@argument("--ranks", "-r", default=None, help=_RANKS_HELP)
+@argument("--device", "-d", default=None, help=_DEVICE_HELP)
+@argument("--as", dest="dest", default=None, help="name on the ranks")
+@argument("--timeout", "-t", type=float, default=None, help="seconds to wait for every rank")
+def scatter(magics: MeshMagics, rest: str) -> None:
+    """%mesh scatter x [--dim D] [--ranks SPEC] [--device DEV] [--as NAME]: part r of x to the r-th rank."""
+    args = magics.parse_args(scatter, rest, "scatter")
+    (value,) = _notebook_values(magics, [args.name], "scatter")
+    (dest,) = _dest(args, [args.name], "scatter")
+    m = magics.current()
+    try:
+        m.scatter(dest, value, args.dim, ranks=args.ranks, device=args.device, timeout=args.timeout)
+    except (ValueError, TypeError) as e:
+        if type(e).__name__ == "SerializationError":
+            raise
+        raise UsageError(str(e)) from None
+
+
+@magic_arguments()
+@argument("names", nargs="+", help="rank variables to fetch")
+@argument("--ranks", "-r", default=None, help=_RANKS_HELP)
+@argument("--as", dest="dest", default=None, help="notebook variable to store into (one name only)")
+@argument("--timeout", "-t", type=float, default=None, help="seconds to wait for every rank")
+def pull(magics: MeshMagics, rest: str) -> None:
+    """%mesh pull x [y ...] [--ranks SPEC] [--as NAME]: notebook x = RankMap of each rank's x."""
+    args = magics.parse_args(pull, rest, "pull")
+    dests = _dest(args, args.names, "pull")
+    m = magics.current()
+    for name, dest in zip(args.names, dests):
         try:
-            m.push(dict(zip(dests, values)), ranks=args.ranks, device=args.device, timeout=args.timeout)
+            magics.shell.user_ns[dest] = m.pull(name, ranks=args.ranks, timeout=args.timeout)
         except ValueError as e:
             raise UsageError(str(e)) from None
 
-    @magic_arguments()
-    @argument("name", help="notebook variable to split")
-    @argument("--dim", type=int, default=0, help="dimension to split along (default 0)")
-    @argument("--ranks", "-r", default=None, help=_RANKS_HELP)
-    @argument("--device", "-d", default=None, help=_DEVICE_HELP)
-    @argument("--as", dest="dest", default=None, help="name on the ranks")
-    @argument("--timeout", "-t", type=float, default=None, help="seconds to wait for every rank")
-    def _scatter(self, rest: str) -> None:
-        """%mesh scatter x [--dim D] [--ranks SPEC] [--device DEV] [--as NAME]: part r of x to the r-th rank."""
-        args = self._parse(self._scatter, rest, "scatter")
-        (value,) = self._notebook_values([args.name], "scatter")
-        (dest,) = self._dest(args, [args.name], "scatter")
-        m = self._mesh()
-        try:
-            m.scatter(dest, value, args.dim, ranks=args.ranks, device=args.device, timeout=args.timeout)
-        except (ValueError, TypeError) as e:
-            if type(e).__name__ == "SerializationError":
-                raise
-            raise UsageError(str(e)) from None
 
-    @magic_arguments()
-    @argument("names", nargs="+", help="rank variables to fetch")
-    @argument("--ranks", "-r", default=None, help=_RANKS_HELP)
-    @argument("--as", dest="dest", default=None, help="notebook variable to store into (one name only)")
-    @argument("--timeout", "-t", type=float, default=None, help="seconds to wait for every rank")
-    def _pull(self, rest: str) -> None:
-        """%mesh pull x [y ...] [--ranks SPEC] [--as NAME]: notebook x = RankMap of each rank's x."""
-        args = self._parse(self._pull, rest, "pull")
-        dests = self._dest(args, args.names, "pull")
-        m = self._mesh()
-        for name, dest in zip(args.names, dests):
-            try:
-                self.shell.user_ns[dest] = m.pull(name, ranks=args.ranks, timeout=args.timeout)
-            except ValueError as e:
-                raise UsageError(str(e)) from None
-
-    @magic_arguments()
-    @argument("name", help="rank variable to fetch")
-    @argument("--dim", type=int, default=0, help="dimension to concatenate along (default 0)")
-    @argument("--ranks", "-r", default=None, help=_RANKS_HELP)
-    @argument("--as", dest="dest", default=None, help="notebook variable to store into")
-    @argument("--timeout", "-t", type=float, default=None, help="seconds to wait for every rank")
-    def _gather(self, rest: str) -> None:
-        """%mesh gather x [--dim D] [--ranks SPEC] [--as NAME]: notebook x = the ranks' x concatenated."""
-        args = self._parse(self._gather, rest, "gather")
-        (dest,) = self._dest(args, [args.name], "gather")
-        m = self._mesh()
-        try:
-            self.shell.user_ns[dest] = m.gather(args.name, args.dim, ranks=args.ranks, timeout=args.timeout)
-        except (ValueError, TypeError) as e:
-            raise UsageError(str(e)) from None
+@magic_arguments()
+@argument("name", help="rank variable to fetch")
+@argument("--dim", type=int, default=0, help="dimension to concatenate along (default 0)")
+@argument("--ranks", "-r", default=None, help=_RANKS_HELP)
+@argument("--as", dest="dest", default=None, help="notebook variable to store into")
+@argument("--timeout", "-t", type=float, default=None, help="seconds to wait for every rank")
+def gather(magics: MeshMagics, rest: str) -> None:
+    """%mesh gather x [--dim D] [--ranks SPEC] [--as NAME]: notebook x = the ranks' x concatenated."""
+    args = magics.parse_args(gather, rest, "gather")
+    (dest,) = _dest(args, [args.name], "gather")
+    m = magics.current()
+    try:
+        magics.shell.user_ns[dest] = m.gather(args.name, args.dim, ranks=args.ranks, timeout=args.timeout)
+    except (ValueError, TypeError) as e:
+        raise UsageError(str(e)) from None

@@ -19,7 +19,7 @@ import logging
 import sys
 from typing import Any
 
-from ..kernel.ranks import format_ranks
+from ..ranks import ranks_text
 from .model import MeshMonitor, monitor_for
 from .text import StatusText, TextLiveView
 from .view import LiveView
@@ -128,7 +128,7 @@ def cell_view(mesh: Any, ranks: list[int] | None = None, *, mode: str = "auto",
     from .dashboard import DashboardView
 
     view = DashboardView(monitor, chosen, follow_cell=True, title="mesh cell", fold_threshold=fold_threshold,
-                         plain=f"mesh cell on ranks {format_ranks(chosen)} (live per-rank view)")
+                         plain=f"mesh cell on {ranks_text(chosen)} (live per-rank view)")
     view.start()
     _display(view.widget)
     return view

@@ -19,7 +19,7 @@ from typing import Any
 import ipywidgets as widgets
 from ipywidgets.widgets.widget_string import HTMLStyle
 
-from ..kernel.ranks import format_ranks
+from ..ranks import format_ranks, ranks_text
 from .model import ATTENTION_STATES, MeshMonitor, RowView, Summary, stragglers
 from .text import fmt_memory, fmt_progress, fmt_seconds, stable_text
 from .view import LiveView
@@ -68,13 +68,9 @@ def _bar(row: RowView) -> str:
             f'<div class="mj-fill" style="width:{width:.1f}%;background:{color}"></div></div>')
 
 
-def _ranks_word(ranks: tuple[int, ...] | list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {format_ranks(ranks)}"
-
-
 def render_header(summary: Summary, title: str) -> str:
     """'mesh cell · ranks 0-3 · [running] 2 · [done] 2 · slowest: rank 1 · 2.5 s'."""
-    parts = [f"<b>{_e(title)}</b>", _e(_ranks_word(summary.ranks)) if summary.ranks else "no ranks"]
+    parts = [f"<b>{_e(title)}</b>", _e(ranks_text(summary.ranks)) if summary.ranks else "no ranks"]
     for state, ranks in summary.by_state.items():
         parts.append(f"{_badge(state)} {len(ranks)}")
     if summary.slowest is not None:
@@ -110,7 +106,7 @@ def render_folded(rows: list[RowView], summary: Summary, limit: int = 8) -> str:
     """Per-state summary, then the ranks that need a look: failed or at a breakpoint, and stragglers."""
     out = ['<table class="mj-summary">']
     for state, ranks in summary.by_state.items():
-        out.append(f"<tr><td>{_badge(state)}</td><td>{len(ranks)}</td><td>{_e(_ranks_word(ranks))}</td></tr>")
+        out.append(f"<tr><td>{_badge(state)}</td><td>{len(ranks)}</td><td>{_e(ranks_text(ranks))}</td></tr>")
     out.append("</table>")
     attention = [r for r in rows if r.state in ATTENTION_STATES][:limit]
     behind = [r for r in stragglers(rows, limit=limit) if r not in attention]

@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Any
 
-from ..kernel.ranks import format_ranks
+from ..ranks import format_ranks, ranks_text
 from .model import FAILED_STATES, MeshMonitor, RowView, Summary, monitor_for, stragglers
 from .view import LiveView
 
@@ -84,12 +84,8 @@ def stable_text(rows: list[RowView], summary: Summary, *, title: str = "mesh") -
     for row in rows:
         groups.setdefault(_state_text(row) + (f" ({row.device})" if row.device else ""), []).append(row.rank)
     for text, ranks in sorted(groups.items(), key=lambda item: item[1][0]):
-        lines.append(f"  {_ranks_word(ranks)}: {text}")
+        lines.append(f"  {ranks_text(ranks)}: {text}")
     return "\n".join(lines)
-
-
-def _ranks_word(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {format_ranks(ranks)}"
 
 
 def table_text(rows: list[RowView]) -> list[str]:
@@ -169,13 +165,13 @@ class TextLiveView(LiveView):
         return super().tick()
 
     def _waited(self) -> bool:
-        return self.handle is not None and getattr(self.handle, "_waiting", False)
+        return self.handle is not None and self.handle.waited
 
     def _render(self, final: bool) -> None:
         # Most cells are fast and go well, and then this view prints nothing: skip the snapshot for them (before
         # the cell is submitted, and at the end of one that printed nothing and failed nowhere).
         quiet_end = final and self._printed_at is None and not self._reported and (
-            self.handle is not None and not self.handle.errors)
+            self.handle is not None and not self.handle.snapshot().errors)
         if quiet_end or (not final and self.follow_cell and self.handle is None):
             self._seen = self.monitor.version
             self._last_render = time.monotonic()

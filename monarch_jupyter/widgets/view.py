@@ -232,9 +232,8 @@ class LiveView:
         handle = self.handle
         if handle is None:
             return rows, summary
-        errors = dict(handle.errors)
-        finished = set(handle.finished)
-        durations = dict(handle.durations)
+        snap = handle.snapshot()
+        errors, finished, durations = snap.errors, snap.finished, snap.durations
         fixed = []
         for row in rows:
             err = errors.get(row.rank)

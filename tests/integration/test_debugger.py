@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from monarch_jupyter import Mesh, MeshError, MeshTimeoutError
-from monarch_jupyter.kernel.debugger import NothingToDebugError
+from monarch_jupyter.kernel.postmortem import NothingToDebugError
 
 pytestmark = pytest.mark.slow
 
@@ -128,7 +128,7 @@ def test_two_ranks_stopped_at_once(dbg: Mesh, capsys: pytest.CaptureFixture[str]
     # Each answer is labelled; rank 2's first lines say where it stopped (not shown before: it was not current).
     assert ("(Pdb rank 1) cast 1,2 p x * 2\n[rank1]: 20\n[rank2]: > <dbg two>(6)<module>()\n"
             "[rank2]: -> y = x + 1\n[rank2]: 40\n") in text
-    assert "cast: rank(s) 0,3 not stopped at a prompt; skipped\n[rank1]: 10\n[rank2]: 20\n" in text
+    assert "cast: ranks 0,3 not stopped at a prompt; skipped\n[rank1]: 10\n[rank2]: 20\n" in text
     # c lets rank 1 go on; rank 2 is offered next.
     assert "(Pdb rank 1) c\n--- rank 2 stopped at <dbg two> line 6" in text
     assert "(Pdb rank 2) p x\n20\n" in text
@@ -174,11 +174,11 @@ def test_switch_continue_all_and_detach(dbg: Mesh, capsys: pytest.CaptureFixture
     text = capsys.readouterr().out
     first = person.prompts[0]
     assert person.prompts[:4] == [first, first] + ["(Pdb rank 3) "] * 2 and len(person.prompts) == 5
-    assert f"{first}rank 1\nrank 1 is not stopped at a prompt (stopped: 0,2-3)\n" in text
+    assert f"{first}rank 1\nrank 1 is not stopped at a prompt (stopped: 0,2,3)\n" in text
     assert f"{first}rank 3\n--- rank 3 stopped at <dbg all> line 5, in <module>; also stopped: ranks 0,2\n" in text
-    assert "(Pdb rank 3) p rank\n3\n(Pdb rank 3) c all\nranks 0,2-3 continue\n" in text
+    assert "(Pdb rank 3) p rank\n3\n(Pdb rank 3) c all\nranks 0,2,3 continue\n" in text
     # The second breakpoint stops every rank; detach lets them go and skips the third breakpoint.
-    assert "detached: rank(s) " in text
+    assert "detached: rank" in text
     assert text.count("it continues: the debugger is detached for this cell") >= 4
 
 
@@ -256,7 +256,7 @@ def test_interrupt_at_the_prompt_continues(dbg: Mesh, capsys: pytest.CaptureFixt
     """, filename="<dbg int>")
     assert out == {0: 0, 1: 1, 2: 2, 3: 4}
     text = capsys.readouterr().out
-    assert "interrupted at the debugger prompt: rank(s) 3 continue" in text
+    assert "interrupted at the debugger prompt: rank 3 continue" in text
     assert "[rank3]: stopped at <dbg int> line 7, in <module>; it continues: the debugger is detached" in text
 
 
@@ -264,7 +264,7 @@ def test_interrupt_at_the_prompt_raises(dbg: Mesh, capsys: pytest.CaptureFixture
     dbg.debugger.input = Person([KeyboardInterrupt])
     with dbg.debugger.options(on_interrupt="raise"), pytest.raises(KeyboardInterrupt):
         run(dbg, "x = rank\nif rank == 1: breakpoint()\ny = 1\n", filename="<dbg raise>")
-    assert "rank(s) 1 raise KeyboardInterrupt where they stopped" in capsys.readouterr().out
+    assert "rank 1 raise KeyboardInterrupt where they stopped" in capsys.readouterr().out
     # Post-mortem sees where rank 1 stopped.
     with dbg.debugger.options(commands="p x"):
         dbg.debugger.post_mortem(1)

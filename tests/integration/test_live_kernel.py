@@ -65,7 +65,7 @@ def test_dashboard_streams_progress_and_ends_done(kernel):
     assert len(shown) == 1
     data = shown[0]["content"]["data"]
     assert "application/vnd.jupyter.widget-view+json" in data
-    assert data["text/plain"] == "mesh cell on ranks 0-1 (live per-rank view)"
+    assert data["text/plain"] == "mesh cell on ranks 0,1 (live per-rank view)"
     updates = html_updates(msgs)
     running = {int(n) for u in updates for n in re.findall(r'data-state="running" data-n="(\d+)"', u)}
     assert len(running & set(range(1, 8))) >= 3, running  # live: several intermediate counts while it ran

@@ -155,12 +155,12 @@ def test_dashboard_widget_updates_live_and_keeps_final_state(mesh):
     mesh.run("1")
     assert view.widget.html.value == final
     bundle = view.widget._repr_mimebundle_()
-    assert bundle["text/plain"] == "mesh cell on ranks 0-1 (live per-rank view)"
+    assert bundle["text/plain"] == "mesh cell on ranks 0,1 (live per-rank view)"
 
 
 def test_status_view_text_plain_is_stable(mesh):
     widget = status_view(mesh, mode="widget")
-    assert widget._repr_mimebundle_()["text/plain"] == "mesh: ranks 0-1: idle 0-1\n  ranks 0-1: idle (cpu)"
+    assert widget._repr_mimebundle_()["text/plain"] == "mesh: ranks 0,1: idle 0,1\n  ranks 0,1: idle (cpu)"
     text = status_view(mesh, mode="text")
     assert re.search(r"^\s+0\s+idle\s+cpu", repr(text), re.M), repr(text)
 
@@ -173,19 +173,21 @@ def test_text_view_prints_progress_and_failure(mesh):
         mesh.run(code)
     view.finish()
     text = out.getvalue()
-    assert re.search(r"\[mesh [\d.]+ s\] ranks 0-1: running 0-1 · rank 0 \d/8 · train", text), text
+    assert re.search(r"\[mesh [\d.]+ s\] ranks 0,1: running 0,1 · rank 0 \d/8 · train", text), text
     assert "[mesh] rank 1 error: KeyError: 'missing'" in text
-    assert text.rstrip().splitlines()[-1].startswith("[mesh] ranks 0-1: error 1 · done 0")
+    assert text.rstrip().splitlines()[-1].startswith("[mesh] ranks 0,1: error 1 · done 0")
 
 
 def test_breakpoint_state_from_the_debugger_event(mesh):
     """The debugger reports a rank stopped at a breakpoint as a rank_state event; the row shows it."""
     monitor = monitor_for(mesh)
     handle = mesh.run("import time; time.sleep(1.5)", block=False)
-    mesh._event("rank_state", rank=1, state="breakpoint")
+    mesh.events.emit("rank_state", rank=1, state="breakpoint")
+    mesh.events.flush()
     rows = monitor.snapshot(handle.ranks, handle.cell_id)[0]
     assert [r.state for r in rows] == ["running", "breakpoint"]
-    mesh._event("rank_state", rank=1, state="running")
+    mesh.events.emit("rank_state", rank=1, state="running")
+    mesh.events.flush()
     handle.result(30)
     assert [r.state for r in monitor.snapshot(handle.ranks, handle.cell_id)[0]] == ["done", "done"]
 
@@ -195,11 +197,12 @@ def test_magics_widget_no_widget_and_async(mesh):
 
     from monarch_jupyter.magics import _MAGICS, load
 
-    from monarch_jupyter.kernel import mesh as mesh_mod
+    from monarch_jupyter.kernel import registry
 
     shell = InteractiveShell.instance()
     load(shell)
-    saved, mesh_mod._current = mesh_mod._current, mesh  # %%mesh runs on the current mesh
+    saved = registry.peek_current()
+    registry.set_current(mesh)  # %%mesh runs on the current mesh
     try:
         magics = shell.magics_manager.registry["MeshMagics"]
         magics.live_view = "widget"
@@ -223,7 +226,7 @@ def test_magics_widget_no_widget_and_async(mesh):
         # Not unload(): it would stop the fixture's mesh and the fork server the other tests share.
         _MAGICS.pop(id(shell), None)
         InteractiveShell.clear_instance()
-        mesh_mod._current = saved
+        registry.set_current(saved)
 
 
 def test_syntax_error_leaves_no_live_view(mesh):

@@ -186,15 +186,15 @@ def test_rank_that_fails_to_join_fails_start_with_its_error() -> None:
         Mesh(2, env={"GLOO_SOCKET_IFNAME": "no-such-nic0"}, start_timeout=60)
     text = str(info.value)
     assert "rank" in text and "no-such-nic0" in text
-    assert not wait_gone(worker_pids() - before - _zygotes(), timeout=5)
+    assert not wait_gone(worker_pids() - before - _fork_servers(), timeout=5)
 
 
-def _zygotes() -> set[int]:
+def _fork_servers() -> set[int]:
     """The shared fork server stays up between meshes; it is not a rank."""
-    from monarch_jupyter.kernel.launcher import _Zygote
+    from monarch_jupyter.kernel.launch.local import fork_server_pid
 
-    z = _Zygote._instance
-    return {z.proc.pid} if z is not None else set()
+    pid = fork_server_pid()
+    return {pid} if pid is not None else set()
 
 
 def test_bad_arguments() -> None:
@@ -226,7 +226,7 @@ def test_stacks_of_busy_and_idle_ranks(mesh: Mesh) -> None:
     assert "rank 1:" in text and "line 3" in text, text
     assert "ranks 0,2,3: idle" in text, text  # short rank lists read aloud (stacks.rank_list)
     with pytest.raises(KeyboardInterrupt):
-        mesh._on_interrupt(handle)
+        mesh.waiter.interrupt_cell(handle)
         handle.result(timeout=10)
     assert mesh.run("rank", ranks=1) == {1: 1}
 
@@ -235,17 +235,17 @@ def test_start_timeout_fails_cleanly() -> None:
     before = worker_pids()
     with pytest.raises(MeshStartError, match="within 0"):
         Mesh(2, start_timeout=0.001)
-    assert not wait_gone(worker_pids() - before - _zygotes(), timeout=5)
+    assert not wait_gone(worker_pids() - before - _fork_servers(), timeout=5)
 
 
 def test_ranks_are_not_forked_from_the_controller(mesh: Mesh) -> None:
     pids = [s["pid"] for s in mesh.status().values()]
     parents = {int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1]) for pid in pids}
     assert os.getpid() not in parents
-    (zygote,) = parents
-    assert zygote in _zygotes()
-    cmdline = open(f"/proc/{zygote}/cmdline", "rb").read().split(b"\0")
-    assert b"monarch_worker.zygote" in cmdline  # a fresh interpreter, started by exec, not a fork of this one
+    (fork_server,) = parents
+    assert fork_server in _fork_servers()
+    cmdline = open(f"/proc/{fork_server}/cmdline", "rb").read().split(b"\0")
+    assert b"monarch_worker.forkserver" in cmdline  # a fresh interpreter, started by exec, not a fork of this one
 
 
 def test_wrong_secret_and_garbage_are_rejected(mesh: Mesh) -> None:
@@ -360,33 +360,34 @@ def test_an_interrupt_that_overtakes_its_cell_stops_it_when_it_starts(mesh: Mesh
 
     first = mesh.run("import time; time.sleep(0.5); 'first'", ranks=2, block=False)
     second = mesh.run("'second ran'", ranks=2, block=False)
-    mesh._post(mesh._ranks[2], P.Interrupt(second.cell_id))  # what Ctrl-C on the waiting cell sends
+    mesh.dispatcher.post(2, P.Interrupt(second.cell_id))  # what Ctrl-C on the waiting cell sends
     assert first.result(timeout=30) == {2: "first"}
     with pytest.raises(KeyboardInterrupt, match="interrupted rank"):
         second.result(timeout=30)
     assert mesh.run("'after'", ranks=2) == {2: "after"}
 
 
-def test_an_interrupt_before_the_caller_waits_still_stops_the_ranks(mesh: Mesh) -> None:
+def test_an_interrupt_before_the_caller_waits_still_stops_the_ranks(mesh: Mesh,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     # A fast cell's first output can be on screen, and the user can interrupt, before the submitting thread is in
-    # its wait loop (here: while the cell_started listeners run). The ranks must be interrupted all the same, or
-    # they would go on with the cell and the next cell's output would be filed under this one.
+    # its wait loop (here: right after the cell was sent, as its cell_started event is queued). The ranks must be
+    # interrupted all the same, or they would go on with the cell and the next cell's output would be filed under
+    # this one.
     import signal
-    import threading
 
     fired = []
+    emit = mesh.events.emit
 
-    def listener(kind: str, data: dict) -> None:
-        if kind == "cell_started" and not fired and threading.current_thread() is threading.main_thread():
+    def emit_then_interrupt(kind: str, **data: object) -> None:
+        emit(kind, **data)
+        if kind == "cell_started" and not fired:
             fired.append(data["cell_id"])
             signal.raise_signal(signal.SIGINT)  # as the kernel's interrupt does, at this exact moment
 
-    mesh.add_listener(listener)
-    try:
-        with pytest.raises(KeyboardInterrupt, match="interrupted rank"):
-            mesh.run("import time\ntime.sleep(600)")
-    finally:
-        mesh.remove_listener(listener)
+    monkeypatch.setattr(mesh.events, "emit", emit_then_interrupt)
+    with pytest.raises(KeyboardInterrupt, match="interrupted rank"):
+        mesh.run("import time\ntime.sleep(600)")
+    monkeypatch.undo()
     assert fired
     assert mesh.run("'next'") == {r: "next" for r in range(4)}
 
@@ -488,7 +489,7 @@ def test_an_interrupt_while_a_cell_is_being_sent_reaches_every_rank(mesh: Mesh, 
     # (a message cut in half would corrupt the pipe; a rank left without it would stay "running" for ever).
     import signal
 
-    from monarch_jupyter.kernel.launcher import WorkPipe
+    from monarch_jupyter.kernel.launch.base import WorkPipe
 
     original = WorkPipe.send
     calls = []

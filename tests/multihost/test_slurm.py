@@ -12,8 +12,8 @@ from collections.abc import Iterator
 
 import pytest
 from monarch_jupyter import Mesh, MeshStartError
-from monarch_jupyter.kernel import mesh as mesh_mod
-from monarch_jupyter.kernel.slurm import SlurmLauncher
+from monarch_jupyter.kernel import registry
+from monarch_jupyter.kernel.launch.slurm import SlurmLauncher
 from tests.conftest import magic_shell
 from tests.multihost.conftest import SlurmCluster
 
@@ -43,14 +43,15 @@ def monarch_steps(slurm: SlurmCluster) -> list[str]:
 
 def test_start_restart_stop_through_srun(slurm: SlurmCluster, allocation: str) -> None:
     shell = magic_shell()
-    saved, mesh_mod._current = mesh_mod._current, None
+    saved = registry.peek_current()
+    registry.set_current(None)
     host1, host2 = slurm.hosts.name(1), slurm.hosts.name(2)
     try:
         m = shell.run_line_magic(
             "mesh", f"start --launcher slurm -n 4 --nodes 2 --address {slurm.hosts.bridge} --timeout 120")
         try:
             assert m.hosts() == {host1: [0, 1], host2: [2, 3]}  # SLURM's block placement, SLURM_PROCID order
-            first = m._launcher.step_id()
+            first = m.state.launcher.step_id()
             assert first.startswith(f"{allocation}.") and monarch_steps(slurm) == [first]
             out = shell.run_cell_magic("mesh", "--order rank", textwrap.dedent("""
                 import os, socket
@@ -62,7 +63,7 @@ def test_start_restart_stop_through_srun(slurm: SlurmCluster, allocation: str) -
             assert out == {0: (10.0, 0, "2"), 1: (10.0, 1, "2"), 2: (10.0, 0, "2"), 3: (10.0, 1, "2")}
             m.run("secret = 42")
             m.restart()
-            second = m._launcher.step_id()
+            second = m.state.launcher.step_id()
             assert second != first and monarch_steps(slurm) == [second]  # the old step is gone
             assert m.run("'secret' in globals()") == {r: False for r in range(4)}  # fresh processes
         finally:
@@ -75,7 +76,7 @@ def test_start_restart_stop_through_srun(slurm: SlurmCluster, allocation: str) -
             subprocess.run(["sleep", "0.2"])
         assert not left, [(p, _comm(p)) for p in left]
     finally:
-        mesh_mod._current = saved
+        registry.set_current(saved)
 
 
 def _comm(pid: int) -> str:
@@ -122,7 +123,7 @@ def test_unreachable_controller_is_reported_and_the_step_cancelled(slurm: SlurmC
     with pytest.raises(MeshStartError) as info:
         Mesh(2, launcher=SlurmLauncher(nodes=2), address="127.0.0.1", start_timeout=8)
     text = str(info.value)
-    assert "0 of 2 ranks joined within 8 s" in text and "missing: rank(s) 0-1" in text
+    assert "0 of 2 ranks joined within 8 s" in text and "missing: ranks 0,1" in text
     assert "reach tcp://127.0.0.1:" in text
     assert monarch_steps(slurm) == []
     assert os.environ["SLURM_JOB_ID"] == allocation

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pickle
 
 from monarch_jupyter.errors import MeshError, MeshTimeoutError, RankAbortedError, RankDiedError, RemoteError
-from monarch_jupyter.kernel.recovery import kept_for_death_report, where_interrupted
-from monarch_jupyter.kernel.stacks import StackReport, rank_list, summarize
+from monarch_jupyter.kernel.recovery import where_interrupted
+from monarch_jupyter.kernel.routing import kept_for_death_report
+from monarch_jupyter.kernel.stacks import StackReport, summarize
+from monarch_jupyter.ranks import format_ranks as rank_list
 from monarch_worker import protocol as P
 
 C10D = "/usr/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
@@ -75,7 +77,7 @@ def test_mesh_error_folds_aborted_survivors_and_pickles() -> None:
     assert text[1] == "--- root cause: rank 1 (first failure seen) ---"
     assert "--- ranks 0,3: interrupted because rank 1 died ---" in text
     assert "--- rank 2: stopped because rank 1 died (RuntimeError: Connection closed by peer) ---" in text
-    assert text[-2:] == ["(rank(s) 4 finished; their results are in .results of this error)",
+    assert text[-2:] == ["(rank 4 finished; their results are in .results of this error)",
                          "%mesh restart --rank 1"]
     t = pickle.loads(pickle.dumps(MeshTimeoutError({0: released}, {1: 2}, "the cell", "rank 0: x", 3.0, "h")))
     assert (t.stacks, t.timeout, t.hint, t.results) == ("rank 0: x", 3.0, "h", {1: 2})

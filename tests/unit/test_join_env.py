@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from monarch_jupyter.kernel.remote import JoinCommands, resolve_address
+from monarch_jupyter.kernel.launch.join import JoinCommands, resolve_address
 from monarch_worker import join as wjoin
 
 SECRET = "ab" * 32

@@ -1,4 +1,4 @@
-"""The wire protocol: framing, signing, replay rejection; the zygote pipe framing."""
+"""The wire protocol: framing, signing, replay rejection; the fork-server framing."""
 
 from __future__ import annotations
 
@@ -66,8 +66,8 @@ def test_short_secret_refused() -> None:
         P.Signer(b"short")
 
 
-def test_zygote_frame() -> None:
-    frame = P.zygote_json(P.Z_SPAWNED, 3, {"pid": 42})
-    kind, sid, n = P.ZYGOTE_HEADER.unpack_from(frame)
-    assert (kind, sid, frame[P.ZYGOTE_HEADER.size:]) == (P.Z_SPAWNED, 3, b'{"pid": 42}')
+def test_fork_server_frame() -> None:
+    frame = P.fork_server_json(P.FS_SPAWNED, 3, {"pid": 42})
+    kind, sid, n = P.FORK_SERVER_HEADER.unpack_from(frame)
+    assert (kind, sid, frame[P.FORK_SERVER_HEADER.size:]) == (P.FS_SPAWNED, 3, b'{"pid": 42}')
     assert n == len(b'{"pid": 42}')

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from monarch_jupyter.kernel.ranks import RankMap, format_ranks, parse_ranks
+from monarch_jupyter.ranks import RankMap, format_ranks, parse_ranks, ranks_text
 
 
 @pytest.mark.parametrize(
@@ -22,9 +22,11 @@ def test_parse_errors_name_the_problem(spec: object) -> None:
         parse_ranks(spec, 4)  # type: ignore[arg-type]
 
 
-def test_format() -> None:
-    assert format_ranks([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+def test_format_reads_aloud() -> None:
+    assert format_ranks([0, 1, 2, 5, 7, 8]) == "0-2,5,7,8"  # runs of three or more become ranges
+    assert format_ranks([3, 0, 1]) == "0,1,3"
     assert format_ranks([]) == ""
+    assert ranks_text([2]) == "rank 2" and ranks_text([0, 1, 2, 3]) == "ranks 0-3"
 
 
 def test_rankmap_orders_by_rank() -> None:

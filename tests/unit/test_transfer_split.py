@@ -7,7 +7,7 @@ import pytest
 import torch
 from monarch_worker import shm
 
-from monarch_jupyter.kernel.ranks import RankMap
+from monarch_jupyter.ranks import RankMap
 from monarch_jupyter.kernel.transfer import choose_route, concat, split
 
 

@@ -1,14 +1,14 @@
-"""Fork server for local ranks ("zygote").
+"""The fork server: forks this host's ranks from one interpreter that imported torch once.
 
-The kernel starts this module as a fresh interpreter (``python -m monarch_worker.zygote``), never by forking
+The kernel starts this module as a fresh interpreter (``python -m monarch_worker.forkserver``), never by forking
 itself. It imports torch once, never runs any torch compute (no CUDA context, no OpenMP thread pool, no threads
 at all), and then forks one child per rank on request. A child starts with torch already imported, so a mesh is
 ready in about the time of one ``import torch``, and a restart takes a fraction of that.
 
-Each rank's stdout and stderr are pipes whose read ends the zygote hands to the kernel (SCM_RIGHTS), so the
+Each rank's stdout and stderr are pipes whose read ends the fork server hands to the kernel (SCM_RIGHTS), so the
 kernel reads a rank's output, and the records in it (protocol.RECORD_PREFIX), with no process in between. The
 kernel holds those read ends, so what a rank printed just before it crashed stays in the pipe until the kernel has
-read it; the zygote reports every rank's exit status within one select() wake-up of the SIGCHLD, and the kernel
+read it; the fork server reports every rank's exit status within one select() wake-up of the SIGCHLD, and the kernel
 drains the rank's pipes before it acts on that status. Each rank's work pipe (protocol.WORK_FD) arrives the other
 way, from the kernel, with the spawn request.
 
@@ -16,7 +16,7 @@ It exits, killing every rank, when the kernel closes the control socket or when 
 kernel died), so no rank outlives the notebook kernel.
 
 Control channel: the kernel passes one end of a Unix socket pair as fd 0; it carries the frames of
-protocol.ZYGOTE_HEADER both ways, and file descriptors with them. It is moved away from fd 0 at once.
+protocol.FORK_SERVER_HEADER both ways, and file descriptors with them. It is moved away from fd 0 at once.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def _set_pdeathsig(sig: int) -> None:
         pass
 
 
-class Zygote:
+class ForkServer:
     def __init__(self, ctl_fd: int) -> None:
         self.ctl = socket.socket(fileno=ctl_fd)
         self.received_fds: list[int] = []  # work pipes handed over with SCM_RIGHTS, in the order of the spawns
@@ -91,7 +91,7 @@ class Zygote:
         if work_r >= 0:
             os.close(work_r)
         self.children[pid] = sid
-        self.emit(P.zygote_json(P.Z_SPAWNED, sid, {"pid": pid}), (out_r, err_r))
+        self.emit(P.fork_server_json(P.FS_SPAWNED, sid, {"pid": pid}), (out_r, err_r))
 
     def _become_rank(self, req: dict, out_w: int, err_w: int, work_r: int) -> None:
         signal.set_wakeup_fd(-1)
@@ -99,7 +99,7 @@ class Zygote:
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         _set_pdeathsig(signal.SIGKILL)
-        if os.getppid() != self.zygote_pid:
+        if os.getppid() != self.pid:
             os._exit(1)
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
@@ -116,7 +116,8 @@ class Zygote:
         except OSError:
             pass
         sys.path[:] = req["sys_path"]
-        from .runtime import RankConfig, run_rank
+        from .config import RankConfig
+        from .runtime import run_rank
 
         code = run_rank(RankConfig(**req["config"]))
         os._exit(code)
@@ -141,7 +142,7 @@ class Zygote:
             if sid is None:
                 continue
             code = os.waitstatus_to_exitcode(status)
-            self.emit(P.zygote_json(P.Z_EXITED, sid, {"returncode": code, "pid": pid}))
+            self.emit(P.fork_server_json(P.FS_EXITED, sid, {"returncode": code, "pid": pid}))
 
     def handle_control(self) -> None:
         try:
@@ -152,16 +153,16 @@ class Zygote:
         if not data:
             self.shutdown(0)
         self.buf += data
-        hs = P.ZYGOTE_HEADER.size
+        hs = P.FORK_SERVER_HEADER.size
         while len(self.buf) >= hs:
-            kind, sid, n = P.ZYGOTE_HEADER.unpack_from(self.buf)
+            kind, sid, n = P.FORK_SERVER_HEADER.unpack_from(self.buf)
             if len(self.buf) < hs + n:
                 break
             body, self.buf = self.buf[hs:hs + n], self.buf[hs + n:]
             req = json.loads(body)
-            if kind == P.Z_SPAWN:
+            if kind == P.FS_SPAWN:
                 self.spawn(sid, req)
-            elif kind == P.Z_KILL:
+            elif kind == P.FS_KILL:
                 self.kill(sid, int(req["signal"]))
 
     def shutdown(self, code: int) -> None:
@@ -176,8 +177,8 @@ class Zygote:
         os._exit(code)
 
     def serve(self) -> None:
-        self.zygote_pid = os.getpid()
-        self.emit(P.zygote_json(P.Z_READY, -1, {"pid": self.zygote_pid}))
+        self.pid = os.getpid()
+        self.emit(P.fork_server_json(P.FS_READY, -1, {"pid": self.pid}))
         self.flush()
         while True:
             try:
@@ -204,7 +205,7 @@ def main() -> None:
     os.dup2(devnull, 0)
     os.dup2(2, 1)  # anything printed by imports goes to the kernel's stderr
     os.close(devnull)
-    import torch  # noqa: F401  - the point of the zygote: pay for this once
+    import torch  # noqa: F401  - the point of the fork server: pay for this once
     import torch.distributed  # noqa: F401
     import cloudpickle  # noqa: F401
     import zmq  # noqa: F401  - imports only; no Context (it would start threads) before forking
@@ -216,7 +217,7 @@ def main() -> None:
     # This is the standard pre-fork recipe of CPython's gc.freeze documentation.
     gc.collect()
     gc.freeze()
-    Zygote(ctl_fd).serve()
+    ForkServer(ctl_fd).serve()
 
 
 if __name__ == "__main__":

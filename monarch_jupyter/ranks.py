@@ -1,11 +1,15 @@
-"""Rank selections and per-rank results."""
+"""Rank selections, the one way rank lists are written, and per-rank results.
+
+Every message, report and view names ranks through ``format_ranks`` ("0,1,3", "0-7", "0,2-5") or its phrase form
+``ranks_text`` ("rank 2", "ranks 0-3"), so a rank list reads the same wherever it appears.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["parse_ranks", "RankMap", "format_ranks"]
+__all__ = ["parse_ranks", "RankMap", "format_ranks", "ranks_text"]
 
 
 def parse_ranks(spec: str | int | Iterable[int] | None, world_size: int) -> list[int]:
@@ -50,17 +54,14 @@ def parse_ranks(spec: str | int | Iterable[int] | None, world_size: int) -> list
         ranks.update(int(r) for r in spec)
     bad = sorted(r for r in ranks if not 0 <= r < world_size)
     if bad:
-        raise ValueError(f"rank(s) {bad} not in this mesh of world size {world_size} (ranks 0..{world_size - 1})")
+        raise ValueError(f"{ranks_text(bad)} not in this mesh of world size {world_size} (ranks 0..{world_size - 1})")
     if not ranks:
         raise ValueError(f"rank selection {spec!r} selects no rank of a mesh of world size {world_size}")
     return sorted(ranks)
 
 
-def format_ranks(ranks: Iterable[int], min_run: int = 2) -> str:
-    """Compact text for a set of ranks: [0, 1, 2, 5] -> '0-2,5'.
-
-    Runs of at least ``min_run`` consecutive ranks become ranges; ``min_run=3`` reads like speech: "0,1,3".
-    """
+def format_ranks(ranks: Iterable[int]) -> str:
+    """Ranks as read aloud: [0, 1, 3] -> "0,1,3"; runs of three or more as ranges: "0-7", "0,2-5"."""
     rs = sorted(set(ranks))
     parts: list[str] = []
     i = 0
@@ -68,9 +69,15 @@ def format_ranks(ranks: Iterable[int], min_run: int = 2) -> str:
         j = i
         while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
             j += 1
-        parts += [f"{rs[i]}-{rs[j]}"] if j - i + 1 >= min_run else [str(r) for r in rs[i:j + 1]]
+        parts += [f"{rs[i]}-{rs[j]}"] if j - i >= 2 else [str(r) for r in rs[i:j + 1]]
         i = j + 1
     return ",".join(parts)
+
+
+def ranks_text(ranks: Iterable[int]) -> str:
+    """"rank 2" or "ranks 0,1,3": ``format_ranks`` with the word in front, singular or plural."""
+    rs = sorted(set(ranks))
+    return f"rank{'s' if len(rs) != 1 else ''} {format_ranks(rs)}"
 
 
 class RankMap(dict):

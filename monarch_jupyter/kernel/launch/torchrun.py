@@ -2,7 +2,7 @@
 
 torchrun (``python -m torch.distributed.run --standalone``) places and numbers the ranks and hosts their
 rendezvous; each rank is ``python -m monarch_worker`` and joins the controller on loopback (monarch_jupyter.
-kernel.join). For ranks on several hosts, run the torchrun command that ``%mesh listen`` prints on each host.
+kernel.launch.listener). For ranks on several hosts, run the torchrun command that ``%mesh listen`` prints on each host.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import sys
 
 from monarch_worker import join as wjoin
 
-from .remote import JoinCommands, ProcessLauncher
-from .launcher import LaunchError
+from .base import LaunchError
+from .join import JoinCommands, ProcessLauncher
 
 __all__ = ["TorchrunLauncher"]
 

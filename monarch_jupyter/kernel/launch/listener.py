@@ -10,11 +10,11 @@ c10d store on its address toward the controller, or, when the launcher set MASTE
 (torchrun), every rank uses ``env://``. When the start timeout passes first, the report names who joined and
 who is missing.
 
-The launchers (who starts the ranks) and the printed commands are in remote.py.
+The launchers (who starts the ranks) and the printed commands are in launch/join.py.
 
-Threads: methods marked (I/O) run on the mesh's I/O thread (which owns the socket); ``wait_ready`` and
-``wait_exited`` on the caller's thread; launcher exit events on the launcher's waiter thread. State is
-guarded by the mesh's lock.
+Threads: methods marked (I/O) run on the mesh's I/O thread (which owns the socket; ``attach`` gives its
+``send_to``); ``wait_ready`` and ``wait_exited`` on the caller's thread; launcher exit events on the launcher's
+waiter thread. State is guarded by the mesh's lock.
 """
 
 from __future__ import annotations
@@ -32,14 +32,18 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from monarch_worker import protocol as P
-from monarch_worker.channel import send_frames
+from monarch_worker.options import rank_settings
 
-from ..errors import MeshStartError, describe_returncode
-from .ranks import format_ranks
-from .remote import JoinCommands, JoinLauncher, ProcessLauncher, _default_nproc_per_node, resolve_address
+from ...errors import MeshStartError, describe_returncode
+from ...ranks import format_ranks, ranks_text
+from ..state import MeshState, RankState
+from .base import LauncherEvents
+from .join import JoinCommands, JoinLauncher, ProcessLauncher, default_nproc_per_node, resolve_address
 
 if TYPE_CHECKING:
-    from .mesh import Mesh
+    from collections.abc import Callable
+
+    from ..dispatch import Dispatcher
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +72,8 @@ class Listener:
 
     Parameters
     ----------
-    mesh:
-        The mesh it admits ranks to.
+    state:
+        The state of the mesh it admits ranks to.
     launcher:
         A JoinLauncher (or a subclass that starts the ranks: torchrun, srun).
     address:
@@ -87,13 +91,13 @@ class Listener:
         Bad address or port, or encryption asked for without CURVE support.
     """
 
-    def __init__(self, mesh: Mesh, launcher: JoinLauncher, address: str | None, port: int, encrypt: bool,
+    def __init__(self, state: MeshState, launcher: JoinLauncher, address: str | None, port: int, encrypt: bool,
                  secret_file: str | None) -> None:
         if not 0 <= port < 65536:
             raise ValueError(f"port must be 0 (any) or 1-65535, got {port}")
         if encrypt and not zmq.has("curve"):
             raise ValueError("encrypt=True needs libzmq built with CURVE (libsodium); this pyzmq has none")
-        self.mesh = mesh
+        self.state = state
         self.launcher = launcher
         launcher.listener = self
         self.bind_ip, self.advertised = resolve_address(address)
@@ -115,6 +119,16 @@ class Listener:
         self._rdzv_store: Any = None
         self._ctx = contextvars.copy_context()
         self.waiting = False
+        self._secret = b""
+        self._send_to: Callable[[bytes, P.Message], None] | None = None
+        self._dispatcher: Dispatcher | None = None
+        self._sink: LauncherEvents | None = None
+
+    def attach(self, send_to: Callable[[bytes, P.Message], None], dispatcher: Dispatcher,
+               sink: LauncherEvents) -> None:
+        """Give the listener the I/O thread's ``send_to``, the mesh's dispatcher (its outbox) and the sink of rank
+        events (pids, output, exits)."""
+        self._send_to, self._dispatcher, self._sink = send_to, dispatcher, sink
 
     @property
     def loopback(self) -> bool:
@@ -141,10 +155,11 @@ class Listener:
         except zmq.ZMQError as e:
             raise MeshStartError(f"cannot listen on {self.bind_ip}:{self.port or 'any port'}: {e}") from None
         url = f"tcp://{self.advertised}:{port}"
+        self._secret = secret
         self._secret_path = self._write_secret(secret)
         atexit.register(self._remove_secret)  # also when the kernel exits without stopping the mesh
-        world = self.mesh.nproc
-        per_node = self.launcher.nproc_per_node or _default_nproc_per_node(world)
+        world = self.state.nproc
+        per_node = self.launcher.nproc_per_node or default_nproc_per_node(world)
         if world % per_node:
             raise ValueError(f"nproc_per_node {per_node} does not divide the world size {world}")
         rdzv = ""
@@ -155,7 +170,7 @@ class Listener:
                                      f"monarch-{gen}", sys.executable)
         self.is_open = True
         self.opened_at = time.monotonic()
-        self.deadline = self.opened_at + self.mesh.start_timeout
+        self.deadline = self.opened_at + self.state.options.start_timeout
         self._ctx = contextvars.copy_context()
         if not self.loopback:
             log.info("the mesh listens on %s (bound to %s)", url, self.bind_ip)
@@ -191,12 +206,12 @@ class Listener:
         import torch.distributed as dist
 
         self._rdzv_store = dist.TCPStore(self.advertised, 0, is_master=True, wait_for_workers=False,
-                                         timeout=timedelta(seconds=max(self.mesh.start_timeout, 60)))
+                                         timeout=timedelta(seconds=max(self.state.options.start_timeout, 60)))
         return f"{self.advertised}:{self._rdzv_store.port}"
 
     def launch(self, env: dict[str, str]) -> JoinLauncher:
         assert self.commands is not None
-        self.launcher.launch(self.commands, env, self.mesh._secret.hex(), self)
+        self.launcher.launch(self.commands, env, self._secret.hex(), self)
         return self.launcher
 
     def close(self) -> None:
@@ -228,20 +243,20 @@ class Listener:
             log.warning("rejected a rank from %s (pid %d): %s", msg.host, msg.pid, reason)
             self._send(identity, P.Rejected(reason))
             return
-        with self.mesh._lock:
+        with self.state.lock:
             self._arrivals += 1
             self._pending[identity] = _Joiner(identity, msg, self._arrivals, time.monotonic(), msg.rank)
             if msg.rank >= 0:  # numbered by its launcher: %mesh status shows where it is while others come
-                info = self.mesh._ranks[msg.rank]
+                info = self.state.ranks[msg.rank]
                 info.host, info.pid = msg.host, msg.pid
-            self.mesh._cond.notify_all()
-        self.mesh._event("rank_joined", host=msg.host, pid=msg.pid, rank=msg.rank, joined=len(self._pending),
-                         world_size=self.mesh.nproc)
-        if len(self._pending) == self.mesh.nproc:
+            self.state.cond.notify_all()
+        self.state.events.emit("rank_joined", host=msg.host, pid=msg.pid, rank=msg.rank, joined=len(self._pending),
+                         world_size=self.state.nproc)
+        if len(self._pending) == self.state.nproc:
             self._admit(by_identity)
 
     def _admission(self, identity: bytes, msg: P.Hello) -> str:
-        world = self.mesh.nproc
+        world = self.state.nproc
         if msg.version != P.PROTOCOL_VERSION:
             return (f"this rank speaks protocol {msg.version}, the controller {P.PROTOCOL_VERSION}: install the "
                     "same monarch_jupyter version on every host")
@@ -266,7 +281,7 @@ class Listener:
     def _admit(self, by_identity: dict[bytes, int]) -> None:
         """Every rank is here: number the unnumbered ones (grouped by host), then welcome them."""
         joiners = list(self._pending.values())
-        free = iter(sorted(set(range(self.mesh.nproc)) - {j.rank for j in joiners if j.rank >= 0}))
+        free = iter(sorted(set(range(self.state.nproc)) - {j.rank for j in joiners if j.rank >= 0}))
         for j in sorted((j for j in joiners if j.rank < 0), key=lambda j: (j.hello.host, j.arrival)):
             j.rank = next(free)
         hosts: dict[str, list[_Joiner]] = {}
@@ -280,9 +295,9 @@ class Listener:
                    for j in joiners}
         use_env = len(masters) == 1 and None not in next(iter(masters)) and all(j.hello.rank >= 0 for j in joiners)
         now = time.monotonic()
-        with self.mesh._lock:
+        with self.state.lock:
             for j in joiners:
-                info = self.mesh._ranks[j.rank]
+                info = self.state.ranks[j.rank]
                 info.identity, info.host, info.pid, info.last_heard = j.identity, j.hello.host, j.hello.pid, now
                 by_identity[j.identity] = j.rank
                 self._placement[j.rank] = j
@@ -305,15 +320,15 @@ class Listener:
                 self._welcome(j, msg.addr, msg.port)
 
     def _welcome(self, j: _Joiner, addr: str, port: int) -> None:
-        m = self.mesh
-        settings = {"backend": m.backend, "pg_timeout": m.pg_timeout, "heartbeat_interval": m.heartbeat_interval,
-                    "heartbeat_timeout": m.heartbeat_timeout, "env": dict(m.env)}
-        self._send(j.identity, P.Welcome(rank=j.rank, world_size=m.nproc, local_rank=j.local_rank,
+        settings = rank_settings(self.state.options)
+        settings["env"] = dict(settings["env"])
+        self._send(j.identity, P.Welcome(rank=j.rank, world_size=self.state.nproc, local_rank=j.local_rank,
                                          local_world_size=j.local_world_size, master_addr=addr, master_port=port,
                                          settings=settings))
 
     def _send(self, identity: bytes, msg: P.Message) -> None:
-        send_frames(self.mesh._router, [identity, *self.mesh._signer.pack(msg)])
+        assert self._send_to is not None
+        self._send_to(identity, msg)
 
     def on_unknown(self, identity: bytes, msg: P.Message) -> bool:
         """(I/O) A verified message from a rank not numbered yet; True when it belongs to a waiting joiner."""
@@ -328,10 +343,10 @@ class Listener:
 
     def _forget(self, identity: bytes) -> None:
         """A rank that waited to be admitted is gone."""
-        with self.mesh._lock:
+        with self.state.lock:
             j = self._pending.pop(identity, None)
             if j is not None and j.rank >= 0:
-                info = self.mesh._ranks[j.rank]
+                info = self.state.ranks[j.rank]
                 info.host, info.pid = "", None
 
     def on_goodbye(self, rank: int, msg: P.Goodbye) -> None:
@@ -339,40 +354,41 @@ class Listener:
         self._rank_exited(rank, msg.returncode)
 
     def _rank_exited(self, rank: int, returncode: int) -> None:
-        from .mesh import RankState
-
-        with self.mesh._lock:
-            info = self.mesh._ranks.get(rank)
+        with self.state.lock:
+            info = self.state.ranks.get(rank)
             if info is None or info.state in (RankState.DEAD, RankState.STOPPED):
                 return
         self.launcher.note_exit(rank)
-        self.mesh.on_exit(rank, returncode)
+        assert self._sink is not None
+        self._sink.on_exit(rank, returncode)
 
     def on_launcher_exit(self, returncode: int) -> None:
         """(launcher's waiter thread) The engine exited: so did every rank it ran."""
-        with self.mesh._lock:
+        with self.state.lock:
             self._launcher_rc = returncode
-            ranks = list(self.mesh._ranks)
-            self.mesh._cond.notify_all()
+            ranks = list(self.state.ranks)
+            self.state.cond.notify_all()
         for r in ranks:
             self._rank_exited(r, returncode)
 
     # LauncherEvents, for launchers that report per rank
     def on_spawned(self, rank: int, pid: int) -> None:
-        self.mesh.on_spawned(rank, pid)
+        assert self._sink is not None
+        self._sink.on_spawned(rank, pid)
 
     def on_output(self, rank: int, stream: str, data: bytes) -> None:
-        self.mesh.on_output(rank, stream, data)
+        assert self._sink is not None
+        self._sink.on_output(rank, stream, data)
 
     def on_exit(self, rank: int, returncode: int) -> None:
         self._rank_exited(rank, returncode)
 
     def check(self, now: float) -> None:
         """(I/O, once per heartbeat interval) Drop waiting joiners that went silent; give up at the deadline."""
-        if not self.is_open or self.failed or self.mesh._running:
+        if not self.is_open or self.failed or self.state.running:
             return
         for identity, j in list(self._pending.items()):
-            if now - j.last_heard > max(PENDING_SILENCE, 5 * self.mesh.heartbeat_interval):
+            if now - j.last_heard > max(PENDING_SILENCE, 5 * self.state.options.heartbeat_interval):
                 self._forget(identity)
                 log.warning("a rank from %s (pid %d) went silent before the mesh was complete", j.hello.host,
                             j.hello.pid)
@@ -380,19 +396,20 @@ class Listener:
             report = self.missing_report()
             for identity in list(self._pending):
                 self._send(identity, P.Rejected(f"the mesh did not get all its ranks in time: {report}"))
-            with self.mesh._lock:
+            with self.state.lock:
                 self.failed = report
-                self.mesh._cond.notify_all()
+                self.state.cond.notify_all()
                 waiting = self.waiting
             if not waiting:  # %mesh listen returned long ago: say it in that cell's output
                 self._ctx.run(lambda: sys.stderr.write(f"mesh: {report}\n"))
 
     def reject_pending(self, reason: str) -> None:
         """(any thread) Tell the ranks still waiting to be admitted to exit."""
-        with self.mesh._lock:
+        with self.state.lock:
             identities = list(self._pending)
         if identities:
-            self.mesh._outbox.put((identities, P.Rejected(reason), b"", []))
+            assert self._dispatcher is not None
+            self._dispatcher.outbox.put((identities, P.Rejected(reason), b"", []))
 
     # ---- reports
 
@@ -404,19 +421,17 @@ class Listener:
 
     def missing_report(self) -> str:
         """Who joined and who is missing, for a start that timed out."""
-        from .mesh import RankState
-
-        world = self.mesh.nproc
+        world = self.state.nproc
         if self._complete:  # everyone came; some did not get through the process group's rendezvous
-            late = [r for r, i in self.mesh._ranks.items() if i.state is not RankState.IDLE]
+            late = [r for r, i in self.state.ranks.items() if i.state is not RankState.IDLE]
             where = ", ".join(f"{r} on {self._placement[r].hello.host}" for r in late if r in self._placement)
             return (f"all {world} ranks joined, but rank(s) {where} did not join the process group within "
-                    f"{self.mesh.start_timeout:g} s: can the hosts reach each other (rank 0's store, gloo: set "
+                    f"{self.state.options.start_timeout:g} s: can the hosts reach each other (rank 0's store, gloo: set "
                     "GLOO_SOCKET_IFNAME to the right interface)? See docs/multihost.md")
         joined = list(self._pending.values())
         numbered = sorted(j.rank for j in joined if j.rank >= 0)
         unnumbered = [j for j in joined if j.rank < 0]
-        waited = self.mesh.start_timeout
+        waited = self.state.options.start_timeout
         lines = [f"{len(joined)} of {world} ranks joined within {waited:g} s"]
         by_host: dict[str, list[str]] = {}
         for j in sorted(joined, key=lambda j: (j.hello.host, j.rank < 0, j.rank, j.arrival)):
@@ -427,8 +442,8 @@ class Listener:
         if unnumbered:
             lines.append(f"  missing: {world - len(joined)} rank(s) (ranks without RANK are numbered once all joined)")
         elif missing:
-            lines.append(f"  missing: rank(s) {format_ranks(missing)}")
-        lines.append(f"Check that the launch ran on every host and that those hosts reach {self.mesh.address} "
+            lines.append(f"  missing: {ranks_text(missing)}")
+        lines.append(f"Check that the launch ran on every host and that those hosts reach {self.state.address} "
                      "(firewall? an address of the controller that they cannot route to?).")
         tail = self.launcher.log_tail()
         if tail:
@@ -448,21 +463,19 @@ class Listener:
             The start timeout passed first (the report names who is missing), a rank failed to join, or the
             launcher exited.
         """
-        from .mesh import RankState
-
-        m = self.mesh
-        with m._cond:
+        m = self.state
+        with m.cond:
             self.waiting = True
             try:
                 while True:
                     if self.failed:
-                        first = next((r for r in range(m.nproc) if m._ranks[r].state is not RankState.IDLE), -1)
+                        first = next((r for r in range(m.nproc) if m.ranks[r].state is not RankState.IDLE), -1)
                         raise MeshStartError(f"the mesh did not start: {self.failed}", first)
-                    if self._launcher_rc is not None and not all(i.state is RankState.IDLE for i in m._ranks.values()):
+                    if self._launcher_rc is not None and not all(i.state is RankState.IDLE for i in m.ranks.values()):
                         raise MeshStartError(
                             f"{self.launcher.name} exited ({describe_returncode(self._launcher_rc)}) before every rank "
                             f"joined; {self.missing_report()}")
-                    bad = [i for i in m._ranks.values() if i.start_error or i.state is RankState.DEAD]
+                    bad = [i for i in m.ranks.values() if i.start_error or i.state is RankState.DEAD]
                     if bad:
                         info = bad[0]
                         why = ("failed to join" if info.start_error
@@ -473,31 +486,29 @@ class Listener:
                             detail += f"\n{self.launcher.name} output:\n{tail}"
                         raise MeshStartError(f"rank {info.rank} (host {info.host or '?'}) {why} while the mesh was "
                                              "starting", info.rank, detail.strip("\n"))
-                    if all(i.state is RankState.IDLE for i in m._ranks.values()):
+                    if all(i.state is RankState.IDLE for i in m.ranks.values()):
                         return True
                     now = time.monotonic()
-                    if now > self.deadline + 3 * m.heartbeat_interval + 1:  # the I/O thread should have said so
+                    if now > self.deadline + 3 * m.options.heartbeat_interval + 1:  # the I/O thread should have said so
                         self.failed = self.missing_report()
                         continue
                     if now >= deadline:
                         return False
-                    m._cond.wait(min(deadline - now, 0.1))
+                    m.cond.wait(min(deadline - now, 0.1))
             finally:
                 self.waiting = False
 
     def wait_exited(self, timeout: float) -> bool:
         """Wait until every admitted rank exited (said goodbye), up to ``timeout`` seconds."""
-        from .mesh import RankState
-
-        m = self.mesh
+        m = self.state
         end = time.monotonic() + timeout
-        with m._cond:
+        with m.cond:
             while any(i.identity is not None and i.state not in (RankState.DEAD, RankState.STOPPED)
-                      for i in m._ranks.values()):
+                      for i in m.ranks.values()):
                 remaining = end - time.monotonic()
                 if remaining <= 0:
                     return False
-                m._cond.wait(min(remaining, 0.05))
+                m.cond.wait(min(remaining, 0.05))
         return True
 
     def placement(self) -> dict[int, dict[str, Any]]:

@@ -1,12 +1,12 @@
-"""Launchers start, signal and reap rank processes; one class per engine.
+"""Ranks on this host: ``LocalLauncher`` forks them through the fork server (:mod:`monarch_worker.forkserver`).
 
-``Launcher`` is the small shared base (the shape of jupyter_client's KernelProvisionerBase). ``LocalLauncher``
-starts ranks on this host through a fork server (:mod:`monarch_worker.zygote`) that is a fresh interpreter,
-never a fork of the kernel: the kernel may hold CUDA contexts, OpenMP pools and threads that a forked child
-would inherit broken.
+The fork server is a fresh interpreter that imported torch once, never a fork of the kernel: the kernel may hold
+CUDA contexts, OpenMP pools and threads that a forked child would inherit broken. One fork server serves every
+local mesh of this kernel (``ForkServer.get``); ``prewarm`` starts it early, ``shutdown`` stops it and its ranks.
 
-Events from the launcher (output bytes, pid, exit status) go to a ``LauncherEvents`` sink, called from the
-launcher's reader thread.
+The fork server's reader thread (``monarch-forkserver``) owns the receiving side of its control socket and every
+rank's stdout and stderr pipes: it reads them and reports output bytes, pids and exit statuses to each rank's
+``LauncherEvents`` sink.
 """
 
 from __future__ import annotations
@@ -23,137 +23,31 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Protocol
 
 from monarch_worker import protocol as P
 
-from ..errors import MeshStartError
+from ..state import owner_check
+from .base import Launcher, LauncherEvents, LaunchError, WorkPipe
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Launcher", "LocalLauncher", "LauncherEvents", "LaunchError", "WorkPipe", "prewarm", "shutdown"]
+__all__ = ["LocalLauncher", "ForkServer", "prewarm", "shutdown", "fork_server_pid"]
 
 
-class LaunchError(MeshStartError):
-    """The launcher could not start ranks (the message says why and what to do)."""
+class ForkServer:
+    """The kernel's handle on the fork server process; shared by every local mesh of this kernel.
 
-
-class LauncherEvents(Protocol):
-    """Receives launcher events; called from the launcher's reader thread."""
-
-    def on_spawned(self, rank: int, pid: int) -> None: ...
-
-    def on_output(self, rank: int, stream: str, data: bytes) -> None: ...
-
-    def on_exit(self, rank: int, returncode: int) -> None: ...
-
-
-class Launcher:
-    """Start, signal and kill the ranks of one mesh generation."""
-
-    #: True when the launcher relays rank output itself (ranks then need not send Stream messages).
-    relays_output = False
-
-    def start(self, rank: int, env: dict[str, str], config: dict, sink: LauncherEvents) -> None:
-        raise NotImplementedError
-
-    def work_pipe(self, rank: int) -> WorkPipe | None:
-        """The kernel's end of ``rank``'s work pipe (protocol.WORK_FD); None: work goes over the socket."""
-        return None
-
-    def signal(self, rank: int, sig: int) -> None:
-        """Send ``sig`` to ``rank``; ``rank`` -1 means every rank this launcher started."""
-        raise NotImplementedError
-
-    def kill(self) -> None:
-        """Kill every rank (SIGKILL) without waiting."""
-        self.signal(-1, signal.SIGKILL)
-
-    def wait(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds until every rank has exited; True when they all have."""
-        raise NotImplementedError
-
-
-class WorkPipe:
-    """The kernel's end of a local rank's work pipe (protocol.WORK_FD): ``send`` from any thread never blocks.
-
-    What the pipe cannot take now (the rank is busy and the pipe's 64 KiB are full) waits here, in order, until
-    ``flush`` (the mesh's I/O thread, when the pipe is writable) moves it on.
-    """
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        os.set_blocking(fd, False)
-        self._lock = threading.Lock()
-        self._pending: list[memoryview] = []
-        self.closed = False
-
-    def send(self, data: bytes) -> bool:
-        """Queue ``data`` (one framed message); False when part of it waits for ``flush``."""
-        with self._lock:
-            if self.closed:
-                return True  # the rank is gone; its death is reported by the launcher
-            if not self._pending:
-                view = self._write(memoryview(data))
-                if view is None:
-                    return True
-            else:
-                view = memoryview(data)
-            self._pending.append(view)
-            return False
-
-    def _write(self, view: memoryview) -> memoryview | None:
-        """Write what the pipe takes now; the rest, or None when all of it went."""
-        try:
-            while view:
-                view = view[os.write(self.fd, view):]
-        except BlockingIOError:
-            return view
-        except OSError:  # the rank exited (EPIPE): nothing more to deliver
-            self.closed = True
-            self._pending.clear()
-        return None
-
-    def flush(self) -> bool:
-        """Write what waits, as far as the pipe takes it; True when nothing waits any more."""
-        with self._lock:
-            while self._pending and not self.closed:
-                rest = self._write(self._pending[0])
-                if rest is not None:
-                    self._pending[0] = rest
-                    return False
-                self._pending.pop(0)
-            return True
-
-    @property
-    def pending(self) -> bool:
-        return bool(self._pending)
-
-    def close(self) -> None:
-        with self._lock:
-            if not self.closed:
-                self.closed = True
-                self._pending.clear()
-                try:
-                    os.close(self.fd)
-                except OSError:
-                    pass
-
-
-class _Zygote:
-    """The kernel's handle on one fork server process; shared by every local mesh of this kernel.
-
-    One Unix socket carries frames both ways (protocol.ZYGOTE_HEADER) and hands over file descriptors
-    (SCM_RIGHTS): each rank's work pipe goes to the zygote with the spawn request, and the read ends of the rank's
-    stdout and stderr pipes come back with Z_SPAWNED. The reader thread owns the receiving side of the socket and
+    One Unix socket carries frames both ways (protocol.FORK_SERVER_HEADER) and hands over file descriptors
+    (SCM_RIGHTS): each rank's work pipe goes to the fork server with the spawn request, and the read ends of the rank's
+    stdout and stderr pipes come back with FS_SPAWNED. The reader thread owns the receiving side of the socket and
     every rank's output pipes; ``_send`` (any thread) sends under a lock.
     """
 
-    _instance: _Zygote | None = None
+    _instance: ForkServer | None = None
     _instance_lock = threading.Lock()
 
     @classmethod
-    def get(cls, start_timeout: float) -> _Zygote:
+    def get(cls, start_timeout: float) -> ForkServer:
         with cls._instance_lock:
             if cls._instance is None or cls._instance.proc.poll() is not None:
                 cls._instance = cls(start_timeout)
@@ -170,7 +64,7 @@ class _Zygote:
         self._ctl, ctl_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = dict(os.environ)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "monarch_worker.zygote"],
+            [sys.executable, "-m", "monarch_worker.forkserver"],
             stdin=ctl_child.fileno(),
             env=env,
             start_new_session=True,  # the kernel's SIGINT (sent to its process group) must not reach ranks
@@ -187,7 +81,7 @@ class _Zygote:
         self._alive: set[int] = set()
         self._cond = threading.Condition()
         self._ready = threading.Event()
-        self._reader = threading.Thread(target=self._read_loop, name="monarch-zygote", daemon=True)
+        self._reader = threading.Thread(target=self._read_loop, name="monarch-forkserver", daemon=True)
         self._reader.start()
         self._start_timeout = start_timeout
 
@@ -203,7 +97,7 @@ class _Zygote:
                 raise LaunchError(f"the local fork server did not import torch within {timeout:.0f} s")
 
     def _send(self, kind: int, sid: int, body: dict, fds: list[int] | None = None) -> None:
-        frame = P.zygote_json(kind, sid, body)
+        frame = P.fork_server_json(kind, sid, body)
         with self._lock:
             sent = socket.send_fds(self._ctl, [frame], fds) if fds else 0
             self._ctl.sendall(frame[sent:])
@@ -216,7 +110,7 @@ class _Zygote:
             self._alive.add(sid)
             self._work[sid] = WorkPipe(work_w)
         try:
-            self._send(P.Z_SPAWN, sid, {"env": env, "cwd": os.getcwd(), "sys_path": sys.path, "config": config,
+            self._send(P.FS_SPAWN, sid, {"env": env, "cwd": os.getcwd(), "sys_path": sys.path, "config": config,
                                         "work_pipe": True}, [work_r])
         finally:
             os.close(work_r)  # the fork server holds its own copy now
@@ -225,11 +119,15 @@ class _Zygote:
     def work_pipe(self, sid: int) -> WorkPipe | None:
         return self._work.get(sid)
 
+    def pid_of(self, sid: int) -> int | None:
+        """The pid of spawn ``sid`` while it is alive."""
+        return self._pids.get(sid)
+
     def signal(self, sid: int, sig: int) -> None:
         try:
-            self._send(P.Z_KILL, sid, {"signal": int(sig)})
+            self._send(P.FS_KILL, sid, {"signal": int(sig)})
         except OSError:
-            pass  # the zygote is gone, and with it every rank
+            pass  # the fork server is gone, and with it every rank
 
     def wait_exit(self, sids: set[int], timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -242,7 +140,7 @@ class _Zygote:
         return True
 
     def _read_loop(self) -> None:
-        hs = P.ZYGOTE_HEADER.size
+        hs = P.FORK_SERVER_HEADER.size
         buf = b""
         fds: list[int] = []  # received with SCM_RIGHTS, not claimed by a frame yet
         self._selector.register(self._ctl, selectors.EVENT_READ, None)
@@ -264,13 +162,13 @@ class _Zygote:
                 buf += data
                 pos = 0
                 while len(buf) - pos >= hs:
-                    kind, sid, n = P.ZYGOTE_HEADER.unpack_from(buf, pos)
+                    kind, sid, n = P.FORK_SERVER_HEADER.unpack_from(buf, pos)
                     if len(buf) - pos < hs + n:
                         break
                     self._dispatch(kind, sid, buf[pos + hs:pos + hs + n], fds)
                     pos += hs + n
                 buf = buf[pos:]
-        # The zygote is gone: every rank it had is gone too.
+        # The fork server is gone: every rank it had is gone too.
         for sid in list(self._outputs):
             self._drain_outputs(sid)
         for fd in fds:
@@ -295,6 +193,7 @@ class _Zygote:
         stderr before the stdout record that ends a cell (protocol.RECORD_SYNC), so the mesh sees every line of
         the cell on both streams before that record.
         """
+        owner_check(lambda: self._reader, "the ranks' output pipes")
         sink, rank = self._sinks.get(sid, (None, -1))
         for _ in range(256 if until_empty else 1):  # bounded: a process the rank started may write on and on
             try:
@@ -338,11 +237,11 @@ class _Zygote:
                 os.close(fd)
 
     def _dispatch(self, kind: int, sid: int, body: bytes, fds: list[int]) -> None:
-        if kind == P.Z_READY:
+        if kind == P.FS_READY:
             self._ready.set()
             return
         sink, rank = self._sinks.get(sid, (None, -1))
-        if kind == P.Z_SPAWNED:
+        if kind == P.FS_SPAWNED:
             out, err = fds.pop(0), fds.pop(0)  # the rank's stdout and stderr pipes came with this frame
             for fd, stream in ((out, "stdout"), (err, "stderr")):
                 os.set_blocking(fd, False)
@@ -352,7 +251,7 @@ class _Zygote:
             self._pids[sid] = pid
             if sink is not None:
                 sink.on_spawned(rank, pid)
-        elif kind == P.Z_EXITED:
+        elif kind == P.FS_EXITED:
             self._drain_outputs(sid)  # what it printed before it exited comes first
             rc = json.loads(body)["returncode"]
             with self._cond:
@@ -368,7 +267,7 @@ class _Zygote:
 
     def close(self) -> None:
         try:
-            self._ctl.shutdown(socket.SHUT_WR)  # EOF: the zygote kills its ranks and exits
+            self._ctl.shutdown(socket.SHUT_WR)  # EOF: the fork server kills its ranks and exits
         except OSError:
             pass
         try:
@@ -378,17 +277,24 @@ class _Zygote:
             self.proc.wait(5)
 
 
-atexit.register(_Zygote.shutdown_all)
+atexit.register(ForkServer.shutdown_all)
+
+
+def fork_server_pid() -> int | None:
+    """The pid of this kernel's fork server, or None when none runs."""
+    with ForkServer._instance_lock:
+        server = ForkServer._instance
+    return None if server is None or server.proc.poll() is not None else server.proc.pid
 
 
 def prewarm(start_timeout: float = 60.0) -> None:
     """Start the local fork server now (it imports torch in the background); returns at once."""
-    _Zygote.get(start_timeout)
+    ForkServer.get(start_timeout)
 
 
 def shutdown() -> None:
     """Stop the local fork server and every rank it started."""
-    _Zygote.shutdown_all()
+    ForkServer.shutdown_all()
 
 
 class LocalLauncher(Launcher):
@@ -397,30 +303,31 @@ class LocalLauncher(Launcher):
     relays_output = True
 
     def __init__(self, start_timeout: float = 60.0) -> None:
-        self._zygote = _Zygote.get(start_timeout)
-        self._zygote.wait_ready(start_timeout)
+        self._fork_server = ForkServer.get(start_timeout)
+        self._fork_server.wait_ready(start_timeout)
         self._sids: dict[int, int] = {}  # rank -> spawn id
 
     def start(self, rank: int, env: dict[str, str], config: dict, sink: LauncherEvents) -> None:
         # This kernel reads the rank's stdout and stderr pipes itself: its main thread reports in records there.
         config = {**config, "output_records": True}
-        self._sids[rank] = self._zygote.spawn(rank, env, config, sink)
+        self._sids[rank] = self._fork_server.spawn(rank, env, config, sink)
 
     def signal(self, rank: int, sig: int) -> None:
         if rank == -1:
             for sid in self._sids.values():
-                self._zygote.signal(sid, sig)
+                self._fork_server.signal(sid, sig)
         elif rank in self._sids:
-            self._zygote.signal(self._sids[rank], sig)
+            self._fork_server.signal(self._sids[rank], sig)
 
     def wait(self, timeout: float) -> bool:
-        return self._zygote.wait_exit(set(self._sids.values()), timeout)
+        return self._fork_server.wait_exit(set(self._sids.values()), timeout)
 
     def work_pipe(self, rank: int) -> WorkPipe | None:
         """The kernel's end of ``rank``'s work pipe (protocol.WORK_FD), or None when it has exited."""
         sid = self._sids.get(rank)
-        return None if sid is None else self._zygote.work_pipe(sid)
+        return None if sid is None else self._fork_server.work_pipe(sid)
 
     def pids(self) -> dict[int, int]:
         """rank -> pid of the ranks still alive."""
-        return {r: self._zygote._pids[s] for r, s in self._sids.items() if s in self._zygote._pids}
+        pids = {r: self._fork_server.pid_of(s) for r, s in self._sids.items()}
+        return {r: pid for r, pid in pids.items() if pid is not None}

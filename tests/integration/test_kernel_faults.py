@@ -76,8 +76,8 @@ def execute(kc: Any, code: str, on_stream: Callable[[str], None] | None = None, 
 
 def worker_pids(kc: Any) -> list[int]:
     """Pids of the mesh's ranks and of the fork server, asked of the kernel."""
-    r = execute(kc, "import json\nfrom monarch_jupyter.kernel import launcher as _l\n"
-                    "print(json.dumps([s['pid'] for s in m.status().values()] + [_l._Zygote._instance.proc.pid]))")
+    r = execute(kc, "import json\nfrom monarch_jupyter.kernel.launch import local as _l\n"
+                    "print(json.dumps([s['pid'] for s in m.status().values()] + [_l.fork_server_pid()]))")
     assert r.status == "ok", r.traceback
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -117,7 +117,7 @@ def test_interrupt_crash_restart_and_kernel_sigkill(kernel: tuple[KernelManager,
 
     r = execute(kc, "%%mesh\nimport time\nprint('sleeping', flush=True)\ntime.sleep(600)\n", on_stream=interrupt_once)
     assert r.status == "error" and r.ename == "KeyboardInterrupt", (r.status, r.ename, r.traceback)
-    assert "interrupted rank(s) 0,1 (they keep their state): ranks 0,1: time.sleep at cell line 3" in r.evalue
+    assert "interrupted ranks 0,1 (they keep their state): ranks 0,1: time.sleep at cell line 3" in r.evalue
     assert worker_pids(kc) == pids  # the interrupt signal reached no rank process directly
     r = execute(kc, "%%mesh\nx")
     assert r.status == "ok" and r.results == ["{0: 7, 1: 8}"], r.traceback

@@ -1,4 +1,4 @@
-"""Launchers for ranks that join (monarch_jupyter.kernel.join), and what a person needs to start them.
+"""Launchers of ranks that join (admitted by launch/listener.py), and what a person needs to start them.
 
 ``JoinLauncher`` starts nothing: ``%mesh listen`` prints the commands (``JoinCommands``: torchrun, an sbatch
 script, plain ``python -m monarch_worker``) for a person or a scheduler to run. ``ProcessLauncher`` is the
@@ -28,14 +28,14 @@ from typing import TYPE_CHECKING, Any
 
 from monarch_worker import join as wjoin
 
-from .launcher import Launcher, LaunchError
+from .base import Launcher, LaunchError
 
 if TYPE_CHECKING:
-    from .join import Listener
+    from .listener import Listener
 
 log = logging.getLogger(__name__)
 
-__all__ = ["JoinLauncher", "ProcessLauncher", "JoinCommands", "resolve_address", "make_launcher"]
+__all__ = ["JoinLauncher", "ProcessLauncher", "JoinCommands", "resolve_address", "default_nproc_per_node"]
 
 LOOPBACK = ("", "127.0.0.1", "localhost", "lo")
 LOG_TAIL = 30  # lines of a launcher's log shown when it fails
@@ -171,7 +171,7 @@ class JoinCommands:
         p.text(str(self))
 
 
-def _default_nproc_per_node(world_size: int) -> int:
+def default_nproc_per_node(world_size: int) -> int:
     """The largest divisor of ``world_size`` up to 8 (a typical host)."""
     return max(d for d in range(1, min(world_size, 8) + 1) if world_size % d == 0)
 
@@ -332,22 +332,3 @@ class ProcessLauncher(JoinLauncher):
             except OSError:
                 pass
             self.log_path = ""
-
-
-def make_launcher(spec: Any, world_size: int) -> JoinLauncher:
-    """The launcher for ``Mesh(launcher=spec)``: "join", "torchrun", "slurm" or a JoinLauncher object.
-
-    Raises ValueError for anything else."""
-    if isinstance(spec, JoinLauncher):
-        return spec
-    if spec == "join":
-        return JoinLauncher()
-    if spec == "torchrun":
-        from .torchrun import TorchrunLauncher
-
-        return TorchrunLauncher(world_size)
-    if spec == "slurm":
-        from .slurm import SlurmLauncher
-
-        return SlurmLauncher()
-    raise ValueError(f"launcher must be 'local', 'join', 'torchrun', 'slurm' or a JoinLauncher, got {spec!r}")

@@ -2,7 +2,7 @@
 
 Run from a notebook inside an allocation (``salloc``, an ``sbatch`` job, or a Jupyter server started in one),
 this runs ``srun`` for the ranks as one job step; each task is ``python -m monarch_worker`` and joins the
-controller (monarch_jupyter.kernel.join), taking its rank from SLURM_PROCID. The secret travels in the step's
+controller (monarch_jupyter.kernel.launch.listener), taking its rank from SLURM_PROCID. The secret travels in the step's
 environment (srun propagates it), never on srun's command line. Stop and restart cancel the step with
 ``scancel JOB.STEP``, so no task outlives the mesh; outside an allocation srun makes its own job, which is
 cancelled the same way.
@@ -18,8 +18,8 @@ import signal
 import subprocess
 import sys
 
-from .remote import JoinCommands, ProcessLauncher
-from .launcher import LaunchError
+from .base import LaunchError
+from .join import JoinCommands, ProcessLauncher
 
 log = logging.getLogger(__name__)
 

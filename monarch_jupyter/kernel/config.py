@@ -1,0 +1,122 @@
+"""The options of a mesh as the notebook sees them, derived from their one declaration
+(``monarch_worker.options``): MeshMagics traitlets, ``Mesh`` keyword arguments and ``mesh.<option>`` attributes,
+and the table docs/configuration.md shows.
+
+- ``traits()``: a traitlet for every option that has a trait name (``c.MeshMagics.cell_timeout = 60``).
+- ``make_options(**kwargs)``: the ``MeshOptions`` of ``Mesh(nproc, **kwargs)``, checked, with an error that names
+  the unknown keyword and the valid ones.
+- ``OptionAttribute``: ``mesh.interrupt_grace = 2`` reads and sets ``mesh.options.interrupt_grace`` (checked).
+- ``options_table()``: one row per option (name, trait, default, unit, help) for the docs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any
+
+from traitlets import Bool, CaselessStrEnum, Float, Int, TraitType, Unicode
+
+from monarch_worker.options import MeshOptions, NotebookOptions, check_value, option_fields
+
+__all__ = ["MeshOptions", "NotebookOptions", "traits", "make_options", "OptionAttribute", "options_table",
+           "mesh_signature", "trait_value"]
+
+
+def _trait(f: dataclasses.Field) -> TraitType:
+    meta, kind, default = f.metadata, str(f.type), f.default
+    unit = {"s": " (seconds)", "ranks": " (ranks)"}.get(meta["unit"], "")
+    help_text = meta["help"] + unit
+    if meta["choices"]:
+        return CaselessStrEnum(list(meta["choices"]), default, help=help_text).tag(config=True)
+    if "bool" in kind:
+        return Bool(default, help=help_text).tag(config=True)
+    if "float" in kind:
+        return Float(0.0 if default is None else default, help=help_text).tag(config=True)
+    if "int" in kind:
+        return Int(default, help=help_text).tag(config=True)
+    return Unicode("" if default is None else default, help=help_text).tag(config=True)
+
+
+def traits() -> dict[str, TraitType]:
+    """MeshMagics traitlets: trait name -> traitlet, for every option declared with a trait name."""
+    out = {}
+    for cls in (MeshOptions, NotebookOptions):
+        for f in option_fields(cls):
+            if f.metadata["trait"]:
+                out[f.metadata["trait"]] = _trait(f)
+    return out
+
+
+def trait_value(magics: Any, name: str) -> Any:
+    """The MeshOptions value of option ``name`` as configured on ``magics`` (0 or "" -> None where the option
+    takes None)."""
+    f = next(f for f in option_fields(MeshOptions) if f.name == name)
+    value = getattr(magics, f.metadata["trait"])
+    if f.default is None and not value:
+        return None
+    return value
+
+
+def make_options(**kwargs: Any) -> MeshOptions:
+    """``MeshOptions(**kwargs)``, checked.
+
+    Raises
+    ------
+    TypeError
+        An unknown option (the message lists the valid ones).
+    ValueError
+        A value that does not fit its option.
+    """
+    names = {f.name for f in option_fields(MeshOptions)}
+    unknown = sorted(set(kwargs) - names)
+    if unknown:
+        raise TypeError(f"Mesh got unknown option(s) {', '.join(unknown)}; the options are: {', '.join(sorted(names))}")
+    return MeshOptions(**kwargs).check()
+
+
+class OptionAttribute:
+    """``mesh.<option>``: the value of ``mesh.options.<option>``; setting it checks the value first."""
+
+    def __init__(self, f: dataclasses.Field) -> None:
+        self.field = f
+        self.__doc__ = f.metadata["help"]
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        return getattr(obj.options, self.field.name)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        check_value(self.field, value)
+        setattr(obj.options, self.field.name, value)
+
+
+def add_option_attributes(cls: type) -> None:
+    """Give ``cls`` (Mesh) one ``OptionAttribute`` per declared mesh option."""
+    for f in option_fields(MeshOptions):
+        if not hasattr(cls, f.name):  # ``mesh.address`` stays where ranks connect (the option: where to listen)
+            setattr(cls, f.name, OptionAttribute(f))
+
+
+def mesh_signature(init: Any) -> inspect.Signature:
+    """The signature of ``init`` (Mesh.__init__) with ``**options`` spelled out as keyword-only parameters."""
+    sig = inspect.signature(init)
+    params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    for f in option_fields(MeshOptions):
+        default = {} if f.default is dataclasses.MISSING else f.default
+        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=f.type))
+    return sig.replace(parameters=params)
+
+
+def options_table() -> list[dict[str, Any]]:
+    """One row per option: name (Mesh keyword, or "" for magic-only), trait (MeshMagics), default, unit, help,
+    choices, and whether ranks are sent it."""
+    rows = []
+    for cls, scope in ((MeshOptions, "mesh"), (NotebookOptions, "magics")):
+        for f in option_fields(cls):
+            default = {} if f.default is dataclasses.MISSING else f.default
+            rows.append({"name": f.name if scope == "mesh" else "", "trait": f.metadata["trait"], "default": default,
+                         "unit": f.metadata["unit"], "help": f.metadata["help"], "choices": f.metadata["choices"],
+                         "rank": bool(f.metadata["rank"]), "type": str(f.type)})
+    return rows

@@ -1,0 +1,185 @@
+"""Sending work to ranks: a cell, call or transfer submitted once to its ranks, and single messages.
+
+A local rank gets its work in its *work pipe* (protocol.WORK_FD), straight to the thread that runs it: the
+kernel writes the signed message itself, from any thread, and never blocks; what a busy rank's full pipe cannot
+take waits in that pipe's queue until the I/O thread writes it (``flush_pipes``). Ranks on other hosts, and
+messages that are not work (interrupts, stack requests, debugger input), go over the ROUTER socket, which only the
+I/O thread touches: other threads queue them in the ``outbox``.
+
+``submit`` registers a cell with its ranks and sends it, atomically under the mesh lock and with SIGINT held
+(an interrupt must not cut a message in half on its way into a work pipe, nor leave some ranks with the cell
+and others without). It refuses, sending nothing, when a chosen rank is dead or still stuck in an abandoned cell.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from monarch_worker import protocol as P
+from monarch_worker.channel import Outbox
+
+from ..errors import MeshError, RankBusyError, RankDiedError
+from ..ranks import format_ranks, ranks_text
+from .state import MeshState, RankState
+
+if TYPE_CHECKING:
+    from .cells import CellHandle
+    from .launch.base import WorkPipe
+
+__all__ = ["Dispatcher", "Group", "restart_hint", "sigint_held"]
+
+Group = tuple[list[int], P.Message, bytes, list]  # ranks that get one message (signed once), its payload, buffers
+
+WORK_TYPES = P.work_types()
+
+
+def restart_hint(dead: list[int]) -> str:
+    """What to run to bring ``dead`` ranks back."""
+    them = "them" if len(dead) > 1 else "it"
+    return (f"{ranks_text(dead)} {'are' if len(dead) > 1 else 'is'} dead and the process group is down: "
+            f"%mesh restart --rank {format_ranks(dead)}  starts fresh processes for {them} "
+            "(the other ranks keep their state; mesh.restart(ranks=...)), or  %mesh restart  starts a fresh mesh.")
+
+
+class Dispatcher:
+    """Sends work and messages to the ranks of one mesh (see the module docstring)."""
+
+    def __init__(self, state: MeshState) -> None:
+        self.state = state
+        self.outbox = Outbox()  # (identities, message, payload, buffers) for the I/O thread to send
+        self._work_signer: P.Signer | None = None
+        self._work_lock = threading.Lock()  # signing order is writing order: ranks check sequence numbers
+        self._pipes_waiting: set[WorkPipe] = set()  # work pipes with bytes the I/O thread still has to write
+
+    def new_generation(self, secret: bytes) -> None:
+        """A start or restart: a fresh outbox and a signer for the new secret."""
+        self.outbox = Outbox()
+        self._work_signer = P.Signer(secret)
+        self._pipes_waiting = set()
+
+    # ------------------------------------------------------------------ any thread
+
+    def post(self, rank: int, msg: P.Message) -> None:
+        """Send ``msg`` (no payload) to ``rank``: work into its work pipe, anything else over the socket."""
+        state = self.state
+        launcher = state.launcher
+        if isinstance(msg, WORK_TYPES) and launcher is not None:
+            pipe = launcher.work_pipe(rank)
+            if pipe is not None:
+                self._send_work([pipe], msg, b"", [])
+                return
+        info = state.ranks.get(rank)
+        if info is not None and info.identity is not None:
+            self.outbox.put(([info.identity], msg, b"", []))
+
+    def submit(self, handle: CellHandle, groups: list[Group]) -> None:
+        """Register ``handle`` with its ranks and send each group its message; raises KeyboardInterrupt (after
+        sending everything) when SIGINT arrived meanwhile.
+
+        Raises
+        ------
+        MeshError
+            A chosen rank is dead (nothing was sent).
+        RankBusyError
+            A chosen rank still runs an abandoned cell (nothing was sent).
+        """
+        state = self.state
+        with sigint_held(), state.lock:
+            self._check_ranks(handle)
+            if state.group_down:
+                # Cells run on survivors while the process group is broken: say that collectives fail.
+                sys.stderr.write(f"note: the process group is down ({state.group_down}): collectives fail until "
+                                 "%mesh restart --rank R  (or  %mesh restart)\n")
+            state.cells[handle.cell_id] = handle
+            state.last_cell = handle
+            launcher = state.launcher
+            for group_ranks, msg, payload, buffers in groups:
+                identities, pipes = [], []
+                for r in group_ranks:
+                    info = state.ranks[r]
+                    info.cells.append(handle)
+                    info.state = RankState.RUNNING
+                    pipe = launcher.work_pipe(r) if launcher is not None else None
+                    if pipe is not None:
+                        pipes.append(pipe)
+                    else:
+                        identities.append(info.identity)
+                if pipes:
+                    self._send_work(pipes, msg, payload, buffers)
+                if identities:
+                    self.outbox.put((identities, msg, payload, buffers))
+
+    def _check_ranks(self, handle: CellHandle) -> None:
+        ranks, what, infos = handle.ranks, handle.what, self.state.ranks
+        dead = [r for r in ranks if infos[r].state is RankState.DEAD]
+        if dead:
+            raise MeshError({r: RankDiedError(r, infos[r].returncode, "\n".join(infos[r].last_lines))
+                             for r in dead}, what=what + " (not run)", hint=restart_hint(dead))
+        busy = [r for r in ranks if any(c.abandoned and r not in c.finished for c in infos[r].cells)]
+        if busy:
+            spec = format_ranks(busy)
+            raise RankBusyError(
+                f"{what} was not run: {ranks_text(busy)} still run an earlier cell that was interrupted or timed "
+                "out and did not stop (blocked in a collective?); new code there could pair its collectives with "
+                f"the stuck ones. Run  %mesh stacks  to see where,  %mesh interrupt --force --ranks {spec}  to "
+                "release them, or  %mesh restart.", busy)
+
+    def _send_work(self, pipes: list[WorkPipe], msg: P.Message, payload: bytes, buffers: list) -> None:
+        """Write ``msg`` (signed once) into local ranks' work pipes without blocking; what a full pipe cannot take
+        now, the I/O thread writes later, in order."""
+        waiting = False
+        signer = self._work_signer
+        assert signer is not None, "no generation started"
+        with self._work_lock:
+            data = P.work_message(signer.pack(msg, payload, buffers))
+            for pipe in pipes:
+                if not pipe.send(data):
+                    self._pipes_waiting.add(pipe)
+                    waiting = True
+        if waiting:
+            self.outbox.put(None)  # wakes the I/O thread
+
+    # ------------------------------------------------------------------ I/O thread
+
+    @property
+    def pipes_waiting(self) -> bool:
+        """Some work pipe holds bytes its rank could not take yet."""
+        return bool(self._pipes_waiting)
+
+    def flush_pipes(self) -> None:
+        """Write what waits in work pipes, as far as each pipe takes it (I/O thread)."""
+        for pipe in list(self._pipes_waiting):
+            if pipe.flush():
+                self._pipes_waiting.discard(pipe)
+
+    def drain(self) -> list[tuple[list[Any], P.Message, bytes, list]]:
+        """What other threads queued for the socket (I/O thread)."""
+        return [item for item in self.outbox.drain() if item is not None]
+
+
+@contextlib.contextmanager
+def sigint_held() -> Iterator[None]:
+    """On the main thread: a SIGINT that arrives inside the block is raised (KeyboardInterrupt) when it ends."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[tuple] = []
+    try:
+        previous = signal.signal(signal.SIGINT, lambda *args: caught.append(args))
+    except ValueError:  # not the main interpreter
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            if callable(previous):
+                previous(*caught[0])
+            elif previous != signal.SIG_IGN:
+                raise KeyboardInterrupt

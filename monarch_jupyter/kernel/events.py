@@ -1,0 +1,97 @@
+"""Mesh events for listeners (the live views), delivered from one thread, outside the mesh lock.
+
+Any part of the controller calls ``EventBus.emit(kind, **data)``, from any thread and with or without the mesh
+lock held: the event is queued in order. One thread, ``monarch-events``, calls every listener for every event, in
+the order they were emitted; it never holds the mesh lock while it does, so a listener may call back into the mesh
+(``mesh.status()``, ``handle.done()``). With no listener, ``emit`` does nothing and no thread runs.
+
+``flush`` lets the thread that waited for a cell make sure the listeners saw the cell end (``cell_done``) before it
+returns the cell's result: the final state of a cell's view is never behind its result. It must be called without
+the mesh lock held.
+
+Events and their data: ``started`` (ready_seconds), ``stopped``, ``cell_started`` (cell_id, ranks, handle),
+``cell_done`` (cell_id, handle), ``rank_result`` (rank, cell_id, status, error, duration, ename, evalue),
+``rank_state`` (rank, state: idle/dead/stopped, or breakpoint/running from the debugger; returncode, host, device,
+pid where known), ``rank_joined`` (host, pid, rank, joined, world_size), ``rank_died`` (rank, returncode, reason),
+``regrouped`` (fresh), ``output`` (rank, stream, text, cell_id), ``progress`` (rank, cell_id, n, total, desc,
+postfix), ``heartbeat`` (rank, rss, cuda_allocated, cuda_reserved; bytes).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+__all__ = ["EventBus", "Listener"]
+
+Listener = Callable[[str, dict], None]
+
+
+class EventBus:
+    """Queue of mesh events and the thread that delivers them (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._listeners: list[Listener] = []
+        self._queue: deque[tuple[str, dict]] = deque()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._emitted = 0  # events queued so far
+        self._delivered = 0  # events every listener has seen
+
+    def add(self, fn: Listener) -> None:
+        """Call ``fn(kind, data)`` on every event from now on (on the events thread; it must not block)."""
+        with self._cond:
+            if fn not in self._listeners:
+                self._listeners.append(fn)
+
+    def remove(self, fn: Listener) -> None:
+        with self._cond:
+            if fn in self._listeners:
+                self._listeners.remove(fn)
+
+    def emit(self, kind: str, **data: Any) -> None:
+        """Queue an event (any thread, any lock held)."""
+        if not self._listeners:
+            return
+        with self._cond:
+            self._queue.append((kind, data))
+            self._emitted += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="monarch-events", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait up to ``timeout`` seconds until every event emitted so far has reached every listener; True when
+        it has. Call it without the mesh lock (listeners may take it). A no-op on the events thread itself."""
+        with self._cond:
+            if threading.current_thread() is self._thread:
+                return True
+            target = self._emitted
+            return self._cond.wait_for(lambda: self._delivered >= target, timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue:
+                    if not self._listeners:
+                        self._thread = None  # a later emit starts a new one
+                        return
+                    self._cond.wait(1.0)
+                batch = list(self._queue)
+                self._queue.clear()
+                listeners = list(self._listeners)
+            for kind, data in batch:
+                for fn in listeners:
+                    try:
+                        fn(kind, data)
+                    except Exception:  # noqa: BLE001 - a broken listener must not break the mesh
+                        log.exception("mesh listener failed on %s", kind)
+            with self._cond:
+                self._delivered += len(batch)
+                self._cond.notify_all()

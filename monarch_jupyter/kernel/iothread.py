@@ -1,0 +1,286 @@
+"""The controller's I/O thread (``monarch-io``): the ROUTER socket, the handshake with ranks, heartbeats.
+
+The I/O thread owns the ZeroMQ ROUTER socket and its Signer: only it receives, verifies and sends frames there
+(``send_to`` asserts it). It
+
+- verifies every message (HMAC, replays) and dispatches it through an explicit {type: handler} table: the
+  handshake's own messages here, the rest to the handlers the mesh registers (results, transfers, debugger);
+- runs the rendezvous handshake of local ranks: ``Hello`` -> ``Welcome`` (rank 0 first: it hosts the c10d store
+  and reports its port with ``StoreReady``; the others are welcomed to that port) -> ``Ready``. Ranks that join
+  from elsewhere are admitted by the mesh's Listener (launch/listener.py), which this thread calls;
+- sends what other threads queued in the dispatcher's outbox, and writes work-pipe bytes a busy rank could not
+  take yet;
+- pings every rank once per ``heartbeat_interval`` and then runs the tick callbacks (the heartbeat check of
+  recovery.py, the Listener's deadline), after every message received so far was handled.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import zmq
+
+from monarch_worker import protocol as P
+from monarch_worker.channel import recv_frames, send_frames
+
+from .dispatch import Dispatcher
+from .state import MeshState, RankInfo, RankState, owner_check
+
+log = logging.getLogger(__name__)
+
+__all__ = ["IOThread", "Handler", "Admission", "post_regroup"]
+
+Handler = Callable[[int, Any, bytes, list], None]  # (rank, message, payload, buffers)
+
+
+class Admission(Protocol):
+    """Admission of ranks started elsewhere (launch/listener.py's Listener); called on the I/O thread."""
+
+    def on_hello(self, identity: bytes, msg: P.Hello, by_identity: dict[bytes, int]) -> None: ...
+
+    def on_store_ready(self, rank: int, msg: P.StoreReady) -> None: ...
+
+    def on_goodbye(self, rank: int, msg: P.Goodbye) -> None: ...
+
+    def on_unknown(self, identity: bytes, msg: P.Message) -> bool: ...
+
+
+def post_regroup(state: MeshState, dispatcher: Dispatcher, info: RankInfo, port: int, addr: str) -> None:
+    """Tell surviving rank ``info`` to join the new process group (store at ``addr:port``; port 0: host it).
+    Each rank keeps its own local rank."""
+    dispatcher.post(info.rank, P.Regroup(rank=info.rank, world_size=state.nproc, local_rank=-1,
+                                         local_world_size=-1, master_addr=addr, master_port=port,
+                                         backend=info.backend or state.options.backend))
+
+
+class IOThread:
+    """The I/O thread of one mesh generation and the socket it owns (see the module docstring)."""
+
+    def __init__(self, state: MeshState, dispatcher: Dispatcher, admission: Admission | None) -> None:
+        self.state = state
+        self.dispatcher = dispatcher
+        self.admission = admission
+        self._ticks: list[Callable[[float], None]] = []
+        self._handlers: dict[type, Handler] = {
+            P.StoreReady: self._on_store_ready,
+            P.Ready: self._on_ready,
+            P.StartFailed: self._on_start_failed,
+            P.Heartbeat: self._on_heartbeat,
+            P.Goodbye: self._on_goodbye,
+            P.Progress: self.on_progress,
+        }
+
+    def handle(self, kind: type, handler: Handler) -> None:
+        """Dispatch messages of type ``kind`` to ``handler`` (before the mesh starts)."""
+        self._handlers[kind] = handler
+
+    def every_interval(self, tick: Callable[[float], None]) -> None:
+        """Call ``tick(now)`` on the I/O thread once per heartbeat interval (before the mesh starts)."""
+        self._ticks.append(tick)
+        self._ctx: zmq.Context | None = None
+        self.router: zmq.Socket | None = None
+        self._signer: P.Signer = P.Signer(bytes(32))  # replaced by the generation's (open)
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    # ------------------------------------------------------------------ generation (caller's thread)
+
+    def open(self, secret: bytes) -> zmq.Socket:
+        """A fresh context and ROUTER socket for a new generation (not bound yet)."""
+        self._signer = P.Signer(secret)
+        self._ctx = zmq.Context()
+        self.router = self._ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        # No handover: a second connection must never take over a rank's identity (and the code sent to it).
+        self.router.setsockopt(zmq.ROUTER_HANDOVER, 0)
+        return self.router
+
+    def start(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="monarch-io", daemon=True)
+        self._thread.start()
+
+    def stop(self, linger_ms: int) -> None:
+        """Stop the thread (it sends what was queued first), then close the socket (``linger_ms``: how long
+        Shutdown/Rejected may take to leave) and the context."""
+        if self._thread is not None and self._thread.is_alive():
+            self._stop.set()
+            self.dispatcher.outbox.put(None)
+            self._thread.join(5.0)
+        self._thread = None
+        if self._ctx is not None and self.router is not None:
+            self.router.close(linger_ms)
+            self._ctx.term()
+            self._ctx = None
+            self.router = None
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        return self._thread
+
+    # ------------------------------------------------------------------ I/O thread
+
+    def send_to(self, identity: bytes, msg: P.Message) -> None:
+        """Send ``msg`` to one peer now (I/O thread only: it owns the socket)."""
+        owner_check(lambda: self._thread, "the controller's ROUTER socket")
+        assert self.router is not None
+        send_frames(self.router, [identity, *self._signer.pack(msg)])
+
+    def _loop(self) -> None:
+        assert self.router is not None
+        router, dispatcher, state = self.router, self.dispatcher, self.state
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(dispatcher.outbox.wake_fd, zmq.POLLIN)
+        by_identity: dict[bytes, int] = {}
+        next_ping = 0.0
+        interval = state.options.heartbeat_interval
+        while not self._stop.is_set():
+            # While some work pipe is full, retry it every few milliseconds (a pipe that closes meanwhile must not
+            # sit in the poller).
+            events = dict(poller.poll(5 if dispatcher.pipes_waiting else int(interval * 1000)))
+            dispatcher.flush_pipes()
+            if router in events:
+                while (frames := recv_frames(router)) is not None:
+                    self._receive(bytes(frames[0]), frames[1:], by_identity)
+            if dispatcher.outbox.wake_fd in events:
+                self._send_outbox()
+            now = time.monotonic()
+            if now >= next_ping:
+                next_ping = now + interval
+                with state.lock:
+                    idents = [i.identity for i in state.ranks.values() if i.identity and i.state is not RankState.DEAD]
+                ping = self._signer.pack(P.Ping())
+                for ident in idents:
+                    send_frames(router, [ident, *ping])
+                for tick in self._ticks:
+                    tick(now)
+        self._send_outbox()  # what was queued while stopping (Shutdown, Rejected)
+
+    def _receive(self, identity: bytes, frames: list, by_identity: dict[bytes, int]) -> None:
+        try:
+            msg, payload, bufs = self._signer.unpack(frames)
+        except (P.ProtocolError, ValueError, TypeError, KeyError) as e:
+            log.warning("dropped a message from %r: %s", identity[:32], e)
+            return
+        if isinstance(msg, P.Hello):
+            self._on_hello(identity, msg, by_identity)
+            return
+        rank = by_identity.get(identity)
+        if rank is None and self.admission is not None and self.admission.on_unknown(identity, msg):
+            return  # a rank waiting for the others to join
+        if rank is None:
+            log.warning("dropped %s from a peer that did not say hello", msg.TYPE)
+            return
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            log.warning("rank %d sent an unexpected %s", rank, msg.TYPE)
+            return
+        try:
+            handler(rank, msg, payload, bufs)
+        except Exception:  # noqa: BLE001 - keep the I/O thread alive whatever a rank sent
+            log.exception("handling %s from rank %d failed", msg.TYPE, rank)
+
+    def _send_outbox(self) -> None:
+        assert self.router is not None
+        for identities, msg, payload, buffers in self.dispatcher.drain():
+            # One signature for every recipient: each rank checks replays per sender session.
+            frames = self._signer.pack(msg, payload, buffers)
+            for identity in identities:
+                if identity is not None:
+                    send_frames(self.router, [identity, *frames])
+
+    # ------------------------------------------------------------------ handshake (I/O thread)
+
+    def welcome(self, info: RankInfo, port: int) -> None:
+        """Admit local rank ``info`` to the store at ``port`` (0: host it)."""
+        assert info.identity is not None
+        n = self.state.nproc
+        self.send_to(info.identity, P.Welcome(rank=info.rank, world_size=n, local_rank=info.rank,
+                                              local_world_size=n, master_addr="127.0.0.1", master_port=port))
+
+    def _on_hello(self, identity: bytes, msg: P.Hello, by_identity: dict[bytes, int]) -> None:
+        if self.admission is not None:
+            self.admission.on_hello(identity, msg, by_identity)
+            return
+        if msg.version != P.PROTOCOL_VERSION:
+            log.warning("rank %d speaks protocol %d, controller %d; ignored", msg.rank, msg.version,
+                        P.PROTOCOL_VERSION)
+            return
+        state = self.state
+        with state.lock:
+            info = state.ranks.get(msg.rank)
+            if info is None or info.identity is not None:
+                log.warning("rejected hello for rank %d (unknown or taken)", msg.rank)
+                return
+            info.identity = identity
+            info.host = msg.host
+            info.pid = info.pid or msg.pid
+            info.last_heard = time.monotonic()
+            by_identity[identity] = msg.rank
+            if msg.rank == 0:
+                self.welcome(info, 0)
+            elif state.store_port is not None:
+                self.welcome(info, state.store_port)
+
+    def _on_store_ready(self, rank: int, msg: P.StoreReady, payload: bytes, bufs: list) -> None:
+        state = self.state
+        if state.regrouping:  # a new process group for survivors and restarted ranks (recovery.py)
+            addr = msg.addr or "127.0.0.1"
+            with state.lock:
+                state.store_port = msg.port
+                for info in state.ranks.values():
+                    if info.rank == 0 or info.identity is None:
+                        continue
+                    if info.rank in state.regrouping:
+                        post_regroup(state, self.dispatcher, info, msg.port, addr)
+                    else:
+                        self.welcome(info, msg.port)
+            return
+        if self.admission is not None:
+            self.admission.on_store_ready(rank, msg)
+            return
+        with state.lock:
+            state.store_port = msg.port
+            for info in state.ranks.values():
+                if info.rank != 0 and info.identity is not None:
+                    self.welcome(info, msg.port)
+
+    def _on_ready(self, rank: int, msg: P.Ready, payload: bytes, bufs: list) -> None:
+        state = self.state
+        with state.lock:
+            info = state.ranks[rank]
+            info.state = RankState.IDLE
+            info.device, info.backend, info.host = msg.device, msg.backend, msg.host
+            state.cond.notify_all()
+        state.events.emit("rank_state", rank=rank, state="idle", host=msg.host, device=msg.device, pid=msg.pid)
+
+    def _on_start_failed(self, rank: int, msg: P.StartFailed, payload: bytes, bufs: list) -> None:
+        with self.state.lock:
+            self.state.ranks[rank].start_error = msg.error
+            self.state.cond.notify_all()
+
+    def _on_heartbeat(self, rank: int, msg: P.Heartbeat, payload: bytes, bufs: list) -> None:
+        state = self.state
+        with state.lock:
+            info = state.ranks[rank]
+            info.rss = msg.rss
+            info.cuda_allocated, info.cuda_reserved = msg.cuda_allocated, msg.cuda_reserved
+            info.last_heard = time.monotonic()
+        state.events.emit("heartbeat", rank=rank, rss=msg.rss, cuda_allocated=msg.cuda_allocated,
+                          cuda_reserved=msg.cuda_reserved)
+
+    def _on_goodbye(self, rank: int, msg: P.Goodbye, payload: bytes, bufs: list) -> None:
+        if self.admission is not None:  # local ranks' exits come from the fork server
+            self.admission.on_goodbye(rank, msg)
+
+    def on_progress(self, rank: int, msg: P.Progress, payload: bytes, bufs: list) -> None:
+        """A rank's progress report (from the socket, or a record in its output: any thread)."""
+        with self.state.lock:
+            self.state.ranks[rank].progress = (msg.n, msg.total, msg.desc)
+        self.state.events.emit("progress", rank=rank, n=msg.n, total=msg.total, desc=msg.desc,
+                               cell_id=msg.cell_id, postfix=msg.postfix)

@@ -1,0 +1,142 @@
+"""The state the controller's parts share: ranks, cells, the generation's secret and launcher, one lock.
+
+``MeshState`` is the small explicit object that every part of the controller (cells, dispatch, the I/O thread,
+output routing, waiting, recovery, transfers, the debugger) is given instead of the ``Mesh`` itself. Everything
+in it that changes is guarded by ``lock`` (``cond`` is its condition: notified when ranks join, die, or answer).
+
+``owner_check`` asserts, at each use of a socket or pipe, that the thread using it is the one that owns it (the
+habit of ipykernel's subshell manager).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from monarch_worker.options import MeshOptions
+
+from ..errors import MeshNotRunningError
+
+from .events import EventBus
+from .output import StreamSplitter
+
+if TYPE_CHECKING:
+    from .cells import CellHandle
+    from .launch.base import Launcher
+
+__all__ = ["RankState", "RankInfo", "MeshState", "LAST_LINES", "owner_check"]
+
+LAST_LINES = 20  # lines of output kept per rank for death reports
+
+
+class RankState(str, enum.Enum):
+    """Lifecycle of a rank as the controller sees it."""
+
+    STARTING = "starting"
+    IDLE = "idle"
+    RUNNING = "running"
+    DEAD = "dead"
+    STOPPED = "stopped"
+
+
+@dataclass
+class RankInfo:
+    """Live handle of one rank (mutable; guarded by the mesh lock)."""
+
+    rank: int
+    state: RankState = RankState.STARTING
+    pid: int | None = None
+    host: str = ""
+    device: str = ""
+    backend: str = ""
+    identity: bytes | None = None
+    returncode: int | None = None
+    start_error: str = ""
+    rss: int = 0  # bytes
+    cuda_allocated: int = 0  # bytes
+    cuda_reserved: int = 0  # bytes
+    last_heard: float = 0.0  # time.monotonic() of its last message
+    cells: deque[CellHandle] = field(default_factory=deque)  # submitted to this rank, not yet finished on it
+    last_lines: deque[str] = field(default_factory=lambda: deque(maxlen=LAST_LINES))
+    splitters: dict[str, StreamSplitter] = field(
+        default_factory=lambda: {"stdout": StreamSplitter(), "stderr": StreamSplitter(records=False)})
+    progress: tuple | None = None
+    record_parts: list[bytes] = field(default_factory=list)  # bodies of a record message not complete yet
+
+    @property
+    def alive(self) -> bool:
+        return self.state not in (RankState.DEAD, RankState.STOPPED)
+
+
+class MeshState:
+    """What the parts of one mesh share (see the module docstring). Attributes that change are guarded by
+    ``lock``; ``nproc``, ``options``, ``events`` and ``ids`` are set once."""
+
+    def __init__(self, nproc: int, options: MeshOptions, events: EventBus) -> None:
+        self.nproc = nproc
+        self.options = options
+        self.events = events
+        self.lock = threading.RLock()
+        self.cond = threading.Condition(self.lock)
+        self.ids = itertools.count(1)  # cell, call and request ids: unique for the mesh's lifetime
+        self.ranks: dict[int, RankInfo] = {}
+        self.cells: dict[int, CellHandle] = {}  # cells some rank has not finished (and blocking ones not yet read)
+        self.last_cell: CellHandle | None = None  # output that belongs to no cell goes there
+        self.running = False
+        self.stopping = False  # exits now are expected (stop, restart): not reported as deaths
+        self.launcher: Launcher | None = None
+        self.secret = b""
+        self.address = ""  # where ranks connect (tcp://...)
+        self.store_port: int | None = None  # the c10d store rank 0 hosts for this generation
+        self.group_down = ""  # why the process group is broken ("" when it is fine)
+        self.regrouping: set[int] = set()  # surviving ranks that get Regroup once the new store is up
+        self.killing: dict[int, str] = {}  # rank -> why the controller killed it on purpose
+        self.generation = 0  # counts starts and restarts
+        # rank -> (cell id, order) of its last failed cell, for post-mortem (CellTable.on_result keeps it)
+        self.failures: dict[int, tuple[int, int]] = {}
+
+    def new_generation(self, secret: bytes) -> None:
+        """Fresh rank handles and secret for a start or restart (under no lock: nothing else runs yet)."""
+        self.secret = secret
+        self.generation += 1
+        self.failures = {}
+        self.ranks = {r: RankInfo(r) for r in range(self.nproc)}
+        self.store_port = None
+        self.group_down = ""
+        self.regrouping = set()
+        self.killing = {}
+        self.stopping = False
+
+    def status(self) -> dict[int, dict[str, Any]]:
+        """rank -> {"state", "pid", "host", "device", "rss", "cuda_allocated", "cuda_reserved" (bytes),
+        "returncode", "backend"}."""
+        with self.lock:
+            return {
+                r: {"state": i.state.value, "pid": i.pid, "host": i.host, "device": i.device, "rss": i.rss,
+                    "cuda_allocated": i.cuda_allocated, "cuda_reserved": i.cuda_reserved,
+                    "returncode": i.returncode, "backend": i.backend}
+                for r, i in self.ranks.items()
+            }
+
+    def check_running(self) -> None:
+        """Raise MeshNotRunningError unless the ranks are up."""
+        if not self.running:
+            raise MeshNotRunningError("this mesh is not running: start it with  %mesh start -n N  "
+                                      "(or mesh.start() / mesh.restart())")
+
+    def dead(self) -> list[int]:
+        """Ranks whose process is gone (under the lock or not: a snapshot)."""
+        with self.lock:
+            return [r for r, i in self.ranks.items() if i.state is RankState.DEAD]
+
+
+def owner_check(owner: Callable[[], threading.Thread | None], what: str) -> None:
+    """Assert that the calling thread is ``owner()`` (the thread that owns ``what``: a socket, a pipe)."""
+    thread = owner()
+    assert thread is None or thread is threading.current_thread(), (
+        f"{what} is owned by thread {thread.name!r}, used from {threading.current_thread().name!r}")

@@ -1,0 +1,249 @@
+"""Waiting for a cell: its output written from the waiting thread, interrupts, timeouts, the outcome.
+
+The caller's thread (the kernel's main thread in a notebook) waits on the cell's condition in 50 ms slices, so
+SIGINT (the notebook's interrupt) always reaches it, and writes the cell's output lines itself as they arrive.
+When the caller is interrupted, the ranks still running the cell are interrupted too (and again every
+``INTERRUPT_RESEND`` seconds: a SIGINT that lands just before a blocking call waits for that call to end); the
+ranks get ``interrupt_grace`` seconds to stop, and those that do not are reported as stuck. A cell that runs past
+its timeout is interrupted the same way and raises ``MeshTimeoutError`` with each rank's stack.
+
+A rank stopped at ``breakpoint()`` is served by the debugger from this thread (``Prompts``): time at the prompt
+does not count against the cell's timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import Protocol
+
+from monarch_worker import protocol as P
+
+from ..errors import MeshError, MeshTimeoutError, MonarchError, RemoteError, mesh_interrupt
+from ..ranks import RankMap, format_ranks, ranks_text
+from .cells import CellHandle
+from .dispatch import Dispatcher, Group
+from .output import write_lines
+from .recovery import Recovery, where_interrupted
+from .stacks import StackRequests, summarize
+from .state import MeshState
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Waiter", "Prompts", "INTERRUPT_RESEND", "MARKER_GRACE"]
+
+INTERRUPT_RESEND = 1.0  # seconds between interrupts sent to ranks that still run an interrupted cell
+MARKER_GRACE = 1.0  # seconds a rank's output marker may lag its result before the rank is finished without it
+
+
+class Prompts(Protocol):
+    """Debugger prompts of ranks stopped at ``breakpoint()`` (debugger.MeshDebugger)."""
+
+    def has_prompt(self, cell: CellHandle) -> bool: ...
+
+    def serve(self, cell: CellHandle) -> float: ...
+
+
+class Waiter:
+    """Submits cells and waits for them (see the module docstring)."""
+
+    def __init__(self, state: MeshState, dispatcher: Dispatcher, stacks: StackRequests, recovery: Recovery) -> None:
+        self.state = state
+        self.dispatcher = dispatcher
+        self.stacks = stacks
+        self.recovery = recovery
+        self.prompts: Prompts | None = None
+
+    def submit(self, cell_id: int, groups: list[Group], what: str, order: str = "arrival",
+               tracks_failures: bool = True) -> CellHandle:
+        """Send one cell (``groups``: ranks that get the same message) and return its handle. ``order``: see
+        ``Mesh.run``; ``tracks_failures``: its failures are the ones post-mortem opens.
+
+        Raises
+        ------
+        MeshError, RankBusyError
+            A chosen rank is dead or stuck (nothing was sent).
+        KeyboardInterrupt
+            The caller was interrupted once the cell was on its way: the ranks were interrupted too.
+        """
+        ranks = sorted(r for group in groups for r in group[0])
+        handle = CellHandle(self.state, self, cell_id, ranks, what, order)
+        handle.tracks_failures = tracks_failures
+        try:
+            self.dispatcher.submit(handle, groups)
+        except KeyboardInterrupt:
+            with self.state.lock:
+                sent = self.state.cells.get(cell_id) is handle
+            if not sent:
+                raise
+            raise mesh_interrupt(self.interrupt_cell(handle)) from None
+        # From here on the ranks run it: an interrupt that lands before the caller waits must reach them too
+        # (a fast cell's first output can be on screen, and interrupted, before that).
+        try:
+            self.state.events.emit("cell_started", cell_id=cell_id, ranks=ranks, handle=handle)
+        except KeyboardInterrupt:
+            raise mesh_interrupt(self.interrupt_cell(handle)) from None
+        return handle
+
+    def result(self, handle: CellHandle, timeout: float | None) -> RankMap | None:
+        """``handle.result(timeout)``, interrupting the ranks whenever the caller is interrupted."""
+        try:
+            return handle.result(timeout)
+        except KeyboardInterrupt:
+            if handle.interrupted:
+                raise
+            raise mesh_interrupt(self.interrupt_cell(handle)) from None
+
+    def wait(self, cell: CellHandle, timeout: float | None, raise_on_timeout: bool) -> bool:
+        """Wait for ``cell`` and write its output from this thread; returns True when it finished.
+
+        Raises MeshTimeoutError past ``timeout`` when ``raise_on_timeout``, KeyboardInterrupt when interrupted.
+        """
+        state = self.state
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            with state.lock:
+                cell.set_waiting(True)
+            while True:
+                with state.lock:
+                    cell.wake_wait(0.05)
+                    self._check_stragglers(cell)
+                    lines = cell.pop_lines()
+                    done = cell.all_done
+                write_lines(lines)
+                if done:
+                    state.events.flush()  # the views saw the cell end before its result is returned
+                    return True
+                if self.prompts is not None and self.prompts.has_prompt(cell):  # a rank stopped at breakpoint()
+                    paused = self.prompts.serve(cell)
+                    deadline = None if deadline is None else deadline + paused  # time at the prompt is not run time
+                if deadline is not None and time.monotonic() > deadline:
+                    if raise_on_timeout:
+                        self._on_timeout(cell, timeout or 0.0)
+                    return False
+        except KeyboardInterrupt:
+            raise mesh_interrupt(self.interrupt_cell(cell)) from None
+        finally:
+            with state.lock:
+                cell.set_waiting(False)
+
+    def _check_stragglers(self, cell: CellHandle) -> None:
+        """Under the lock: finish ranks whose result came but whose output marker is late, and end the cell
+        promptly when a rank died (recovery.py)."""
+        now = time.monotonic()
+        for r, seen in cell.result_seen_at.items():
+            if r not in cell.finished and now - seen > MARKER_GRACE:
+                log.debug("rank %d: output marker of cell %d late; finishing without it", r, cell.cell_id)
+                cell.finish_rank(r)
+        self.recovery.release_survivors(cell, now)
+
+    def interrupt_cell(self, cell: CellHandle) -> str:
+        """The caller was interrupted: interrupt the ranks still running ``cell`` and wait ``interrupt_grace``.
+
+        Returns what to say in the KeyboardInterrupt: where the ranks stopped (stuck ones are reported on stderr).
+        """
+        state, post = self.state, self.dispatcher.post
+        grace = state.options.interrupt_grace
+        with state.lock:
+            cell.interrupted = True
+            running = [r for r in cell.ranks if r not in cell.finished]
+            for r in running:
+                post(r, P.Interrupt(cell.cell_id))
+        if not running:
+            return "interrupted (the ranks had finished the cell)"
+        started = time.monotonic()
+        deadline = started + grace
+        resend = started + INTERRUPT_RESEND
+        try:
+            while time.monotonic() < deadline:
+                with state.lock:
+                    if cell.all_done:
+                        break
+                    cell.wake_wait(0.05)
+                    lines = cell.pop_lines()
+                    if time.monotonic() >= resend:
+                        # A SIGINT that lands just before a rank's blocking call starts (time.sleep, a socket
+                        # read) waits for that call to end: a second one interrupts the call itself.
+                        resend = time.monotonic() + INTERRUPT_RESEND
+                        for r in cell.ranks:
+                            if r not in cell.finished:
+                                post(r, P.Interrupt(cell.cell_id))
+                write_lines(lines)
+        except KeyboardInterrupt:
+            pass  # a second interrupt: stop waiting now
+        with state.lock:
+            stuck = [r for r in cell.ranks if r not in cell.finished]
+            cell.abandoned = bool(stuck)  # nobody waits for it now: later cells must not queue behind it
+            stopped = {r: e for r, e in cell.errors.items()
+                       if r in running and isinstance(e, RemoteError) and e.interrupted}
+        if stuck:
+            # A second interrupt ends the wait early: say how long the ranks really had.
+            waited = min(grace, time.monotonic() - started)
+            sys.stderr.write(self.recovery.stuck_message(stuck, round(waited, 1)))
+        if not stopped:
+            return f"interrupted; {ranks_text(stuck)} did not stop"
+        return f"interrupted {ranks_text(stopped)} (they keep their state): {where_interrupted(stopped)}"
+
+    def _on_timeout(self, cell: CellHandle, timeout: float) -> None:
+        state = self.state
+        grace = state.options.interrupt_grace
+        with state.lock:
+            late = [r for r in cell.ranks if r not in cell.finished]
+        report = self.stacks.ask(late, 5.0)
+        self.interrupt_cell(cell)
+        with state.lock:
+            errors: dict[int, MonarchError] = {}
+            for r in cell.ranks:
+                e = cell.errors.get(r)
+                if r not in late:
+                    if e is not None:
+                        errors[r] = e  # failed before the timeout
+                elif r not in cell.finished:
+                    errors[r] = RemoteError(r, "TimeoutError", f"still running after {timeout:g} s; it did not stop "
+                                            f"within {grace:g} s of the interrupt")
+                elif isinstance(e, RemoteError) and e.interrupted:
+                    errors[r] = RemoteError(r, "TimeoutError", f"interrupted after {timeout:g} s at "
+                                            f"{summarize([tuple(f) for f in e.frames])}", e.traceback,
+                                            frames=e.frames)
+                elif e is not None:
+                    errors[r] = e
+            results = {r: cell.values.get(r) for r in cell.finished if r not in cell.errors}
+            stuck = [r for r in cell.ranks if r not in cell.finished]
+            if not stuck:
+                state.cells.pop(cell.cell_id, None)
+        hint = (f"%mesh interrupt --force --ranks {format_ranks(stuck)}  stops the ranks still running "
+                "(see the message above)" if stuck else "")
+        raise MeshTimeoutError(errors, results, cell.what, report.text, timeout, hint)
+
+    def outcome(self, cell: CellHandle) -> RankMap | None:
+        """The cell's results, or raise its error; computed once, then the same answer on every call."""
+        final = cell.final
+        if final is None:
+            try:
+                final = (self._compute_outcome(cell), None)
+            except BaseException as e:  # noqa: BLE001 - remembered, raised below
+                final = (None, e)
+            if cell.keep_outcome:  # a handle the caller holds (block=False): result() may be asked again
+                cell.final = final
+        value, error = final
+        if error is not None:
+            raise error
+        return value
+
+    def _compute_outcome(self, cell: CellHandle) -> RankMap | None:
+        state = self.state
+        with state.lock:
+            state.cells.pop(cell.cell_id, None)
+            errors = dict(cell.errors)
+            results = RankMap((r, cell.values.get(r)) for r in cell.ranks if r in cell.finished and r not in errors)
+            cell.values = {}  # the handle may live on (late output); the results belong to the caller now
+        if errors:
+            if all(isinstance(e, RemoteError) and e.interrupted for e in errors.values()):
+                raise mesh_interrupt(f"interrupted {ranks_text(errors)} (they keep their state): "
+                                     f"{where_interrupted(errors)}")
+            errors, hint = self.recovery.fold_errors(cell, errors)
+            raise MeshError(errors, results, cell.what, hint)
+        if not any(cell.has_value.get(r) for r in cell.ranks):
+            return None
+        return results
