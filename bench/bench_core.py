@@ -78,7 +78,7 @@ def cell_latency(n: int, cells: int) -> dict[str, float]:
         before = {k: [_cpu_seconds(p) for p in v] for k, v in pids.items()}
         for _ in range(cells):
             mesh.run("x = 1")
-        cpu = {k: statistics.mean(_cpu_seconds(p) - b for p, b in zip(v, before[k])) / cells
+        cpu = {k: statistics.mean(_cpu_seconds(p) - b for p, b in zip(v, before[k], strict=False)) / cells
                for k, v in pids.items()}
     finally:
         shell.run_line_magic("unload_ext", "monarch_jupyter")
@@ -115,7 +115,8 @@ def main() -> None:
           f"{start['cold_start_s'] / imp:5.2f}x import torch  (target <= 1.5x)")
     print(f"  restart to ready                         {start['restart_s']:8.3f} s   "
           f"{start['restart_s'] / imp:5.2f}x import torch")
-    print(f"  trivial cell, Mesh.run (median)          {lat['api_s'] * 1e3:8.3f} ms  (p90 {lat['api_p90_s'] * 1e3:.3f} ms)")
+    print(f"  trivial cell, Mesh.run (median)          {lat['api_s'] * 1e3:8.3f} ms  "
+          f"(p90 {lat['api_p90_s'] * 1e3:.3f} ms)")
     print(f"  trivial cell, %%mesh magic (median)      {lat['magic_s'] * 1e3:8.3f} ms  (target < 1 ms)")
     print(f"  CPU per trivial cell (Mesh.run)          kernel {lat['cpu_kernel_s'] * 1e3:.3f} ms, "
           f"each rank {lat['cpu_rank_s'] * 1e3:.3f} ms")
@@ -123,7 +124,8 @@ def main() -> None:
         return
     try:
         t = peers.ipyparallel_start(n)
-        print(f"  ipyparallel: start {n} engines + torch     {t:8.3f} s   ours is {t / start['cold_start_s']:5.1f}x faster")
+        print(f"  ipyparallel: start {n} engines + torch     {t:8.3f} s   "
+              f"ours is {t / start['cold_start_s']:5.1f}x faster")
         ops = peers.ipyparallel_ops(n)
         print(f"  ipyparallel: %px a=1 (view.execute)      {ops['execute_s'] * 1e3:8.3f} ms  "
               f"ours is {ops['execute_s'] / lat['magic_s']:5.1f}x faster")

@@ -101,7 +101,8 @@ def ours_api(n: int, repeat: int) -> dict[str, Any]:
         for _ in range(repeat):
             pid = mesh.status()[1]["pid"]
             stopped: list[float] = []
-            threading.Timer(0.5, lambda: (stopped.append(time.perf_counter()), os.kill(pid, signal.SIGSTOP))).start()
+            threading.Timer(0.5, lambda stopped=stopped, pid=pid: (stopped.append(time.perf_counter()),
+                                                             os.kill(pid, signal.SIGSTOP))).start()
             mesh.heartbeat_timeout = 2.0  # the controller's window, for this cell only
             try:
                 mesh.run("import time\ntime.sleep(600)")
@@ -121,7 +122,7 @@ def ours_api(n: int, repeat: int) -> dict[str, Any]:
             except KeyboardInterrupt:
                 intr.append(time.perf_counter() - stamp[0])
         res["interrupt_api_s"] = _median(intr)
-        assert mesh.run("1") == {r: 1 for r in range(n)}
+        assert mesh.run("1") == dict.fromkeys(range(n), 1)
 
         full = []
         for _ in range(repeat):
@@ -275,7 +276,8 @@ def ipyparallel_faults(n: int) -> dict[str, Any]:
         try:
             got = view.apply_sync(_sleep_then, 3.0, 42)
             res["interrupt_blocking_call"] = ("returned 42: ran to the end" if got == 42 else
-                                              f"returned {type(got).__name__} at once (Ctrl-C swallowed); the engine runs on")
+                                              f"returned {type(got).__name__} at once (Ctrl-C swallowed); "
+                                              "the engine runs on")
         except KeyboardInterrupt:
             res["interrupt_blocking_call"] = "KeyboardInterrupt"
         res["interrupt_blocking_call_s"] = time.perf_counter() - stamp[0]

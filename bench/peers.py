@@ -32,11 +32,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 MiB = 1 << 20
 _MARK = "PEERS_JSON "
-PeerResult = tuple[Optional[dict[str, float]], str]  # (seconds by metric, "") or (None, reason)
+PeerResult = tuple[dict[str, float] | None, str]  # (seconds by metric, "") or (None, reason)
 
 
 class PeerUnavailable(RuntimeError):
@@ -54,7 +54,7 @@ def _bench(fn: Callable[[], object], reps: int, warmup: int = 1) -> tuple[float,
     return times[0], statistics.median(times[warmup:])
 
 
-def _missing(dist: str) -> Optional[str]:
+def _missing(dist: str) -> str | None:
     """One-line reason if distribution ``dist`` is not installed, else None."""
     try:
         importlib.metadata.version(dist)
@@ -115,7 +115,7 @@ def _run_child(code: str, timeout: float, python: str | None = None) -> dict[str
         except subprocess.TimeoutExpired:
             _kill_pids(_session_pids(proc.pid) | {proc.pid}, grace=0)
             out, err = proc.communicate()
-            raise RuntimeError(f"peer child timed out after {timeout}s: {err[-500:]}")
+            raise RuntimeError(f"peer child timed out after {timeout}s: {err[-500:]}") from None
         finally:
             _kill_pids(_session_pids(proc.pid), grace=5.0)
     for line in reversed(out.splitlines()):
@@ -159,7 +159,7 @@ def _ipp_pids(cluster, rc) -> set[int]:
     if cluster.controller is not None and cluster.controller.pid:
         pids.add(int(cluster.controller.pid))
     for engine_set in cluster.engines.values():
-        pids |= {int(l.pid) for l in getattr(engine_set, "launchers", {}).values() if l.pid}
+        pids |= {int(ln.pid) for ln in getattr(engine_set, "launchers", {}).values() if ln.pid}
     for p in list(pids):
         try:
             pids |= {c.pid for c in psutil.Process(p).children(recursive=True)}
@@ -230,7 +230,7 @@ def ipyparallel_ops(n: int = 4) -> dict[str, float]:
         a256 = np.ones(256 * MiB // 4, dtype=np.float32)
         res["push_64MiB_first_s"], res["push_64MiB_s"] = _bench(
             lambda: view.push({"x": a64}, block=True), 5)
-        res["push_256MiB_s"] = _bench(lambda: view.push({"x": a256}, block=True), 3)[1]
+        res["push_256MiB_s"] = _bench(lambda a=a256: view.push({"x": a}, block=True), 3)[1]
         view.execute("del x", block=True)
         del a256
         t64 = torch.ones(64 * MiB // 4, dtype=torch.float32)
@@ -345,7 +345,8 @@ print("__MARK__" + json.dumps(dict(import_s=t_import, launch_to_result_s=t2 - t1
 
 
 def accelerate_notebook_launcher_start(n: int = 4, timeout: float = 150.0) -> PeerResult:
-    """``accelerate.notebook_launcher(fn, num_processes=n)`` in a child process; returns (seconds, "") or (None, reason).
+    """``accelerate.notebook_launcher(fn, num_processes=n)`` in a child process; returns (seconds, "") or
+    (None, reason).
 
     ``fn`` = gloo ``init_process_group`` + ``all_reduce`` of one CPU float + destroy.
     Keys: ``launch_to_result_s`` (the notebook_launcher call: fork n workers, rendezvous,

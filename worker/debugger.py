@@ -32,7 +32,7 @@ import sys
 import threading
 import traceback
 import types
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, cast
 
 from . import protocol as P
 from .executor import is_internal, main_thread_stack
@@ -100,7 +100,7 @@ class _DebugStdin(io.TextIOBase):
     def isatty(self) -> bool:
         return False
 
-    def readline(self, size: int | None = -1) -> str:  # noqa: ARG002 - file-like signature
+    def readline(self, size: int | None = -1) -> str:  # type: ignore[override]  # a text stream: str lines
         return self._dbg.read_line("pdb")
 
 
@@ -132,7 +132,8 @@ class RemotePdb(pdb.Pdb):
     def __init__(self, dbg: RankDebugger) -> None:
         self._dbg = dbg
         self._how = "continue"
-        super().__init__(stdin=dbg.stdin, stdout=dbg.stdout, nosigint=True, readrc=False)
+        super().__init__(stdin=cast(IO[str], dbg.stdin), stdout=cast(IO[str], dbg.stdout), nosigint=True,
+                         readrc=False)
         self.prompt = "(Pdb) "
 
     def trace_from(self, frame: types.FrameType) -> None:
@@ -201,6 +202,7 @@ class RemotePdb(pdb.Pdb):
             raise KeyboardInterrupt("interrupted at the debugger prompt")
 
     def do_interact(self, arg: str) -> None:
+        assert self.curframe is not None
         ns = {**self.curframe.f_globals, **self.curframe_locals}
         console = _Console(ns, self._dbg)
         saved = sys.stdout, sys.stderr
@@ -403,7 +405,7 @@ class RankDebugger:
     def _inspect(self, msg: P.Inspect) -> None:
         rank = self._rank
         cell = rank.current_cell
-        main = sys._current_frames().get(rank._main_ident)
+        main = sys._current_frames().get(rank.main_ident or -1)
         stack = main_thread_stack(main) if cell >= 0 else []
         where = f"{stack[-1][0]} line {stack[-1][1]}, in {stack[-1][2]}" if stack else ""
         active = self._active
@@ -437,13 +439,12 @@ class _Keeping:
     def __enter__(self) -> None:
         self._dbg.error = None
 
-    def __exit__(self, typ: type | None, exc: BaseException | None, tb: types.TracebackType | None) -> bool:
+    def __exit__(self, typ: type | None, exc: BaseException | None, tb: types.TracebackType | None) -> None:
         if exc is not None:
             self._dbg.keep_error(exc)
-        return False
 
 
-_DEBUGGER_FILES = {os.path.abspath(m.__file__) for m in (bdb, pdb, code, cmd)}
+_DEBUGGER_FILES = {os.path.abspath(str(m.__file__)) for m in (bdb, pdb, code, cmd)}
 
 
 def _is_debugger_frame(frame: types.FrameType) -> bool:

@@ -28,7 +28,7 @@ def register_source(filename: str, source: str) -> None:
 
 def is_internal(filename: str) -> bool:
     """Frames of this runtime (and of runpy, which started it) are not shown to users."""
-    return filename.startswith(_PACKAGE_DIR) or filename.startswith("<frozen ")
+    return filename.startswith((_PACKAGE_DIR, "<frozen "))
 
 
 def format_error(exc: BaseException) -> dict:
@@ -94,6 +94,7 @@ class Namespace:
             # The last expression's value goes to a hidden name, in the same code object as the rest of the cell,
             # so that pdb steps onto that line like any other.
             last = tree.body[-1]
+            assert isinstance(last, ast.Expr)
             tree.body[-1] = ast.copy_location(ast.Assign([ast.Name(_LAST, ast.Store())], last.value), last)
             ast.fix_missing_locations(tree)
         self.ns.pop(_LAST, None)

@@ -117,7 +117,7 @@ class ForkServer:
             pass
         sys.path[:] = req["sys_path"]
         from .config import RankConfig
-        from .runtime import run_rank
+        from .startup import run_rank
 
         code = run_rank(RankConfig(**req["config"]))
         os._exit(code)
@@ -182,7 +182,7 @@ class ForkServer:
         self.flush()
         while True:
             try:
-                ready, _, _ = select.select([self.ctl, self.sig_r], [], [], 1.0)
+                ready, _, _ = select.select([self.ctl.fileno(), self.sig_r], [], [], 1.0)
             except InterruptedError:
                 continue
             if os.getppid() != self.parent:
@@ -205,12 +205,12 @@ def main() -> None:
     os.dup2(devnull, 0)
     os.dup2(2, 1)  # anything printed by imports goes to the kernel's stderr
     os.close(devnull)
+    import cloudpickle  # noqa: F401
     import torch  # noqa: F401  - the point of the fork server: pay for this once
     import torch.distributed  # noqa: F401
-    import cloudpickle  # noqa: F401
     import zmq  # noqa: F401  - imports only; no Context (it would start threads) before forking
 
-    from . import runtime  # noqa: F401
+    from . import startup  # noqa: F401  - the rank runtime, imported once here
 
     # The objects of torch and the rest are long-lived: move them out of the collector's view before forking, so
     # that a rank's garbage collections do not walk them over and over (and do not copy their pages on write).

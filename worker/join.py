@@ -26,13 +26,11 @@ address toward the controller and the controller tells the other ranks where it 
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import os
 import re
 import signal
 import socket
 import stat
-import struct
 import sys
 from collections.abc import Mapping
 from urllib.parse import urlsplit
@@ -187,7 +185,7 @@ def _default_gloo_interface(controller: str) -> None:
         addrs = {ai[4][0] for ai in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)}
     except OSError:
         addrs = set()
-    if addrs and not all(a.startswith("127.") for a in addrs):
+    if addrs and not all(str(a).startswith("127.") for a in addrs):
         return
     try:
         name = interface_of(address_toward(controller))
@@ -232,6 +230,6 @@ def main(argv: list[str] | None = None) -> int:
     if config.local_world_size != 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: N ranks on a host do not oversubscribe it
     _default_gloo_interface(config.controller)
-    from .runtime import run_rank
+    from .startup import run_rank
 
     return run_rank(config)

@@ -42,7 +42,11 @@ __all__ = ["progress", "install", "flush", "MIN_INTERVAL"]
 MIN_INTERVAL = 0.1  # seconds between two Progress messages of one rank (the last one is never dropped)
 
 _send: Callable[[P.Message], None] | None = None  # set by install() in a rank
-_current_cell: Callable[[], int] = lambda: -1
+def _no_cell() -> int:
+    return -1
+
+
+_current_cell: Callable[[], int] = _no_cell
 _lock = threading.Lock()
 _last_sent = 0.0
 _pending: P.Progress | None = None
@@ -146,7 +150,7 @@ def _bar_report(bar: Any, closing: bool = False) -> None:
     with _bars_lock:
         alive = [r for r in _open_bars if r() is not None and r() is not bar]
         new = not closing and all(r() is not bar for r in _open_bars)
-        _open_bars[:] = alive if closing else alive + [weakref.ref(bar)]
+        _open_bars[:] = alive if closing else [*alive, weakref.ref(bar)]
         outer = [r() for r in alive]
     if closing and outer:
         return  # an inner bar ended; the outer bar reports on its next update
@@ -201,7 +205,7 @@ class _Loader(importlib.abc.Loader):
         return self.inner.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
-        self.inner.exec_module(module)  # type: ignore[attr-defined]
+        self.inner.exec_module(module)
         try:
             _patch_tqdm(module)
         except Exception:  # noqa: BLE001 - never break `import tqdm`

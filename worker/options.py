@@ -58,7 +58,7 @@ class MeshOptions:
     env: dict[str, str] = _option(None, "Extra environment variables for the ranks.", rank="env", factory=dict)
     address: str | None = _option(None, "Where the controller listens for ranks that join (launchers other than "
                                   "local): None or empty (loopback), an interface (eth0), an address or host name "
-                                  "of this host, or *. Anything but loopback must be asked for.",
+                                  "of this host, or `*`. Anything but loopback must be asked for.",
                                   trait="listen_address")
     port: int = _option(0, "TCP port the controller listens on for joining ranks (0: any free port).")
     encrypt: bool = _option(False, "Encrypt joining ranks' connections with CurveZMQ (the secret always "

@@ -22,25 +22,25 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
 
-from . import live
+from . import live, recovery
 from . import protocol as P
-from . import recovery
 from .addresses import address_toward
-from .config import RankConfig
-from .options import RANK_SETTINGS
 from .channel import Mailbox, Outbox, recv_frames, send_frames
+from .config import RankConfig
 from .debugger import RankDebugger
 from .executor import Namespace, format_error, main_thread_stack, register_source
+from .options import RANK_SETTINGS
 from .serialize import SerializationError, dumps, loads
 from .transfer import RankTransfers
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Rank", "run_rank", "JoinRejected", "apply_thread_settings"]
+__all__ = ["Rank", "JoinRejected", "RECORD_RESULT_MAX"]
 
 class JoinRejected(RuntimeError):
     """The controller did not admit this rank (the message says why)."""
@@ -62,7 +62,7 @@ class Rank:
         self._last_started = 0  # the id of the last cell the main thread started
         self._early_interrupts: set[int] = set()  # cells interrupted before they reached the main thread
         self._last_heard = time.monotonic()
-        self._main_ident = threading.main_thread().ident
+        self.main_ident: int = threading.main_thread().ident or 0
         self._signer = P.Signer(bytes.fromhex(config.secret))
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
@@ -99,7 +99,7 @@ class Rank:
         """
         payload, buffers = dumps(value) if with_value else (b"", [])
         if (self._record_fd >= 0 and isinstance(msg, self._record_types)
-                and threading.get_ident() == self._main_ident and os.getpid() == self._pid):
+                and threading.get_ident() == self.main_ident and os.getpid() == self._pid):
             self._write_records(msg, payload, buffers)
             return
         self.outbox.put((msg, payload, buffers))
@@ -132,7 +132,7 @@ class Rank:
         poller.register(self.outbox.wake_fd, zmq.POLLIN)
         interval_ms = int(self.config.heartbeat_interval * 1000)
         next_beat = 0.0
-        handlers = {
+        handlers: dict[type, Callable[[Any, bytes, list], None]] = {
             P.Interrupt: self._on_interrupt,
             P.StacksRequest: self._on_stacks,
             P.Abort: self._on_abort,
@@ -191,7 +191,7 @@ class Rank:
         with self._cell_lock:
             if self.current_cell == msg.cell_id:
                 self._sigint_cell = msg.cell_id  # read by on_sigint, in the main thread
-                signal.pthread_kill(self._main_ident, signal.SIGINT)
+                signal.pthread_kill(self.main_ident, signal.SIGINT)
             elif msg.cell_id > self._last_started:
                 # The cell has not reached the main thread yet (it travels by another pipe): it stops at once
                 # when it does.
@@ -213,7 +213,7 @@ class Rank:
         raise KeyboardInterrupt
 
     def _on_stacks(self, msg: P.StacksRequest, payload: bytes, bufs: list) -> None:
-        frame = sys._current_frames().get(self._main_ident)
+        frame = sys._current_frames().get(self.main_ident)
         cell = self.current_cell
         frames = main_thread_stack(frame) if cell >= 0 else []
         self._send_now(P.Stacks(msg.request_id, cell, frames, "running" if cell >= 0 else "idle",
@@ -227,7 +227,7 @@ class Rank:
 
     # ---- main thread ------------------------------------------------------------------------------------------
 
-    def _wait_for(self, kind: type, timeout: float) -> tuple:
+    def _wait_for(self, kind: type[P.Message], timeout: float) -> tuple:
         deadline = time.monotonic() + timeout
         while True:
             remaining = deadline - time.monotonic()
@@ -302,9 +302,10 @@ class Rank:
         a TCPStore here (on ``master_addr``, or our address toward the controller when it is empty) and report
         it with StoreReady; > 0: the TCPStore at ``master_addr:master_port``.
         """
+        from datetime import timedelta
+
         import torch
         import torch.distributed as dist
-        from datetime import timedelta
 
         cfg = self.config
         if backend == "auto":
@@ -355,7 +356,7 @@ class Rank:
             fd = fcntl.fcntl(self.config.work_fd, fcntl.F_DUPFD_CLOEXEC, 100)
             os.close(self.config.work_fd)
             self.config = dataclasses.replace(self.config, work_fd=fd)
-        dispatch = {
+        dispatch: dict[type, Callable[[Any, bytes, list], None]] = {
             P.Exec: self._exec,
             P.Call: self._call,
             P.Push: self.transfers.push,
@@ -496,15 +497,16 @@ class Rank:
                 pass
 
     def _exec(self, msg: P.Exec, payload: bytes, bufs: list) -> None:
-        assert self.ns is not None
+        ns = self.ns
+        assert ns is not None
         for filename, source in msg.sources.items():
             register_source(filename, source)
 
         def body() -> tuple[bool, Any]:
             with self.debugger.keeping():  # its exception stays for post-mortem until the next cell
                 if payload:
-                    self.ns.inject(loads(payload, bufs))
-                return self.ns.run_cell(msg.code, msg.filename)
+                    ns.inject(loads(payload, bufs))
+                return ns.run_cell(msg.code, msg.filename)
 
         self.run_work(msg.cell_id, body)
 
@@ -561,82 +563,3 @@ def _cuda_memory(device: Any) -> dict[str, int]:
                 "cuda_reserved": int(torch.cuda.memory_reserved(device))}
     except Exception:  # noqa: BLE001 - a heartbeat must always go out
         return {}
-
-
-def _unbuffered_std_streams() -> None:
-    """Python-level prints go straight to fds 1 and 2, in order with C-level writes to the same fds."""
-    import io
-
-    for fd, name in ((1, "stdout"), (2, "stderr")):
-        raw = io.FileIO(fd, "w", closefd=False)
-        stream = io.TextIOWrapper(raw, encoding="utf-8", errors="backslashreplace", write_through=True,
-                                  line_buffering=False)
-        setattr(sys, name, stream)
-        setattr(sys, f"__{name}__", stream)
-
-
-def apply_thread_settings() -> None:
-    """Give torch the intra-op thread count a fresh interpreter with this environment would have.
-
-    A rank forked from the fork server inherits the OpenMP and MKL settings torch read when the fork server imported
-    it, so the OMP_NUM_THREADS / MKL_NUM_THREADS of the rank's own environment (torchrun sets OMP_NUM_THREADS=1
-    when several ranks share a host) would have no effect. torch's own rule (ATen's
-    ``intraop_default_num_threads``) applies: MKL_NUM_THREADS wins over OMP_NUM_THREADS; with neither set, the
-    fork server's default (the same machine, the same default) stands. Inter-op threads need nothing: the fork
-    server never started its pool, so each rank sizes it on first use, as a fresh process does.
-    """
-    value = os.environ.get("MKL_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS")
-    if not value:
-        return
-    try:
-        n = int(value)
-    except ValueError:
-        return  # torch ignores a value it cannot parse; so do we
-    if n > 0:
-        import torch
-
-        torch.set_num_threads(n)
-
-
-def run_rank(config: RankConfig) -> int:
-    """Run one rank to completion; returns the process exit code (2: the controller did not admit it)."""
-    os.environ.update(config.env)
-    apply_thread_settings()
-    relay = None
-    if config.relay_output:
-        from .relay import OutputRelay
-
-        relay = OutputRelay(tee=config.relay_tee)  # fds 1 and 2 feed it from now on
-    _unbuffered_std_streams()
-    recovery.prepare_process()
-    rank = Rank(config)
-    signal.signal(signal.SIGINT, rank.on_sigint)
-    live.install(rank.send, lambda: rank.current_cell)
-    if relay is not None:
-        relay.start(rank.outbox)
-        rank.relay = relay
-    rank.start_io()
-    code = 0
-    try:
-        rank.join()
-    except JoinRejected as e:
-        sys.stderr.write(f"monarch_worker: not admitted to the mesh: {e}\n")
-        code = 2
-    except BaseException as e:  # noqa: BLE001 - tell the controller why, then exit
-        err = format_error(e)
-        sys.stderr.write(err["traceback"])
-        rank.send(P.StartFailed(error=err["traceback"]))
-        code = 1
-    else:
-        rank.debugger.install()
-        rank.serve()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001 - a user may have replaced or closed it
-            pass
-    if relay is not None:
-        relay.flush(1.0)
-    rank.send(P.Goodbye(returncode=code))
-    rank.close(2.0)
-    return code

@@ -194,7 +194,7 @@ class Segment:
         if self._fresh:
             self._fresh = False
             try:
-                for buf, (offset, nbytes) in zip(buffers, layout):
+                for buf, (offset, nbytes) in zip(buffers, layout, strict=False):
                     view = memoryview(buf).cast("B")
                     done = 0
                     while done < nbytes:
@@ -208,7 +208,7 @@ class Segment:
             # ("fault-around"), a write fault one page; this halves the cost of the first copy.
             int(self.map[::_PAGE].sum())
         dest = self.map
-        for buf, (offset, nbytes) in zip(buffers, layout):
+        for buf, (offset, nbytes) in zip(buffers, layout, strict=False):
             src = np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8)
             np.copyto(dest[offset:offset + nbytes], src)  # releases the GIL for large copies
 

@@ -164,7 +164,7 @@ class RankTransfers:
         dest = np.empty(size, dtype=np.uint8)  # NumPy's allocator asks for huge pages: fewer page faults
         flat = torch.from_numpy(dest)
         if self.rank.rank == src:
-            for buf, (offset, nbytes) in zip(buffers, layout):
+            for buf, (offset, nbytes) in zip(buffers, layout, strict=False):
                 np.copyto(dest[offset:offset + nbytes], np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8))
         buffers = []
         group = self._group(spec["group"])
@@ -174,7 +174,7 @@ class RankTransfers:
             flat = wire.cpu()
         else:
             dist.broadcast(flat, src, group=group)
-        whole = memoryview(flat.numpy())
+        whole = memoryview(flat.numpy().data)
         return [whole[offset:offset + nbytes] for offset, nbytes in layout]
 
     def _group(self, ranks: list[int]) -> Any:

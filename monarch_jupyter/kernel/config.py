@@ -25,6 +25,8 @@ __all__ = ["MeshOptions", "NotebookOptions", "traits", "make_options", "OptionAt
 
 def _trait(f: dataclasses.Field) -> TraitType:
     meta, kind, default = f.metadata, str(f.type), f.default
+    assert default is not dataclasses.MISSING, f"option {f.name} with a traitlet needs a plain default"
+    assert default is not dataclasses.MISSING, f"option {f.name} with a traitlet needs a plain default"
     unit = {"s": " (seconds)", "ranks": " (ranks)"}.get(meta["unit"], "")
     help_text = meta["help"] + unit
     if meta["choices"]:
@@ -120,3 +122,53 @@ def options_table() -> list[dict[str, Any]]:
                          "unit": f.metadata["unit"], "help": f.metadata["help"], "choices": f.metadata["choices"],
                          "rank": bool(f.metadata["rank"]), "type": str(f.type)})
     return rows
+
+
+def options_markdown() -> str:
+    """docs/configuration.md, generated from the declarations (tests/unit/test_options.py checks it is current)."""
+
+    def default_text(row: dict[str, Any]) -> str:
+        value = row["default"]
+        text = f"`{value!r}`"
+        if row["trait"] and value is None:
+            text += " (traitlet: `0`)" if "float" in row["type"] else " (traitlet: `''`)"
+        return text
+
+    lines = [
+        "# Configuration reference",
+        "",
+        "<!-- Generated from monarch_worker/options.py: python -c 'from monarch_jupyter.kernel.config import "
+        "options_markdown as m; print(m(), end=\"\")' > docs/configuration.md (tests/unit/test_options.py checks it) -->",
+        "",
+        "Every option is declared once, in `monarch_worker/options.py`, with its type, default, unit and help; the",
+        "rest is derived from that declaration:",
+        "",
+        "- **`Mesh(...)` keyword arguments** and attributes: `Mesh(4, start_timeout=120)`, `mesh.interrupt_grace = 2`.",
+        "- **`MeshMagics` traitlets**: `%config MeshMagics.cell_timeout = 60` in a notebook, or",
+        "  `c.MeshMagics.cell_timeout = 60` in `ipython_config.py`; `%mesh start` passes them to `Mesh`.",
+        "- **What ranks are sent** (the fields of `monarch_worker.config.RankConfig`, at start or in the handshake of",
+        "  a rank that joined): the options marked \"sent to ranks\".",
+        "",
+        "Times are in seconds.",
+        "",
+        "## Options of a mesh",
+        "",
+        "| `Mesh` keyword | `MeshMagics` traitlet | default | unit | sent to ranks | what it does |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    rows = options_table()
+    for row in rows:
+        if not row["name"]:
+            continue
+        choices = f" One of: {', '.join(row['choices'])}." if row["choices"] else ""
+        lines.append(f"| `{row['name']}` | {('`' + row['trait'] + '`') if row['trait'] else ''} | {default_text(row)} "
+                     f"| {row['unit']} | {'yes' if row['rank'] else ''} | {row['help']}{choices} |")
+    lines += ["", "## Options of the magics", "", "| `MeshMagics` traitlet | default | unit | what it does |",
+              "| --- | --- | --- | --- |"]
+    for row in rows:
+        if row["name"]:
+            continue
+        choices = f" One of: {', '.join(row['choices'])}." if row["choices"] else ""
+        lines.append(f"| `{row['trait']}` | `{row['default']!r}` | {row['unit']} | {row['help']}{choices} |")
+    lines += ["", "Ranks that join from other hosts read the environment variables listed in docs/multihost.md.", ""]
+    return "\n".join(lines)

@@ -77,7 +77,9 @@ def split_commands(commands: str | Iterable[str] | None) -> list[str] | None:
         return None
     if not isinstance(commands, str):
         return [str(c) for c in commands]
-    parts, cur, depth, quote = [], [], 0, ""
+    parts: list[str] = []
+    cur: list[str] = []
+    depth, quote = 0, ""
     for ch in commands:
         if quote:
             quote = "" if ch == quote else quote
@@ -250,7 +252,8 @@ class MeshDebugger:
 
     def has_prompt(self, cell: CellHandle) -> bool:
         """True when a rank of ``cell`` waits at a pdb prompt (cheap; called by waiting.Waiter)."""
-        return bool(self._stops) and any(s.state == "prompt" and s.cell_id == cell.cell_id for s in list(self._stops.values()))
+        stops = list(self._stops.values())
+        return any(s.state == "prompt" and s.cell_id == cell.cell_id for s in stops)
 
     def serve(self, cell: CellHandle) -> float:
         """Talk to the stopped ranks of ``cell`` until none waits at a prompt; returns the seconds it took (the

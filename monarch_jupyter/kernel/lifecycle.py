@@ -201,7 +201,7 @@ class Lifecycle:
         env = dict(os.environ)
         env.update(self.state.options.env)
         # As torchrun: one OpenMP thread per rank when several share this host, unless the user chose, so N ranks
-        # do not oversubscribe its cores (the rank applies it: monarch_worker.runtime.apply_thread_settings).
+        # do not oversubscribe its cores (the rank applies it: monarch_worker.startup.apply_thread_settings).
         if self.state.nproc > 1:
             env.setdefault("OMP_NUM_THREADS", "1")
         # Local ranks talk over loopback; this also silences gloo's hostname-resolution warning.

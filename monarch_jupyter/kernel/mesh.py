@@ -1,14 +1,7 @@
 """The Mesh: the notebook kernel as single controller of persistent ranks; the public façade of the controller.
 
-``Mesh`` assembles the parts (each in its own module, sharing one ``MeshState``) and forwards to them:
-
-- ``lifecycle``: start, stop, restart (lifecycle.py); ranks that join: ``listener`` (launch/listener.py);
-- ``waiter``: submitting cells and waiting for them, interrupts, timeouts (waiting.py; dispatch.py sends);
-- ``recovery``: deaths, lost ranks, ``interrupt``, ``restart(ranks=...)`` (recovery.py);
-- ``transfers``: push, scatter, pull, gather (transfer.py);
-- ``debugger``: pdb prompts, post-mortem, inspect (debugger.py, postmortem.py);
-- ``io``: the I/O thread and the rank handshake (iothread.py); ``router``: rank output to cells (routing.py);
-- events for live views (events.py).
+``Mesh`` holds the parts (each in its own module, sharing one ``MeshState``, wired in parts.py) and forwards to
+them; docs/architecture.md has the module map.
 
 Threads: the caller's thread submits work and waits for it; the I/O thread (``monarch-io``) owns the socket; the
 launcher's reader thread delivers output and exits; the events thread (``monarch-events``) calls listeners.
@@ -25,21 +18,13 @@ from monarch_worker.serialize import dumps
 from ..errors import MeshNotRunningError, MeshStartError
 from ..ranks import RankMap, format_ranks, parse_ranks
 from . import config, registry
-from .cells import CellHandle, CellTable
+from .cells import CellHandle
 from .compiling import compile_cell, notebook_refs, sources_of
-from .debugger import MeshDebugger
-from .dispatch import Dispatcher
-from .events import EventBus
-from .iothread import IOThread
 from .launch import JoinCommands, launcher_for
-from .launch.listener import Listener
-from .lifecycle import Lifecycle
-from .recovery import InterruptReport, RankEvents, Recovery
-from .routing import OutputRouter
-from .stacks import StackReport, StackRequests
-from .state import MeshState, RankState
-from .transfer import Transfers
-from .waiting import Waiter
+from .parts import build
+from .recovery import InterruptReport
+from .stacks import StackReport
+from .state import RankState
 
 __all__ = ["Mesh", "RankState", "CellHandle", "StackReport", "InterruptReport"]
 
@@ -87,37 +72,12 @@ class Mesh:
                                       or self.options.encrypt):
             raise ValueError("address and encrypt are for ranks that join (launcher 'join', 'torchrun' or 'slurm'); "
                              "local ranks always talk to the controller over loopback")
-        self.events = EventBus()
-        self.state = state = MeshState(nproc, self.options, self.events)
-        self.dispatcher = dispatcher = Dispatcher(state)
-        self.cells = cells = CellTable(state)
-        self.stacks_requests = stacks = StackRequests(state, dispatcher)
-        self.transfers = transfers = Transfers(state, dispatcher, cells)
-        o = self.options
-        self.listener = (None if join_launcher is None else
-                         Listener(state, join_launcher, o.address, o.port, o.encrypt, o.secret_file))
-        self.io = io = IOThread(state, dispatcher, self.listener)
-        self.router = router = OutputRouter(state, cells)
-        self.lifecycle = lifecycle = Lifecycle(state, io, dispatcher, router, cells, transfers, self.listener)
-        self.recovery = recovery = Recovery(state, dispatcher, stacks, lifecycle)
-        lifecycle.sink = sink = RankEvents(state, router, recovery, [transfers.on_rank_exit])
-        self.waiter = waiter = Waiter(state, dispatcher, stacks, recovery)
-        transfers.waiter = waiter
-        self.debugger = debugger = MeshDebugger(state, dispatcher, waiter)  # breakpoint(), post-mortem, inspect
-        waiter.prompts = debugger
-        # Who handles what ranks send: over the socket (I/O thread) and as records in their output (routing.py).
-        for kind, handler in ((P.Result, cells.on_result), (P.Stacks, stacks.on_reply), (P.Stream, router.on_stream),
-                              (P.PullReply, transfers.on_pull_reply), (P.ShmRelease, transfers.on_release),
-                              (P.DebugOutput, debugger.on_message), (P.DebugPrompt, debugger.on_message),
-                              (P.DebugResumed, debugger.on_message), (P.DebugReply, debugger.on_message)):
-            io.handle(kind, handler)
-        router.record_handlers.update({P.Result: cells.on_result, P.Progress: io.on_progress,
-                                       P.DebugOutput: debugger.on_message, P.DebugPrompt: debugger.on_message,
-                                       P.DebugResumed: debugger.on_message})
-        io.every_interval(recovery.check_heartbeats)
-        if self.listener is not None:
-            io.every_interval(self.listener.check)
-            self.listener.attach(io.send_to, dispatcher, sink)
+        self.parts = parts = build(nproc, self.options, join_launcher)
+        # The parts a user or a tool may want (each module's docstring says what it owns).
+        self.state, self.events, self.listener = parts.state, parts.events, parts.listener
+        self.transfers = parts.transfers
+        self.debugger = parts.debugger  # breakpoint() prompts, post-mortem, inspect
+        self.waiter, self.recovery, self.lifecycle = parts.waiter, parts.recovery, parts.lifecycle
         if start:
             self.start()
 
@@ -140,16 +100,6 @@ class Mesh:
     def address(self) -> str:
         """Where ranks connect to the controller (``tcp://HOST:PORT``)."""
         return self.state.address
-
-    @property
-    def started_at(self) -> float:
-        """``time.time()`` when the mesh was last ready."""
-        return self.lifecycle.started_at
-
-    @property
-    def ready_seconds(self) -> float:
-        """Seconds the last start took."""
-        return self.lifecycle.ready_seconds
 
     @property
     def listening(self) -> bool:
@@ -417,7 +367,7 @@ class Mesh:
         and while a ``block=False`` cell runs). Identical stacks are grouped: "ranks 0,1,3: all_reduce at cell
         line 4". Ranks that do not answer within ``timeout`` seconds (dead, stopped) are listed as such."""
         self._check_running()
-        return self.stacks_requests.ask(ranks, timeout)
+        return self.parts.stacks.ask(ranks, timeout)
 
     def interrupt(self, ranks: str | int | Iterable[int] | None = None, *, force: bool = False,
                   grace: float | None = None) -> InterruptReport:

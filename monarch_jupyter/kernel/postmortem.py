@@ -139,7 +139,7 @@ class PostMortem:
             handle = self.waiter.submit(cell_id, [([rank], P.DebugPostMortem(cell_id), b"", [])],
                                         f"post-mortem of rank {rank}", tracks_failures=False)
             values = handle.result(timeout)
-        outcome = (values or {}).get(rank) or {}
+        outcome: dict[str, Any] = (values.get(rank) if values else None) or {}
         if not outcome.get("debugged"):
             raise NothingToDebugError(outcome.get("reason") or f"rank {rank} has nothing to debug")
 

@@ -323,7 +323,8 @@ class Recovery:
                     f"around them. Stop them with  %mesh interrupt --force --ranks {format_ranks(report.stuck)}  "
                     "and restart them too, or run  %mesh restart  for a fresh mesh.")
         with state.lock:  # every chosen rank whose exit was not reported yet (alive, or lost by heartbeat)
-            live = [r for r in chosen if state.ranks[r].state is not RankState.DEAD or state.ranks[r].returncode is None]
+            live = [r for r in chosen
+                    if state.ranks[r].state is not RankState.DEAD or state.ranks[r].returncode is None]
         # Its exit must be in before a fresh process takes its place, or the report would hit the new one.
         self.kill_ranks(live, "killed by %mesh restart --rank")
         self.regroup(chosen, time.monotonic() + state.options.start_timeout)

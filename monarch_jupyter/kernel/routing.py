@@ -95,7 +95,7 @@ class OutputRouter:
         if flags & P.RECORD_MORE:
             info.record_parts.append(body)
             return None
-        parts, info.record_parts = info.record_parts + [body], []
+        parts, info.record_parts = [*info.record_parts, body], []
         error: Exception | None = None
         for start in range(len(parts)):  # leading parts that fail to verify came from output that looked like one
             try:

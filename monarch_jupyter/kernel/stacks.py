@@ -27,7 +27,6 @@ from ..ranks import parse_ranks, ranks_text
 from .dispatch import Dispatcher
 from .state import MeshState, RankState
 
-
 __all__ = ["StackReport", "StackRequests", "summarize"]
 
 Frame = tuple  # (filename, lineno, function, source line)

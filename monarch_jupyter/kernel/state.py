@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 from monarch_worker.options import MeshOptions
 
 from ..errors import MeshNotRunningError
-
 from .events import EventBus
 from .output import StreamSplitter
 
@@ -34,7 +33,7 @@ __all__ = ["RankState", "RankInfo", "MeshState", "LAST_LINES", "owner_check"]
 LAST_LINES = 20  # lines of output kept per rank for death reports
 
 
-class RankState(str, enum.Enum):
+class RankState(enum.StrEnum):
     """Lifecycle of a rank as the controller sees it."""
 
     STARTING = "starting"

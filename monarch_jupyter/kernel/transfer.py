@@ -23,12 +23,13 @@ on the mesh's I/O thread; ``on_rank_exit`` on the launcher's reader thread. The 
 
 from __future__ import annotations
 
+import functools
 import keyword
 import logging
 import socket
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from monarch_worker import protocol as P
@@ -88,7 +89,7 @@ class Transfers:
             self.no_shm = set()
             self._closed = False
 
-    def _submit(self, per_rank: dict[int, tuple[P.Message, bytes, list]], cell_id: int, what: str) -> CellHandle:
+    def _submit(self, per_rank: Mapping[int, tuple[P.Message, bytes, list]], cell_id: int, what: str) -> CellHandle:
         assert self.waiter is not None
         return self.waiter.submit(cell_id, _grouped(per_rank), what)
 
@@ -168,7 +169,7 @@ class Transfers:
                 _add(its, frs, p, None, None)
             return its, frs, payload
 
-        self._send(chosen, items, frames, {r: payload for r in chosen}, device, "push of " + _names(values),
+        self._send(chosen, items, frames, dict.fromkeys(chosen, payload), device, "push of " + _names(values),
                    timeout, lent, repack)
 
     def scatter(self, name: str, value: Any, dim: int, ranks: Any, device: Any, timeout: float | None) -> None:
@@ -181,7 +182,7 @@ class Transfers:
         frames: dict[int, list] = {}
         lent: list[tuple[int, list[int]]] = []
         try:
-            for r, part in zip(chosen, parts):
+            for r, part in zip(chosen, parts, strict=False):
                 p = packed[r] = _Packed(name, part, "cannot scatter")
                 desc = self._segment(p, [r]) if self._route(p.size, [r], "auto") == "shm" else None
                 if desc is not None:
@@ -252,7 +253,8 @@ class Transfers:
 
     def _pull(self, name: str, use_shm: dict[int, bool], timeout: float | None, what: str) -> RankMap:
         cell_id = next(self.state.ids)
-        per_rank = {r: (P.Pull(cell_id, name, shm=ok), b"", []) for r, ok in use_shm.items()}
+        per_rank: dict[int, tuple[P.Message, bytes, list]] = {
+            r: (P.Pull(cell_id, name, shm=ok), b"", []) for r, ok in use_shm.items()}
         handle = self._submit(per_rank, cell_id, what)
         try:
             # The values must live only as long as the caller keeps them (they may be views of a rank's memory):
@@ -271,7 +273,7 @@ class Transfers:
             results = RankMap(e.results)
             others = {r: err for r, err in e.errors.items() if r not in retry}
             try:
-                results.update(self._pull(name, {r: False for r in retry}, timeout, what))
+                results.update(self._pull(name, dict.fromkeys(retry, False), timeout, what))
             except MeshError as e2:
                 others.update(e2.errors)
                 results.update(e2.results)
@@ -290,7 +292,7 @@ class Transfers:
         status, error, buffers = msg.status, msg.error, None
         if status == "ok" and msg.shm:
             try:
-                buffers = shm.open_segment(msg.shm, lambda seg_id, r=rank: self._release_to(r, seg_id))
+                buffers = shm.open_segment(msg.shm, functools.partial(self._release_to, rank))
             except shm.ShmUnavailableError as e:
                 self._release_to(rank, msg.shm["id"])
                 status = "error"
@@ -346,13 +348,13 @@ def choose_route(size: int, nranks: int, all_local: bool, via: str = "auto") -> 
     return "broadcast" if nranks >= BROADCAST_MIN_RANKS else "socket"
 
 
-def _grouped(per_rank: dict[int, tuple[P.Message, bytes, list]]) -> list[tuple[list[int], P.Message, bytes, list]]:
+def _grouped(per_rank: Mapping[int, tuple[P.Message, bytes, list]]) -> list[tuple[list[int], P.Message, bytes, list]]:
     """Ranks that get the same message, payload and buffers form one group (sent with one signature)."""
     groups: list[tuple[list[int], P.Message, bytes, list]] = []
     for r, (msg, payload, frames) in per_rank.items():
         for ranks, gmsg, gpayload, gframes in groups:
             if gmsg == msg and gpayload is payload and len(gframes) == len(frames) \
-                    and all(a is b for a, b in zip(gframes, frames)):
+                    and all(a is b for a, b in zip(gframes, frames, strict=False)):
                 ranks.append(r)
                 break
         else:
@@ -457,7 +459,7 @@ def concat(name: str, parts: RankMap, dim: int) -> Any:
     ranks = sorted(parts)
     values = [parts[r] for r in ranks]
     kinds = {type(v).__module__.split(".")[0] + "." + type(v).__name__ for v in values}
-    shapes = ", ".join(f"rank {r}: {tuple(getattr(v, 'shape', ()))}" for r, v in zip(ranks, values))
+    shapes = ", ".join(f"rank {r}: {tuple(getattr(v, 'shape', ()))}" for r, v in zip(ranks, values, strict=False))
     if kinds <= {"torch.Tensor", "torch.Parameter"}:
         import torch
 
@@ -482,7 +484,8 @@ def concat(name: str, parts: RankMap, dim: int) -> Any:
         if dim != 0:
             raise ValueError(f"gather of {name!r}: lists concatenate along dim 0 only, got dim {dim}")
         return [x for v in values for x in v]
-    found = ", ".join(f"rank {r}: {type(v).__module__}.{type(v).__qualname__}" for r, v in zip(ranks, values))
+    found = ", ".join(f"rank {r}: {type(v).__module__}.{type(v).__qualname__}"
+                      for r, v in zip(ranks, values, strict=True))
     raise TypeError(f"gather of {name!r}: the parts must all be tensors, all numpy arrays or all lists ({found}); "
                     "use pull to get them as they are")
 

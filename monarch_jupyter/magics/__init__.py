@@ -54,14 +54,25 @@ class MeshMagics(Magics):
         self.meshes: list[Mesh] = []
 
     def option(self, name: str) -> Any:
-        """The value of a mesh option as configured on these magics (``cell_timeout`` 0 -> None)."""
+        """The value of mesh option ``name`` (a MeshOptions field) as configured here (``cell_timeout`` 0 -> None)."""
         return config.trait_value(self, name)
+
+    def setting(self, name: str) -> Any:
+        """The value of the magics' own option ``name`` (a NotebookOptions traitlet)."""
+        return getattr(self, name)
+
+    @property
+    def user_ns(self) -> dict[str, Any]:
+        """The notebook's namespace."""
+        assert self.shell is not None, "the magics are not registered with a shell"
+        return self.shell.user_ns
 
     # ------------------------------------------------------------------ %mesh / %%mesh
 
     @line_cell_magic
     def mesh(self, line: str, cell: str | None = None) -> Any:
-        """%mesh start|listen|status|stop|restart|stacks|interrupt|push|pull|scatter|gather|debug|inspect ...   and   %%mesh ...
+        """%mesh start|listen|status|stop|restart|stacks|interrupt|push|pull|scatter|gather|debug|inspect ...,
+        and %%mesh ...
 
         Run `%mesh SUBCOMMAND --help` for each subcommand's options, `%%mesh --help` for the cell magic.
         """
@@ -117,7 +128,7 @@ class MeshMagics(Magics):
         world_size = args.world_size
         if world_size is None:
             per_node = args.nproc_per_node if args.launcher == "torchrun" else None
-            world_size = (per_node or self.default_nproc) * args.nnodes
+            world_size = (per_node or self.setting("default_nproc")) * args.nnodes
         if world_size < 1:
             raise UsageError(f"-n must be at least 1 rank, got {world_size}")
         address = args.address if args.address is not None else self.option("address")
@@ -172,7 +183,7 @@ class MeshMagics(Magics):
                 args.world_size,
                 address=address,
                 port=args.port,
-                timeout=args.timeout if args.timeout is not None else self.listen_timeout,
+                timeout=args.timeout if args.timeout is not None else self.setting("listen_timeout"),
                 encrypt=args.encrypt,
                 nproc_per_node=args.nproc_per_node,
                 backend=args.backend or self.option("backend"),
@@ -198,7 +209,7 @@ class MeshMagics(Magics):
         m = self.current()
         from ..widgets import status_view
 
-        return status_view(m, mode=self.live_view, fold_threshold=self.dashboard_fold)
+        return status_view(m, mode=self.setting("live_view"), fold_threshold=self.setting("dashboard_fold"))
 
     @magic_arguments()
     def _stop(self, rest: str) -> None:
@@ -285,17 +296,17 @@ class MeshMagics(Magics):
                 chosen = parse_ranks(args.ranks, m.nproc)
             except ValueError as e:
                 raise UsageError(str(e)) from None
-            view = cell_view(m, chosen, mode=self.live_view, fold_threshold=self.dashboard_fold)
+            view = cell_view(m, chosen, mode=self.setting("live_view"), fold_threshold=self.setting("dashboard_fold"))
         try:
             with m.debugger.options(debug_magics.unquote(args.pdb_commands),
-                                    args.on_interrupt or self.debug_on_interrupt):
+                                    args.on_interrupt or self.setting("debug_on_interrupt")):
                 result = m.run(
                     cell,
                     ranks=args.ranks,
                     timeout=args.timeout if args.timeout is not None else self.option("timeout"),
-                    namespace=self.shell.user_ns if self.shell is not None else None,
+                    namespace=self.user_ns if self.shell is not None else None,
                     filename=filename,
-                    order=args.order or self.stream_order,
+                    order=args.order or self.setting("stream_order"),
                     block=not args.async_,
                 )
         except ValueError as e:
@@ -305,7 +316,7 @@ class MeshMagics(Magics):
             raise errors.CellSyntaxError(e) from None
         except errors.MeshError as e:
             if args.out:
-                self.shell.user_ns[args.out] = e.results
+                self.user_ns[args.out] = e.results
             raise
         finally:
             if view is not None and (not args.async_ or view.handle is None):
@@ -313,7 +324,7 @@ class MeshMagics(Magics):
         if args.async_:
             return result
         if args.out:
-            self.shell.user_ns[args.out] = result if result is not None else {}
+            self.user_ns[args.out] = result if result is not None else {}
             return None
         return result
 
@@ -383,7 +394,7 @@ def load(ipython: Any) -> None:
     note = _check_monarch_shadowing()
     if note:
         print(note, file=sys.stderr)
-    if magics.prewarm:
+    if magics.setting("prewarm"):
         from ..kernel.launch.local import prewarm
 
         prewarm(magics.option("start_timeout"))

@@ -38,7 +38,7 @@ def _dest(args: Any, names: list[str], sub: str) -> list[str]:
 
 
 def _notebook_values(magics: MeshMagics, names: list[str], sub: str) -> list[Any]:
-    ns = magics.shell.user_ns
+    ns = magics.user_ns
     missing = [n for n in names if n not in ns]
     if missing:
         raise UsageError(f"%mesh {sub}: no notebook variable {', '.join(map(repr, missing))} to send")
@@ -58,7 +58,7 @@ def push(magics: MeshMagics, rest: str) -> None:
     dests = _dest(args, args.names, "push")
     m = magics.current()
     try:
-        m.push(dict(zip(dests, values)), ranks=args.ranks, device=args.device, timeout=args.timeout)
+        m.push(dict(zip(dests, values, strict=False)), ranks=args.ranks, device=args.device, timeout=args.timeout)
     except ValueError as e:
         raise UsageError(str(e)) from None
 
@@ -94,9 +94,9 @@ def pull(magics: MeshMagics, rest: str) -> None:
     args = magics.parse_args(pull, rest, "pull")
     dests = _dest(args, args.names, "pull")
     m = magics.current()
-    for name, dest in zip(args.names, dests):
+    for name, dest in zip(args.names, dests, strict=False):
         try:
-            magics.shell.user_ns[dest] = m.pull(name, ranks=args.ranks, timeout=args.timeout)
+            magics.user_ns[dest] = m.pull(name, ranks=args.ranks, timeout=args.timeout)
         except ValueError as e:
             raise UsageError(str(e)) from None
 
@@ -113,6 +113,6 @@ def gather(magics: MeshMagics, rest: str) -> None:
     (dest,) = _dest(args, [args.name], "gather")
     m = magics.current()
     try:
-        magics.shell.user_ns[dest] = m.gather(args.name, args.dim, ranks=args.ranks, timeout=args.timeout)
+        magics.user_ns[dest] = m.gather(args.name, args.dim, ranks=args.ranks, timeout=args.timeout)
     except (ValueError, TypeError) as e:
         raise UsageError(str(e)) from None

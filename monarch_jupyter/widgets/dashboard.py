@@ -8,7 +8,8 @@ trip to the (busy) kernel.
 
 The widget is one standard ``HTML`` widget (a ``VBox`` with an ``Accordion`` once folded), so every frontend with
 ipywidgets 8 shows it without an extension of ours, and a new cell's dashboard costs one comm. Its ``text/plain``
-is stable (state per rank, no times) so saved notebooks compare under nbval; rows carry ``data-rank``/``data-state``/``data-n``/``data-total`` attributes for tests.
+is stable (state per rank, no times) so saved notebooks compare under nbval; rows carry ``data-rank``,
+``data-state``, ``data-n`` and ``data-total`` attributes for tests.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 import ipywidgets as widgets
 from ipywidgets.widgets.widget_string import HTMLStyle
 
-from ..ranks import format_ranks, ranks_text
+from ..ranks import ranks_text
 from .model import ATTENTION_STATES, MeshMonitor, RowView, Summary, stragglers
 from .text import fmt_memory, fmt_progress, fmt_seconds, stable_text
 from .view import LiveView
@@ -153,7 +154,7 @@ class MeshDashboard(widgets.HTML):
     def _repr_mimebundle_(self, **kwargs: Any) -> dict:
         return {"text/plain": self.plain,
                 "application/vnd.jupyter.widget-view+json": {"version_major": 2, "version_minor": 0,
-                                                             "model_id": self._model_id}}
+                                                             "model_id": self.model_id}}
 
 
 class FoldedDashboard(widgets.VBox):
@@ -178,7 +179,7 @@ class FoldedDashboard(widgets.VBox):
     def _repr_mimebundle_(self, **kwargs: Any) -> dict:
         return {"text/plain": self.plain,
                 "application/vnd.jupyter.widget-view+json": {"version_major": 2, "version_minor": 0,
-                                                             "model_id": self._model_id}}
+                                                             "model_id": self.model_id}}
 
     def close(self) -> None:
         for w in (self.html, self.full, self.more):

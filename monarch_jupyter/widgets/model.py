@@ -261,13 +261,13 @@ class MeshMonitor:
     def _on_output(self, data: dict, now: float) -> None:
         info = self._rank(data["rank"])
         info.last_line = data["text"]
-        cell = info.cells.get(data.get("cell_id"))  # type: ignore[arg-type]
+        cell = info.cells.get(data.get("cell_id", -1))
         if cell is not None:
             cell.last_line = data["text"]
 
     def _on_progress(self, data: dict, now: float) -> None:
         info = self._rank(data["rank"])
-        cell = info.cells.get(data.get("cell_id"))  # type: ignore[arg-type]
+        cell = info.cells.get(data.get("cell_id", -1))
         if cell is None:
             return
         cell.n, cell.total = data.get("n"), data.get("total")
@@ -297,7 +297,7 @@ class MeshMonitor:
             chosen = sorted(self._ranks) if ranks is None else list(ranks)
             rows = [self._row(self._rank(r), cell_id, now) for r in chosen]
             world = self.world_size
-        return rows, _summarize(rows, world, cell_id is not None)
+        return rows, summarize(rows, world, cell_id is not None)
 
     def _row(self, info: _Rank, cell_id: int | None, now: float) -> RowView:
         if cell_id is not None:
@@ -325,7 +325,7 @@ class MeshMonitor:
         )
 
 
-def _summarize(rows: list[RowView], world_size: int, per_cell: bool) -> Summary:
+def summarize(rows: list[RowView], world_size: int, per_cell: bool) -> Summary:
     by_state: dict[str, list[int]] = {}
     for row in rows:
         by_state.setdefault(row.state, []).append(row.rank)
@@ -345,22 +345,22 @@ def slowest_rank(rows: list[RowView]) -> int | None:
     """
     running = [r for r in rows if r.state in ("running", "breakpoint", "queued")]
     if running:
-        with_progress = [r for r in running if r.fraction is not None]
-        if with_progress:
-            slow = min(with_progress, key=lambda r: (r.fraction, r.rank))
-            ahead = max(r.fraction for r in rows if r.fraction is not None)  # type: ignore[type-var]
-            if len(running) < len(rows) or ahead - slow.fraction >= BEHIND_BY:  # type: ignore[operator]
-                return slow.rank
+        fractions = {r.rank: r.fraction for r in running if r.fraction is not None}
+        if fractions:
+            slow_rank = min(fractions, key=lambda k: (fractions[k], k))
+            ahead = max(r.fraction for r in rows if r.fraction is not None)
+            if len(running) < len(rows) or ahead - fractions[slow_rank] >= BEHIND_BY:
+                return slow_rank
             return None
         if len(running) < len(rows):
             return running[0].rank
         return None
-    timed = [r for r in rows if r.elapsed is not None and r.state == "done"]
-    if len(timed) > 1:
-        slow = max(timed, key=lambda r: (r.elapsed, -r.rank))
-        fast = min(r.elapsed for r in timed)  # type: ignore[type-var]
-        if slow.elapsed - fast >= max(SLOWER_BY * fast, 0.05):  # type: ignore[operator]
-            return slow.rank
+    took = {r.rank: r.elapsed for r in rows if r.elapsed is not None and r.state == "done"}
+    if len(took) > 1:
+        slowest = max(took, key=lambda k: (took[k], -k))
+        fast = min(took.values())
+        if took[slowest] - fast >= max(SLOWER_BY * fast, 0.05):
+            return slowest
     return None
 
 

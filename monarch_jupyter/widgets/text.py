@@ -160,7 +160,7 @@ class TextLiveView(LiveView):
         super()._final_render()
 
     def tick(self) -> bool:
-        if self._waited() and self._finished():
+        if self._waited() and self.finished():
             return True
         return super().tick()
 

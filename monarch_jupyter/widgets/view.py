@@ -27,7 +27,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..errors import RankDiedError, describe_returncode
-from .model import FINAL_STATES, MeshMonitor, RowView, Summary, _summarize
+from .model import FINAL_STATES, MeshMonitor, RowView, Summary, summarize
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ class LiveView:
         if not self._listening and not self.final:
             self._listening = True
             self.monitor.mesh.add_listener(self._on_mesh_event)
-        finished = self._finished()
+        finished = self.finished()
         with self._lock:
             if not self.final and (finished or self.monitor.version != self._seen):
                 self._render(final=finished)
@@ -163,7 +163,7 @@ class LiveView:
         if self.follow_cell and self.handle is None:
             self.abandon()
             return
-        finished = self._finished()
+        finished = self.finished()
         with self._lock:
             if not self.final:
                 self._render(final=finished)
@@ -193,7 +193,7 @@ class LiveView:
         """Render if something changed; False once the view is final (the ticker then drops it)."""
         if self.follow_cell and self.handle is None:
             return not self.final  # not bound yet
-        finished = self._finished()  # takes the mesh lock: never under our own
+        finished = self.finished()  # takes the mesh lock: never under our own
         with self._lock:
             if self.final:
                 return False
@@ -205,7 +205,8 @@ class LiveView:
             self._stop_listening()
         return not finished
 
-    def _finished(self) -> bool:
+    def finished(self) -> bool:
+        """The view has nothing more to follow: its cell is done (a cell view) or the mesh stopped."""
         if self.follow_cell:
             return self.handle is not None and self.handle.done()
         mesh = self.monitor.mesh
@@ -251,7 +252,7 @@ class LiveView:
                         evalue = str(err)
                     row = replace(row, state="error", error=f"{name}: {evalue}" if evalue else name)
             fixed.append(row)
-        return fixed, _summarize(fixed, summary.world_size, True)
+        return fixed, summarize(fixed, summary.world_size, True)
 
     # ------------------------------------------------------------------ for subclasses
 

@@ -305,7 +305,7 @@ def _write_jupyter_dirs(base: Path, disabled_extensions: Sequence[str]) -> dict[
     config = base / "config"
     (config / "labconfig").mkdir(parents=True)
     (config / "labconfig" / "page_config.json").write_text(
-        json.dumps({"disabledExtensions": {name: True for name in disabled_extensions}}, indent=1)
+        json.dumps({"disabledExtensions": dict.fromkeys(disabled_extensions, True)}, indent=1)
     )
     (config / "jupyter_server_config.json").write_text(
         json.dumps(

@@ -105,7 +105,7 @@ def test_one_rank_stops_while_the_others_finish(dbg: Mesh, capsys: pytest.Captur
     assert "monarch_worker" not in text and "runtime.py" not in text
     assert "(Pdb rank 2) p y\n21\n" in text
     # Nothing is left traced: later cells run at full speed and pdb's marks are gone from the namespace.
-    assert run(dbg, "import sys\n(sys.gettrace(), '__return__' in globals())") == {r: (None, False) for r in range(4)}
+    assert run(dbg, "import sys\n(sys.gettrace(), '__return__' in globals())") == dict.fromkeys(range(4), (None, False))
 
 
 def test_two_ranks_stopped_at_once(dbg: Mesh, capsys: pytest.CaptureFixture[str]) -> None:
@@ -137,7 +137,7 @@ def test_two_ranks_stopped_at_once(dbg: Mesh, capsys: pytest.CaptureFixture[str]
 def test_stepping_keeps_the_rank_and_attach(dbg: Mesh, capsys: pytest.CaptureFixture[str]) -> None:
     dbg.debugger.input = person = Person(["n", "n", "p z", "c", "c"])
     out = run(dbg, "dist.barrier()\nif rank in (1, 2):\n    breakpoint()\nz = 1\nz = 2\nz\n")
-    assert out == {r: 2 for r in range(4)}
+    assert out == dict.fromkeys(range(4), 2)
     # n and n again: rank 1 is offered again (although rank 2 waits), until it continues.
     assert person.prompts == ["(Pdb rank 1) "] * 4 + ["(Pdb rank 2) "]
     assert "(Pdb rank 1) p z\n2\n" in capsys.readouterr().out
@@ -271,8 +271,9 @@ def test_interrupt_at_the_prompt_raises(dbg: Mesh, capsys: pytest.CaptureFixture
     # The KeyboardInterrupt comes from the debugger's answer or from the cell's interrupt, whichever reaches the
     # rank first (its message differs); either way rank 1 stopped where it was, line 3.
     out = capsys.readouterr().out
-    assert re.search(r"KeyboardInterrupt(: interrupted at the debugger prompt)?\n> <dbg raise>\(3\)<module>\(\)\n", out), out
-    assert run(dbg, "import sys\nsys.gettrace() is None") == {r: True for r in range(4)}
+    assert re.search(r"KeyboardInterrupt(: interrupted at the debugger prompt)?\n> <dbg raise>\(3\)<module>\(\)\n",
+                     out), out
+    assert run(dbg, "import sys\nsys.gettrace() is None") == dict.fromkeys(range(4), True)
 
 
 def test_quit_raises_on_that_rank_only(dbg: Mesh) -> None:

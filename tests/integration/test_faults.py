@@ -68,7 +68,7 @@ def healthy(mesh: Mesh) -> Iterator[Mesh]:
     dead = [r for r, s in status.items() if s["state"] == "dead"]
     if dead:
         mesh.restart(ranks=dead)
-    assert mesh.run("t = torch.ones(1); dist.all_reduce(t); int(t.item())") == {r: WORLD for r in range(WORLD)}
+    assert mesh.run("t = torch.ones(1); dist.all_reduce(t); int(t.item())") == dict.fromkeys(range(WORLD), WORLD)
     # Hold the process group as a DDP model in the namespace would: releasing ranks blocked in a collective
     # must not depend on the group being freed.
     mesh.run("marker = rank * 10\nheld_group = dist.distributed_c10d._get_default_group()")
@@ -108,7 +108,7 @@ def interrupt_when_stacks_show(mesh: Mesh, text: str) -> threading.Thread:
 
 def assert_recovered(mesh: Mesh, kept: list[int]) -> None:
     """A collective works on every rank and ``kept`` ranks still have their namespace."""
-    assert mesh.run("t = torch.ones(1); dist.all_reduce(t); int(t.item())") == {r: WORLD for r in range(WORLD)}
+    assert mesh.run("t = torch.ones(1); dist.all_reduce(t); int(t.item())") == dict.fromkeys(range(WORLD), WORLD)
     got = mesh.run("globals().get('marker')")
     assert {r: got[r] for r in kept} == {r: r * 10 for r in kept}
 
@@ -165,7 +165,8 @@ def test_rank_stuck_in_c_code_is_named_then_killed_by_force(healthy: Mesh, capsy
         mesh.run(code)
     poller.join()
     err = capsys.readouterr().err
-    assert "rank 1 did not stop within 1.5 s and is still running the cell: rank 1: time.sleep at cell line 5" in err, err
+    assert ("rank 1 did not stop within 1.5 s and is still running the cell: rank 1: time.sleep at cell line 5"
+            in err), err
 
     report = mesh.interrupt(ranks=1, force=True, grace=0.5)
     assert report.killed == [1], report.text
@@ -266,8 +267,8 @@ def test_death_while_idle_is_reported_and_full_restart_works(healthy: Mesh, caps
 
     mesh.restart()
     assert not wait_gone(list(before.values()))
-    assert mesh.run("t = torch.ones(1); dist.all_reduce(t); (int(t.item()), globals().get('marker'))") == {
-        r: (WORLD, None) for r in range(WORLD)}
+    got = mesh.run("t = torch.ones(1); dist.all_reduce(t); (int(t.item()), globals().get('marker'))")
+    assert got == dict.fromkeys(range(WORLD), (WORLD, None))
 
 
 def test_restart_rank_refuses_when_other_ranks_are_dead(healthy: Mesh) -> None:

@@ -250,7 +250,8 @@ def test_listening_controller_survives_strangers(tmp_path: Path) -> None:
         raw.sendall(os.urandom(4096))
         raw.close()
         assert evil.poll(500) == 0  # nothing comes back to a peer without the secret
-        assert m.listener.joined_count() == 0 and not marker.exists() and m.io.thread is not None and m.io.thread.is_alive()
+        io_thread = m.parts.io.thread
+        assert m.listener.joined_count() == 0 and not marker.exists() and io_thread is not None and io_thread.is_alive()
         good = ctx.socket(zmq.DEALER)
         good.setsockopt(zmq.LINGER, 0)
         good.connect(m.address)

@@ -195,9 +195,8 @@ def test_breakpoint_state_from_the_debugger_event(mesh):
 def test_magics_widget_no_widget_and_async(mesh):
     from IPython.core.interactiveshell import InteractiveShell
 
-    from monarch_jupyter.magics import _MAGICS, load
-
     from monarch_jupyter.kernel import registry
+    from monarch_jupyter.magics import _MAGICS, load
 
     shell = InteractiveShell.instance()
     load(shell)

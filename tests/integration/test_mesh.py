@@ -23,7 +23,7 @@ def test_all_reduce_and_namespace(mesh: Mesh, capsys: pytest.CaptureFixture[str]
         print(rank, t.tolist())
         t.sum().item()
     """)
-    assert out == {r: 18.0 for r in range(4)}
+    assert out == dict.fromkeys(range(4), 18.0)
     assert isinstance(out, RankMap)
     printed = capsys.readouterr().out.splitlines()
     assert sorted(printed) == [f"[rank{r}]: {r} [6.0, 6.0, 6.0]" for r in range(4)]
@@ -34,7 +34,8 @@ def test_all_reduce_and_namespace(mesh: Mesh, capsys: pytest.CaptureFixture[str]
 def test_torchrun_environment(mesh: Mesh) -> None:
     env = run(mesh, """
         import os
-        {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+        {k: os.environ[k]
+         for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     """)
     ports = {e["MASTER_PORT"] for e in env.values()}
     assert len(ports) == 1 and int(ports.pop()) > 0
@@ -360,7 +361,7 @@ def test_an_interrupt_that_overtakes_its_cell_stops_it_when_it_starts(mesh: Mesh
 
     first = mesh.run("import time; time.sleep(0.5); 'first'", ranks=2, block=False)
     second = mesh.run("'second ran'", ranks=2, block=False)
-    mesh.dispatcher.post(2, P.Interrupt(second.cell_id))  # what Ctrl-C on the waiting cell sends
+    mesh.parts.dispatcher.post(2, P.Interrupt(second.cell_id))  # what Ctrl-C on the waiting cell sends
     assert first.result(timeout=30) == {2: "first"}
     with pytest.raises(KeyboardInterrupt, match="interrupted rank"):
         second.result(timeout=30)
@@ -389,7 +390,7 @@ def test_an_interrupt_before_the_caller_waits_still_stops_the_ranks(mesh: Mesh,
         mesh.run("import time\ntime.sleep(600)")
     monkeypatch.undo()
     assert fired
-    assert mesh.run("'next'") == {r: "next" for r in range(4)}
+    assert mesh.run("'next'") == dict.fromkeys(range(4), "next")
 
 
 # ---- found by a fresh user trying to break the records and the work pipe
@@ -505,7 +506,7 @@ def test_an_interrupt_while_a_cell_is_being_sent_reaches_every_rank(mesh: Mesh, 
         mesh.run("import time\ntime.sleep(600)")
     monkeypatch.setattr(WorkPipe, "send", original)
     assert len(calls) == 4
-    assert {r: s["state"] for r, s in mesh.status().items()} == {r: "idle" for r in range(4)}
+    assert {r: s["state"] for r, s in mesh.status().items()} == dict.fromkeys(range(4), "idle")
     capsys.readouterr()
     run(mesh, "print('in order')", order="rank")
     assert capsys.readouterr().out.splitlines() == [f"[rank{r}]: in order" for r in range(4)]

@@ -15,8 +15,6 @@ import pytest
 import torch
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
-from monarch_worker import shm
-from monarch_worker.serialize import SerializationError
 
 from monarch_jupyter import (
     Mesh,
@@ -25,6 +23,8 @@ from monarch_jupyter import (
     RemoteError,
     load_ipython_extension,
 )
+from monarch_worker import shm
+from monarch_worker.serialize import SerializationError
 
 pytestmark = pytest.mark.skipif(not shm.supported(), reason="needs Linux memfd_create and /proc")
 
@@ -128,7 +128,7 @@ def test_push_every_kind_of_value_and_pull_it_back(tmesh: Mesh) -> None:
     for r in range(4):
         assert on_rank[r] == expected
     assert on_ranks(tmesh, "(obj.norm(), type(obj).__name__, isinstance(param, torch.nn.Parameter))") == \
-        {r: (3, "Point", True) for r in range(4)}
+        dict.fromkeys(range(4), (3, "Point", True))
     for name, value in values.items():
         back = tmesh.pull(name, ranks=2)
         assert isinstance(back, RankMap) and list(back) == [2]
@@ -138,7 +138,7 @@ def test_push_every_kind_of_value_and_pull_it_back(tmesh: Mesh) -> None:
 def test_large_values_are_views_of_one_segment_and_stay_each_ranks_own(tmesh: Mesh) -> None:
     x = torch.arange(MiB, dtype=torch.float32)
     tmesh.push(x=x, small=torch.ones(10))
-    assert on_ranks(tmesh, "(_in_shm(x), _in_shm(small))") == {r: (True, False) for r in range(4)}
+    assert on_ranks(tmesh, "(_in_shm(x), _in_shm(small))") == dict.fromkeys(range(4), (True, False))
     assert tmesh.transfers.pool.stats()["lent"] >= 1
     on_ranks(tmesh, "x += 1", ranks=0)  # copy-on-write: rank 0 gets private pages
     sums = on_ranks(tmesh, "x[:4].tolist()")
@@ -152,9 +152,9 @@ def test_push_to_some_ranks_and_devices(tmesh: Mesh) -> None:
     assert on_ranks(tmesh, "'only13' in globals()") == {0: False, 1: True, 2: False, 3: True}
     w = torch.ones(MiB)
     tmesh.push(w=w, device="rank")
-    assert on_ranks(tmesh, "(str(w.device), _in_shm(w))") == {r: ("cpu", True) for r in range(4)}
+    assert on_ranks(tmesh, "(str(w.device), _in_shm(w))") == dict.fromkeys(range(4), ("cpu", True))
     tmesh.push({"w": w, "m": torch.nn.Linear(4, 4)}, device=torch.device("meta"))
-    assert on_ranks(tmesh, "(w.device.type, m.weight.device.type)") == {r: ("meta", "meta") for r in range(4)}
+    assert on_ranks(tmesh, "(w.device.type, m.weight.device.type)") == dict.fromkeys(range(4), ("meta", "meta"))
 
 
 def test_cuda_on_a_mesh_without_gpus_is_a_clear_per_rank_error(tmesh: Mesh) -> None:
@@ -192,13 +192,13 @@ def test_unpicklable_values_name_their_type_and_place(tmesh: Mesh) -> None:
         tmesh.push(ok=torch.ones(2), bad={"inner": [1, threading.Lock()]})
     msg = str(info.value)
     assert "'bad'" in msg and "value['inner'][1]" in msg and "_thread.lock" in msg
-    assert on_ranks(tmesh, "'bad' in globals()") == {r: False for r in range(4)}
+    assert on_ranks(tmesh, "'bad' in globals()") == dict.fromkeys(range(4), False)
     on_ranks(tmesh, "import threading; lk = [threading.Lock()]")
     with pytest.raises(MeshError) as info2:
         tmesh.pull("lk", ranks="0,1")
     err = info2.value.errors[0]
     assert err.ename == "SerializationError" and "'lk'" in err.evalue and "_thread.lock" in err.evalue
-    assert tmesh.run("1") == {r: 1 for r in range(4)}
+    assert tmesh.run("1") == dict.fromkeys(range(4), 1)
 
 
 def test_broadcast_and_socket_routes_give_the_same_values(tmesh: Mesh) -> None:
@@ -221,7 +221,7 @@ def test_ranks_that_cannot_map_shared_memory_get_the_socket(tmesh: Mesh, monkeyp
         assert tmesh.transfers.no_shm == {0, 1, 2, 3}
         assert on_ranks(tmesh, "(_digest(nomap), _in_shm(nomap))") == {r: (digest(x), False) for r in range(4)}
         tmesh.scatter("nomap", x)  # now straight over the socket
-        assert on_ranks(tmesh, "_in_shm(nomap)") == {r: False for r in range(4)}
+        assert on_ranks(tmesh, "_in_shm(nomap)") == dict.fromkeys(range(4), False)
     finally:
         tmesh.transfers.no_shm.clear()
     assert wait_for(lambda: tmesh.transfers.pool.stats()["lent"] == lent), "the unmappable segment came back"
@@ -255,7 +255,7 @@ def test_scatter_uneven_parts_in_rank_order_and_gather_back(tmesh: Mesh) -> None
     assert torch.equal(tmesh.gather("part"), t)
     big = torch.randn(64, 4 * MiB // 256)  # 4 MiB, split along dim 1: non-contiguous parts
     tmesh.scatter("cols", big, dim=1, device="rank")
-    assert on_ranks(tmesh, "(tuple(cols.shape), _in_shm(cols))") == {r: ((64, 4096), True) for r in range(4)}
+    assert on_ranks(tmesh, "(tuple(cols.shape), _in_shm(cols))") == dict.fromkeys(range(4), ((64, 4096), True))
     assert torch.equal(tmesh.gather("cols", dim=1), big)
     a = np.arange(21.0).reshape(7, 3)
     tmesh.scatter("arr", a, ranks="1-3")
@@ -284,7 +284,7 @@ def test_pull_large_values_are_views_until_dropped(tmesh: Mesh) -> None:
     got = tmesh.pull("v")
     assert {r: got[r][0].item() for r in got} == {r: float(r) for r in range(4)}
     assert len(shm.memfd_mappings()) == before + 4, "one mapping of each rank's segment"
-    assert {r: s["lent"] for r, s in on_ranks(tmesh, STATS).items()} == {r: 1 for r in range(4)}
+    assert {r: s["lent"] for r, s in on_ranks(tmesh, STATS).items()} == dict.fromkeys(range(4), 1)
     got[0].add_(1)  # the notebook's copy-on-write pages: the rank's value is untouched
     assert on_ranks(tmesh, "v[0].item()", ranks=0) == {0: 0.0}
     del got
@@ -377,4 +377,4 @@ def test_magics_bad_input(shell: InteractiveShell, tmesh: Mesh) -> None:
         shell.run_line_magic("mesh", "gather x --dim notanint")
     with pytest.raises(MeshError, match="pull of 'never_defined'"):
         shell.run_line_magic("mesh", "pull never_defined")
-    assert tmesh.run("1") == {r: 1 for r in range(4)}
+    assert tmesh.run("1") == dict.fromkeys(range(4), 1)

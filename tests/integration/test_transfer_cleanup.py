@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 import torch
-from monarch_worker import shm
 
 from monarch_jupyter import Mesh, MeshError, RankDiedError
+from monarch_worker import shm
 
 pytestmark = pytest.mark.skipif(not shm.supported(), reason="needs Linux memfd_create and /proc")
 

@@ -11,6 +11,7 @@ import textwrap
 from collections.abc import Iterator
 
 import pytest
+
 from monarch_jupyter import Mesh, MeshStartError
 from monarch_jupyter.kernel import registry
 from monarch_jupyter.kernel.launch.slurm import SlurmLauncher
@@ -65,7 +66,7 @@ def test_start_restart_stop_through_srun(slurm: SlurmCluster, allocation: str) -
             m.restart()
             second = m.state.launcher.step_id()
             assert second != first and monarch_steps(slurm) == [second]  # the old step is gone
-            assert m.run("'secret' in globals()") == {r: False for r in range(4)}  # fresh processes
+            assert m.run("'secret' in globals()") == dict.fromkeys(range(4), False)  # fresh processes
         finally:
             m.stop()
         assert monarch_steps(slurm) == []  # nothing outlives the mesh

@@ -31,8 +31,8 @@ def test_torchrun_variables() -> None:
 
 
 def test_slurm_variables_and_tasks_per_node() -> None:
-    env = dict(SLURM_PROCID="5", SLURM_NTASKS="7", SLURM_LOCALID="0", SLURM_NODEID="2",
-               SLURM_STEP_TASKS_PER_NODE="3(x2),1", SLURM_JOB_ID="12", SLURM_STEP_ID="0")
+    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "7", "SLURM_LOCALID": "0", "SLURM_NODEID": "2",
+               "SLURM_STEP_TASKS_PER_NODE": "3(x2),1", "SLURM_JOB_ID": "12", "SLURM_STEP_ID": "0"}
     c = cfg(**env)
     assert (c.rank, c.world_size, c.local_rank, c.local_world_size) == (5, 7, 0, 1)
     assert cfg(**{**env, "SLURM_NODEID": "1"}).local_world_size == 3

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from monarch_jupyter.widgets.dashboard import render_folded, render_header, render_table
-from monarch_jupyter.widgets.model import RowView, _summarize, slowest_rank, stragglers
+from monarch_jupyter.widgets.model import RowView, slowest_rank, stragglers, summarize
 from monarch_jupyter.widgets.text import fmt_bytes, fmt_progress, fmt_seconds, header_text, stable_text
 
 BASE = RowView(rank=0, state="running", host="node-a", device="cpu", elapsed=1.5, n=None, total=None, desc="",
@@ -29,7 +29,8 @@ def test_slowest_is_least_progress_then_longest_finished():
     assert slowest_rank(rows_with(("running", None, None), ("running", None, None))) is None
     assert slowest_rank(rows_with(("running", 5, 10), ("running", 5, 10))) is None  # in step: nobody lags
     assert slowest_rank(rows_with(("done", None, None), ("running", None, None))) == 1
-    finished = [replace(r, elapsed=e) for r, e in zip(rows_with(("done", 1, 1), ("done", 1, 1)), (2.0, 3.5))]
+    rows = rows_with(("done", 1, 1), ("done", 1, 1))
+    finished = [replace(r, elapsed=e) for r, e in zip(rows, (2.0, 3.5), strict=True)]
     assert slowest_rank(finished) == 1
     finished[1] = replace(finished[1], elapsed=2.05)  # a few percent apart is noise, not a straggler
     assert slowest_rank(finished) is None
@@ -46,7 +47,7 @@ def test_stragglers_are_behind_the_median_or_still_running_after_others_finished
 def test_stable_text_groups_ranks_and_has_no_times():
     rows = rows_with(*[("done", 1, 1)] * 30, ("error", None, None), ("done", 1, 1))
     rows[30] = replace(rows[30], error="ValueError: bad")
-    text = stable_text(rows, _summarize(rows, 32, True), title="mesh cell")
+    text = stable_text(rows, summarize(rows, 32, True), title="mesh cell")
     assert text == ("mesh cell: ranks 0-31: error 30 · done 0-29,31\n"
                     "  ranks 0-29,31: done (cpu)\n"
                     "  rank 30: error (ValueError: bad) (cpu)")
@@ -54,7 +55,7 @@ def test_stable_text_groups_ranks_and_has_no_times():
 
 def test_header_counts_states():
     rows = rows_with(("running", 1, 4), ("done", 4, 4), ("error", None, None))
-    summary = _summarize(rows, 3, True)
+    summary = summarize(rows, 3, True)
     assert header_text(summary) == "ranks 0-2: running 0 · error 2 · done 1 · slowest rank 0 · 1.5 s"
     html = render_header(summary, "mesh cell")
     assert "slowest: rank 0" in html and "1.5 s" in html
@@ -70,6 +71,6 @@ def test_rank_output_is_escaped_in_html():
 def test_folded_view_lists_only_ranks_that_need_a_look():
     rows = rows_with(*[("running", 50, 100)] * 20, ("running", 5, 100), ("dead", None, None))
     rows[21] = replace(rows[21], error="signal SIGKILL")
-    html = render_folded(rows, _summarize(rows, 22, True))
+    html = render_folded(rows, summarize(rows, 22, True))
     assert html.count('class="mj-row"') == 2
     assert 'data-rank="20"' in html and 'data-rank="21" data-state="dead"' in html and "signal SIGKILL" in html

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from monarch_worker.protocol import sync_marker
 from monarch_jupyter.kernel.output import StreamSplitter
+from monarch_worker.protocol import sync_marker
 
 
 def lines(events: list) -> list:

@@ -10,6 +10,7 @@ import textwrap
 
 import numpy as np
 import pytest
+
 from monarch_worker import shm
 
 pytestmark = pytest.mark.skipif(not shm.supported(), reason="needs Linux memfd_create and /proc")

@@ -8,6 +8,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+
 from monarch_worker.serialize import OOB_THRESHOLD, SerializationError, dumps, loads
 
 BIG = OOB_THRESHOLD // 4 * 4  # elements: at least OOB_THRESHOLD bytes for every dtype below

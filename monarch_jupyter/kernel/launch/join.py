@@ -79,7 +79,7 @@ def resolve_address(address: str | None) -> tuple[str, str]:
             raise ValueError(f"interface {address} has no IPv4 address; choose another of: {', '.join(names)}")
         return ip, ip
     try:
-        ip = socket.getaddrinfo(address, None, socket.AF_INET)[0][4][0]
+        ip = str(socket.getaddrinfo(address, None, socket.AF_INET)[0][4][0])
     except (OSError, IndexError):
         raise ValueError(f"address {address!r} is neither an interface of this host ({', '.join(names)}) nor an "
                          "IPv4 address or a host name that resolves") from None

@@ -426,7 +426,8 @@ class Listener:
             late = [r for r, i in self.state.ranks.items() if i.state is not RankState.IDLE]
             where = ", ".join(f"{r} on {self._placement[r].hello.host}" for r in late if r in self._placement)
             return (f"all {world} ranks joined, but rank(s) {where} did not join the process group within "
-                    f"{self.state.options.start_timeout:g} s: can the hosts reach each other (rank 0's store, gloo: set "
+                    f"{self.state.options.start_timeout:g} s: can the hosts reach each other (rank 0's store, gloo: "
+                    "set "
                     "GLOO_SOCKET_IFNAME to the right interface)? See docs/multihost.md")
         joined = list(self._pending.values())
         numbered = sorted(j.rank for j in joined if j.rank >= 0)

@@ -1,0 +1,87 @@
+"""The parts of one mesh's controller and how they are wired: the one place that says who talks to whom.
+
+Every part gets the shared ``MeshState`` and the other parts it calls, explicitly, in its constructor; none of
+them sees the ``Mesh``. ``build`` makes them in dependency order and registers who handles which message from the
+ranks (over the socket on the I/O thread, or as records in a local rank's output, read by the launcher's reader).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from monarch_worker import protocol as P
+from monarch_worker.options import MeshOptions
+
+from .cells import CellTable
+from .debugger import MeshDebugger
+from .dispatch import Dispatcher
+from .events import EventBus
+from .iothread import IOThread
+from .launch.join import JoinLauncher
+from .launch.listener import Listener
+from .lifecycle import Lifecycle
+from .recovery import RankEvents, Recovery
+from .routing import OutputRouter
+from .stacks import StackRequests
+from .state import MeshState
+from .transfer import Transfers
+from .waiting import Waiter
+
+__all__ = ["Parts", "build"]
+
+
+@dataclass(frozen=True)
+class Parts:
+    """The parts of one mesh (each module's docstring says what it owns)."""
+
+    events: EventBus
+    state: MeshState
+    dispatcher: Dispatcher
+    cells: CellTable
+    stacks: StackRequests
+    transfers: Transfers
+    listener: Listener | None
+    io: IOThread
+    router: OutputRouter
+    lifecycle: Lifecycle
+    recovery: Recovery
+    waiter: Waiter
+    debugger: MeshDebugger
+
+
+def build(nproc: int, options: MeshOptions, join_launcher: JoinLauncher | None) -> Parts:
+    """Make and wire the parts of a mesh of ``nproc`` ranks; ``join_launcher``: None for local ranks."""
+    events = EventBus()
+    state = MeshState(nproc, options, events)
+    dispatcher = Dispatcher(state)
+    cells = CellTable(state)
+    stacks = StackRequests(state, dispatcher)
+    transfers = Transfers(state, dispatcher, cells)
+    o = options
+    listener = (None if join_launcher is None else
+                Listener(state, join_launcher, o.address, o.port, o.encrypt, o.secret_file))
+    io = IOThread(state, dispatcher, listener)
+    router = OutputRouter(state, cells)
+    lifecycle = Lifecycle(state, io, dispatcher, router, cells, transfers, listener)
+    recovery = Recovery(state, dispatcher, stacks, lifecycle)
+    lifecycle.sink = sink = RankEvents(state, router, recovery, [transfers.on_rank_exit])
+    waiter = Waiter(state, dispatcher, stacks, recovery)
+    transfers.waiter = waiter
+    debugger = MeshDebugger(state, dispatcher, waiter)  # breakpoint(), post-mortem, inspect
+    waiter.prompts = debugger
+    # What ranks send over the socket (I/O thread) ...
+    for kind, handler in ((P.Result, cells.on_result), (P.Stacks, stacks.on_reply), (P.Stream, router.on_stream),
+                          (P.PullReply, transfers.on_pull_reply), (P.ShmRelease, transfers.on_release),
+                          (P.DebugOutput, debugger.on_message), (P.DebugPrompt, debugger.on_message),
+                          (P.DebugResumed, debugger.on_message), (P.DebugReply, debugger.on_message)):
+        io.handle(kind, handler)
+    # ... and as records in a local rank's stdout pipe (protocol.record_types; the output reader thread).
+    router.record_handlers.update({P.Result: cells.on_result, P.Progress: io.on_progress,
+                                   P.DebugOutput: debugger.on_message, P.DebugPrompt: debugger.on_message,
+                                   P.DebugResumed: debugger.on_message})
+    io.every_interval(recovery.check_heartbeats)
+    if listener is not None:
+        io.every_interval(listener.check)
+        listener.attach(io.send_to, dispatcher, sink)
+    return Parts(events, state, dispatcher, cells, stacks, transfers, listener, io, router, lifecycle, recovery,
+                 waiter, debugger)

@@ -1,0 +1,156 @@
+"""The shape of the code (issue: controller redesign): modules readable in one sitting, no import cycles (imports
+inside functions count; ``if TYPE_CHECKING:`` ones do not), no reaching into another module's underscore names,
+no mixins."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = {"monarch_jupyter": ROOT / "monarch_jupyter", "monarch_worker": ROOT / "worker", "monarch": ROOT / "monarch"}
+MAX_LINES = 600
+FACADE_MAX_LINES = 450  # kernel/mesh.py, the Mesh façade: "about 400"
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for pkg, folder in PACKAGES.items():
+        for path in folder.rglob("*.py"):
+            rel = path.relative_to(folder).with_suffix("")
+            parts = [pkg, *rel.parts]
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = path
+    return out
+
+
+MODULES = modules()
+
+
+def _type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(name: str, tree: ast.Module) -> set[str]:
+    """Project modules that module ``name`` imports anywhere (functions too), outside ``if TYPE_CHECKING:``."""
+    is_pkg = MODULES[name].name == "__init__.py"
+    base = name.split(".") if is_pkg else name.split(".")[:-1]
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                found.add(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                mod = ".".join(base[: len(base) - node.level + 1] + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            found.add(mod)
+            for alias in node.names:  # "from . import x" imports the module x
+                found.add(f"{mod}.{alias.name}")
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return {m for m in found if m in MODULES and m != name}
+
+
+def _parents(mod: str) -> set[str]:
+    parts = mod.split(".")
+    return {".".join(parts[:i]) for i in range(1, len(parts))} & set(MODULES)
+
+
+def test_modules_are_readable_in_one_sitting() -> None:
+    long = {name: n for name, path in MODULES.items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
+    facade = len((ROOT / "monarch_jupyter/kernel/mesh.py").read_text().splitlines())
+    assert facade <= FACADE_MAX_LINES, f"kernel/mesh.py (the Mesh façade) has {facade} lines"
+
+
+def test_no_import_cycles() -> None:
+    graph = {name: _imports(name, ast.parse(path.read_text())) for name, path in MODULES.items()}
+    # A module also runs its packages' __init__ when imported; an __init__ that imports it back is fine (Python
+    # handles a package importing its own submodules), so edges into a module's own parent packages are dropped.
+    graph = {name: {m for m in deps if m not in _parents(name)} for name, deps in graph.items()}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def dfs(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                cycles.append([*stack[stack.index(dep):], dep])
+            elif dep not in state:
+                dfs(dep)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            dfs(node)
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+# Private names of other packages the code uses on purpose, each for a reason given where it is used.
+ALLOWED_PRIVATE = {
+    "sys._current_frames", "sys._getframe", "os._exit",  # the stdlib's documented functions
+    "dist.distributed_c10d._abort_process_group",  # the only way to abort NCCL communicators (torch has no public)
+    "c10d._dump_fr_trace_json",  # torch's flight recorder dump
+    "pub._hooks",  # ipykernel's display hooks (ipywidgets' Output capture), run as ipykernel's publish() does
+}
+
+
+def _own_private_names(tree: ast.Module) -> set[str]:
+    """Underscore names this module defines itself (functions, classes, attributes it assigns)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return {n for n in names if n.startswith("_")}
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_no_reaching_into_other_modules_underscore_names(name: str) -> None:
+    tree = ast.parse(MODULES[name].read_text())
+    own = _own_private_names(tree)
+    bad = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").split(".")[0] in PACKAGES):
+            bad += [f"from {node.module} import {a.name}" for a in node.names
+                    if a.name.startswith("_") and not a.name.startswith("__")]
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            base = node.value
+            if node.attr in own or node.attr.endswith("_"):  # this module's own; IPython's _repr_*_ protocol
+                continue
+            if isinstance(base, ast.Call) and isinstance(base.func, ast.Name) and base.func.id == "super":
+                continue
+            text = ast.unparse(node)
+            if text in ALLOWED_PRIVATE or any(text.startswith(a + ".") for a in ALLOWED_PRIVATE):
+                continue
+            bad.append(f"line {node.lineno}: {text}")
+    assert not bad, f"{name} reaches into underscore names: {bad}"
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_no_mixins(name: str) -> None:
+    tree = ast.parse(MODULES[name].read_text())
+    mixins = [n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and "Mixin" in n.name]
+    assert not mixins, f"{name} defines mixins: {mixins}"

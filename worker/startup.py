@@ -1,0 +1,97 @@
+"""The start of a rank process: its environment and streams, then the Rank runtime until it stops.
+
+``run_rank`` is what the fork server's child (local ranks) and ``python -m monarch_worker`` (ranks that join) run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+from . import live, recovery
+from . import protocol as P
+from .config import RankConfig
+from .executor import format_error
+from .runtime import JoinRejected, Rank
+
+__all__ = ["run_rank", "apply_thread_settings"]
+
+
+def _unbuffered_std_streams() -> None:
+    """Python-level prints go straight to fds 1 and 2, in order with C-level writes to the same fds."""
+    import io
+
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        raw = io.FileIO(fd, "w", closefd=False)
+        stream = io.TextIOWrapper(raw, encoding="utf-8", errors="backslashreplace", write_through=True,
+                                  line_buffering=False)
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
+
+
+def apply_thread_settings() -> None:
+    """Give torch the intra-op thread count a fresh interpreter with this environment would have.
+
+    A rank forked from the fork server inherits the OpenMP and MKL settings torch read when the fork server imported
+    it, so the OMP_NUM_THREADS / MKL_NUM_THREADS of the rank's own environment (torchrun sets OMP_NUM_THREADS=1
+    when several ranks share a host) would have no effect. torch's own rule (ATen's
+    ``intraop_default_num_threads``) applies: MKL_NUM_THREADS wins over OMP_NUM_THREADS; with neither set, the
+    fork server's default (the same machine, the same default) stands. Inter-op threads need nothing: the fork
+    server never started its pool, so each rank sizes it on first use, as a fresh process does.
+    """
+    value = os.environ.get("MKL_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS")
+    if not value:
+        return
+    try:
+        n = int(value)
+    except ValueError:
+        return  # torch ignores a value it cannot parse; so do we
+    if n > 0:
+        import torch
+
+        torch.set_num_threads(n)
+
+
+def run_rank(config: RankConfig) -> int:
+    """Run one rank to completion; returns the process exit code (2: the controller did not admit it)."""
+    os.environ.update(config.env)
+    apply_thread_settings()
+    relay = None
+    if config.relay_output:
+        from .relay import OutputRelay
+
+        relay = OutputRelay(tee=config.relay_tee)  # fds 1 and 2 feed it from now on
+    _unbuffered_std_streams()
+    recovery.prepare_process()
+    rank = Rank(config)
+    signal.signal(signal.SIGINT, rank.on_sigint)
+    live.install(rank.send, lambda: rank.current_cell)
+    if relay is not None:
+        relay.start(rank.outbox)
+        rank.relay = relay
+    rank.start_io()
+    code = 0
+    try:
+        rank.join()
+    except JoinRejected as e:
+        sys.stderr.write(f"monarch_worker: not admitted to the mesh: {e}\n")
+        code = 2
+    except BaseException as e:  # noqa: BLE001 - tell the controller why, then exit
+        err = format_error(e)
+        sys.stderr.write(err["traceback"])
+        rank.send(P.StartFailed(error=err["traceback"]))
+        code = 1
+    else:
+        rank.debugger.install()
+        rank.serve()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a user may have replaced or closed it
+            pass
+    if relay is not None:
+        relay.flush(1.0)
+    rank.send(P.Goodbye(returncode=code))
+    rank.close(2.0)
+    return code
