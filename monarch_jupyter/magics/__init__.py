@@ -6,7 +6,6 @@ Options that users set once go in traitlets (``c.MeshMagics.default_nproc = 8`` 
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import shlex
 import sys
@@ -376,25 +375,6 @@ class MeshMagics(TransferMagics, Magics):
         return m
 
 
-def _check_monarch_shadowing() -> str | None:
-    """A message when the ``monarch`` module Python finds is not our shim (e.g. PyTorch Monarch's)."""
-    try:
-        spec = importlib.util.find_spec("monarch")
-    except (ImportError, ValueError):
-        return None
-    if spec is None or spec.origin is None:
-        return None
-    try:
-        with open(spec.origin) as f:
-            head = f.read(4096)
-    except OSError:
-        return None
-    if "monarch_jupyter" in head:
-        return None
-    return (f"note: `import monarch` finds another package ({spec.origin}; PyTorch Monarch installs one), so "
-            "`%load_ext monarch` loads that one, not this extension. Use  %load_ext monarch_jupyter  instead.")
-
-
 _MAGICS: dict[int, MeshMagics] = {}
 
 
@@ -405,9 +385,6 @@ def load(ipython: Any) -> None:
     magics = MeshMagics(shell=ipython, parent=ipython)
     ipython.register_magics(magics)
     _MAGICS[id(ipython)] = magics
-    note = _check_monarch_shadowing()
-    if note:
-        print(note, file=sys.stderr)
     if magics.prewarm:
         from ..kernel.launcher import prewarm
 
