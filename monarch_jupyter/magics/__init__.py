@@ -375,6 +375,24 @@ class MeshMagics(TransferMagics, Magics):
         return m
 
 
+# Output that reaches a cell after it returned (block=False, --async, late rank output) is routed by the parent
+# header captured when the cell ran; ipykernel keeps that header in a ContextVar from 6.29 on. Older kernels send
+# such output to whichever cell runs then. pyproject.toml requires 6.29; this catches environments that bypassed it.
+IPYKERNEL_FLOOR = (6, 29)
+
+
+def _check_ipykernel() -> str | None:
+    """A note when the running kernel is an ipykernel older than IPYKERNEL_FLOOR, else None."""
+    ipykernel = sys.modules.get("ipykernel")
+    version = getattr(ipykernel, "version_info", None)
+    if not isinstance(version, tuple) or tuple(version[:2]) >= IPYKERNEL_FLOOR:
+        return None
+    floor = ".".join(map(str, IPYKERNEL_FLOOR))
+    return (f"note: this kernel runs ipykernel {getattr(ipykernel, '__version__', version)}, older than {floor}: "
+            f"output that arrives after a cell returned can land in the next cell. Fix:  "
+            f"pip install 'ipykernel>={floor}'  and restart the kernel.")
+
+
 _MAGICS: dict[int, MeshMagics] = {}
 
 
@@ -385,6 +403,9 @@ def load(ipython: Any) -> None:
     magics = MeshMagics(shell=ipython, parent=ipython)
     ipython.register_magics(magics)
     _MAGICS[id(ipython)] = magics
+    note = _check_ipykernel()
+    if note:
+        print(note, file=sys.stderr)
     if magics.prewarm:
         from ..kernel.launcher import prewarm
 
