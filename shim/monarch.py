@@ -37,8 +37,9 @@ def why_not_pytorch_monarch() -> str:
         return ("this `monarch` is monarch-jupyter's one-file module for `%load_ext monarch`; PyTorch Monarch is "
                 "not installed here. Fix: pip install torchmonarch")
     return (f"this `monarch` is monarch-jupyter's one-file module: torchmonarch {installed} is installed, but its "
-            "monarch/__init__.py is gone (monarch-jupyter 0.1 shipped a file of that name, and uninstalling or "
-            "upgrading it took torchmonarch's away). Fix: pip install --force-reinstall --no-deps torchmonarch")
+            "monarch/__init__.py is gone (earlier monarch-jupyter builds shipped a file of that name, and "
+            "replacing or uninstalling one took torchmonarch's away). "
+            "Fix: pip install --force-reinstall --no-deps torchmonarch")
 
 
 # Submodules (`import monarch.actor`) reach the finders, where the start-up hook explains them; there are none.

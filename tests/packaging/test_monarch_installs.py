@@ -31,7 +31,7 @@ def __getattr__(name):  # PyTorch Monarch's public API is lazy, behind a module 
     raise AttributeError(f"module 'monarch' has no attribute {{name!r}}")
 '''
 
-# What monarch-jupyter 0.1 shipped as monarch/__init__.py: the same path as PyTorch Monarch's.
+# What earlier monarch-jupyter builds shipped as monarch/__init__.py: the same path as PyTorch Monarch's.
 OLD_SHIM = '''def load_ipython_extension(ipython):
     from monarch_jupyter import load_ipython_extension as load
     load(ipython)
@@ -240,8 +240,8 @@ def test_upgrading_either_keeps_both_working(clean: Venv) -> None:
 
 
 def test_upgrade_from_a_release_that_shipped_monarch_init_names_the_fix(clean: Venv) -> None:
-    """monarch-jupyter 0.1 shipped monarch/__init__.py; torchmonarch installed after it overwrote that file, and
-    upgrading monarch-jupyter removes it (it is in 0.1's RECORD). `%load_ext monarch` still works, and PyTorch
+    """Earlier builds shipped monarch/__init__.py; torchmonarch installed after one overwrote that file, and
+    replacing the old build removes it (it is in the old build's RECORD). `%load_ext monarch` still works, and PyTorch
     Monarch's users are told the one command that restores its file."""
     v = clean
     v.install("old")

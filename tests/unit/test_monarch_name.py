@@ -28,7 +28,8 @@ def hook(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
         pytest.skip(f"no {SHIM_DIR} (tests run outside a checkout or an sdist)")
     for name in [n for n in sys.modules if n == "monarch" or n.startswith("monarch.")]:
         monkeypatch.delitem(sys.modules, name)
-    plain = [f for f in sys.meta_path if getattr(f, "__module__", "") in ("_frozen_importlib", "_frozen_importlib_external")]
+    frozen = ("_frozen_importlib", "_frozen_importlib_external")  # BuiltinImporter, FrozenImporter, PathFinder
+    plain = [f for f in sys.meta_path if getattr(f, "__module__", "") in frozen]
     monkeypatch.setattr(sys, "meta_path", plain)
     stdlib = [p for p in sys.path if p and "site-packages" not in p and Path(p).resolve() != Path.cwd().resolve()]
     monkeypatch.setattr(sys, "path", [*stdlib, str(SHIM_DIR)])
