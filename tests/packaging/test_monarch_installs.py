@@ -4,8 +4,8 @@ does) installed, upgraded and uninstalled with pip in every order, in one throwa
 fresh interpreter, started outside the checkout, reports what ``import monarch`` gives and what
 ``%load_ext monarch`` and ``%load_ext monarch_jupyter`` do in IPython.
 
-The venv has monarch-jupyter's dependencies except torch (nothing here imports it; the fork server is not
-pre-started), so it costs seconds, not gigabytes.
+The venv has only what loading the extension imports: IPython, pyzmq and cloudpickle (torch is imported by the
+fork server, which is not started here), so it costs seconds, not gigabytes.
 """
 
 from __future__ import annotations
@@ -162,9 +162,9 @@ def venv(dists: Dists, tmp_path_factory: pytest.TempPathFactory) -> Venv:
     folder = tmp_path_factory.mktemp("monarch-installs")
     v = Venv(folder / "venv", dists.wheel, {})
     run([sys.executable, "-m", "venv", str(v.root)])
-    # What loading the extension imports (torch, and so the fork server, left out), and what builds the fakes.
-    v.pip("install", "ipython", "traitlets", "pyzmq", "cloudpickle", "ipywidgets", "numpy", "jupyter_core",
-          "setuptools>=70.1")
+    # What loading the extension imports (torch, numpy and widgets are imported later, the fork server is not
+    # started), and what builds the fakes.
+    v.pip("install", "ipython", "pyzmq", "cloudpickle", "setuptools>=70.1")
     actor = {"monarch/actor.py": "NAME = 'actor'\n"}
     for key, name, version, files in [
             ("tm1", "torchmonarch", "1.0", {"monarch/__init__.py": TORCHMONARCH_INIT.format(version="1.0"), **actor}),
