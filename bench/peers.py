@@ -9,15 +9,15 @@ Peers on this box (Python 3.11.7, 2 cores, CPU-only torch 2.13.0+cpu):
   * ipyparallel 9.2.0 -- already installed.
   * torchmonarch -- ``pip install torchmonarch`` installs 0.7.0 and runs CPU-only
     (``this_host().spawn_procs(per_host={"procs": n})``). It installs a top-level ``monarch``
-    package that shadows our ``%load_ext monarch`` shim, so install it in its own virtual
+    package (README, "The `monarch` name"), so install it in its own virtual
     environment and point MJ_TORCHMONARCH_PYTHON at that interpreter:
       python -m venv --system-site-packages /tmp/venv-tm && /tmp/venv-tm/bin/pip install torchmonarch
       MJ_TORCHMONARCH_PYTHON=/tmp/venv-tm/bin/python python bench/peers.py
     Not a project dependency; torchmonarch_ops() skips with a reason when it is absent.
   * accelerate -- ``pip install accelerate`` installs 1.15.0 (keeps torch 2.13.0+cpu).
     Not a project dependency either; skipped with a reason when absent.
-NOTE: the repo root has a ``monarch/`` directory, which would shadow torchmonarch's
-``monarch`` package; peer children therefore run with a temporary directory as cwd.
+NOTE: peer children run with a temporary directory as cwd, so that nothing in the checkout
+shadows torchmonarch's ``monarch`` package.
 
 Run all: ``python -m bench.peers`` (or ``python bench/peers.py``) from the repo root.
 """

@@ -219,7 +219,7 @@ def last_collective() -> dict:
     try:
         from torch._C import _distributed_c10d as c10d
 
-        dump = c10d._dump_fr_trace_json  # torch's flight recorder; absent from its type stubs
+        dump = c10d._dump_fr_trace_json  # type: ignore[attr-defined]  # the flight recorder; not in torch's stubs
         entries = json.loads(dump(True, False)).get("entries") or []
     except Exception:  # noqa: BLE001 - recorder off (TORCH_FR_BUFFER_SIZE=0) or not in this torch build
         return {}

@@ -138,7 +138,8 @@ def options_markdown() -> str:
         "# Configuration reference",
         "",
         "<!-- Generated from monarch_worker/options.py: python -c 'from monarch_jupyter.kernel.config import "
-        "options_markdown as m; print(m(), end=\"\")' > docs/configuration.md (tests/unit/test_options.py checks it) -->",
+        "options_markdown as m; print(m(), end=\"\")' > docs/configuration.md (tests/unit/test_options.py checks "
+        "it) -->",
         "",
         "Every option is declared once, in `monarch_worker/options.py`, with its type, default, unit and help; the",
         "rest is derived from that declaration:",

@@ -6,7 +6,6 @@ Options that users set once go in traitlets (``c.MeshMagics.default_nproc = 8`` 
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import shlex
 import sys
@@ -362,23 +361,22 @@ class MeshMagics(Magics):
         return m
 
 
-def _check_monarch_shadowing() -> str | None:
-    """A message when the ``monarch`` module Python finds is not our shim (e.g. PyTorch Monarch's)."""
-    try:
-        spec = importlib.util.find_spec("monarch")
-    except (ImportError, ValueError):
+# Output that reaches a cell after it returned (block=False, --async, late rank output) is routed by the parent
+# header captured when the cell ran; ipykernel keeps that header in a ContextVar from 6.29 on. Older kernels send
+# such output to whichever cell runs then. pyproject.toml requires 6.29; this catches environments that bypassed it.
+IPYKERNEL_FLOOR = (6, 29)
+
+
+def _check_ipykernel() -> str | None:
+    """A note when the running kernel is an ipykernel older than IPYKERNEL_FLOOR, else None."""
+    ipykernel = sys.modules.get("ipykernel")
+    version = getattr(ipykernel, "version_info", None)
+    if not isinstance(version, tuple) or tuple(version[:2]) >= IPYKERNEL_FLOOR:
         return None
-    if spec is None or spec.origin is None:
-        return None
-    try:
-        with open(spec.origin) as f:
-            head = f.read(4096)
-    except OSError:
-        return None
-    if "monarch_jupyter" in head:
-        return None
-    return (f"note: `import monarch` finds another package ({spec.origin}; PyTorch Monarch installs one), so "
-            "`%load_ext monarch` loads that one, not this extension. Use  %load_ext monarch_jupyter  instead.")
+    floor = ".".join(map(str, IPYKERNEL_FLOOR))
+    return (f"note: this kernel runs ipykernel {getattr(ipykernel, '__version__', version)}, older than {floor}: "
+            f"output that arrives after a cell returned can land in the next cell. Fix:  "
+            f"pip install 'ipykernel>={floor}'  and restart the kernel.")
 
 
 _MAGICS: dict[int, MeshMagics] = {}
@@ -391,7 +389,7 @@ def load(ipython: Any) -> None:
     magics = MeshMagics(shell=ipython, parent=ipython)
     ipython.register_magics(magics)
     _MAGICS[id(ipython)] = magics
-    note = _check_monarch_shadowing()
+    note = _check_ipykernel()
     if note:
         print(note, file=sys.stderr)
     if magics.setting("prewarm"):

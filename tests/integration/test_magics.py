@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import textwrap
 from collections.abc import Iterator
 
@@ -132,21 +131,6 @@ def test_load_ext_monarch_jupyter_and_unload_stops(started: Mesh) -> None:
     assert not started.running
     assert not wait_gone(pids, timeout=5)
     ip.run_line_magic("load_ext", "monarch")
-
-
-def test_shadowed_monarch_package_is_named(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
-    from pathlib import Path
-
-    from monarch_jupyter.magics import _check_monarch_shadowing
-
-    assert _check_monarch_shadowing() is None  # ours is found
-    fake = Path(str(tmp_path)) / "monarch"
-    fake.mkdir()
-    (fake / "__init__.py").write_text("# PyTorch Monarch stand-in\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "monarch", raising=False)
-    note = _check_monarch_shadowing()
-    assert note is not None and "%load_ext monarch_jupyter" in note and str(fake) in note
 
 
 def test_unload_then_load_under_the_other_name() -> None:
