@@ -123,7 +123,8 @@ class Rank:
     # ---- I/O thread ------------------------------------------------------------------------------------------
 
     def _send_now(self, msg: P.Message, payload: bytes = b"", buffers: list | tuple = ()) -> None:
-        """Send from the I/O thread (the only thread that touches the socket)."""
+        """Send from the I/O thread (the only thread that touches the socket; asserted)."""
+        assert threading.current_thread() is self._io, "the rank's DEALER socket is the I/O thread's"
         send_frames(self._sock, self._signer.pack(msg, payload, buffers))
 
     def _io_loop(self) -> None:
