@@ -22,10 +22,11 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 import weakref
 from typing import Any
 
-from ..errors import MeshNotRunningError
+from ..errors import MeshError, MeshNotRunningError, MeshTimeoutError, RemoteError
 from ..kernel.mesh import Mesh, current_mesh
 from ..kernel.ranks import RankMap, format_ranks
 from . import rank as rank_side
@@ -210,7 +211,9 @@ def _run(mesh: Mesh, strategy: Any, job: rank_side.Job) -> RankMap:
             view = cell_view(mesh, mode=mode, fold_threshold=fold)
         handle = mesh.call(rank_side.run_job, shipment.data, shipment.slots, new, kept.take_dropped(),
                            shipment.tokens, shipment.sources, block=False)
+        released: list[int] = []
         try:
+            released = _watch(mesh, handle)
             results = handle.result()
         except KeyboardInterrupt as e:
             if not handle.done():  # some ranks are blocked in a collective that the others left
@@ -218,6 +221,18 @@ def _run(mesh: Mesh, strategy: Any, job: rank_side.Job) -> RankMap:
                 print(f"strategy='mesh': released the ranks still running after the interrupt: {report.text}",
                       file=sys.stderr)
             raise _Interrupted(str(e), [r for r in handle.ranks]) from None
+        except MeshError as e:
+            if isinstance(e, MeshTimeoutError):
+                raise
+            errors = dict(e.errors)
+            failed = [r for r in errors if r not in released]
+            for r in released:
+                if r in errors and failed:
+                    orig = errors.pop(r)
+                    errors[r] = RemoteError(r, "Released", f"waited in a collective for rank(s) "
+                                            f"{format_ranks(failed)}, which failed; released by the mesh "
+                                            f"({getattr(orig, 'ename', type(orig).__name__)})")
+            raise MeshError(errors, e.results, what=job.what, hint=e.hint) from None
         finally:
             if view is not None:
                 view.finish()
@@ -229,6 +244,35 @@ def _run(mesh: Mesh, strategy: Any, job: rank_side.Job) -> RankMap:
         log.info("rank(s) lack %d kept object(s) (restarted?); sending them again", len(missing))
         kept.forget(missing)
     raise MeshLightningError("the ranks kept losing the job's data between attempts; run  %mesh restart  and retry")
+
+
+def _watch(mesh: Mesh, handle: Any) -> list[int]:
+    """Wait for the job; when it failed on some ranks while others still run, release those.
+
+    A rank that raised (in training_step, say) leaves its peers blocked in the next collective (DDP's gradient
+    all_reduce) until the process group's timeout: torchrun would kill them, the mesh keeps them. After
+    ``RELEASE_AFTER`` seconds the survivors are released like ``%mesh interrupt --force`` does (the process group
+    is torn down, which fails their collective, and re-created; every rank keeps its namespace), so the fit fails
+    at once with the first rank's error as the root cause. Returns the ranks released.
+    """
+    failed_at = None
+    while not handle.wait(0.1):
+        if not handle.errors:
+            continue
+        now = time.monotonic()
+        failed_at = failed_at or now
+        if now - failed_at < RELEASE_AFTER:
+            continue
+        running = [r for r in handle.ranks if r not in handle.finished]
+        if running:
+            log.info("releasing rank(s) %s after rank(s) %s failed", running, sorted(handle.errors))
+            mesh.interrupt(running, force=True)
+        return running
+    return []
+
+
+RELEASE_AFTER = 1.0
+"""Seconds the other ranks get to finish by themselves once one rank's job failed (then they are released)."""
 
 
 class _Interrupted(Exception):

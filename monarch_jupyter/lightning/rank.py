@@ -69,6 +69,16 @@ class Job:
     progress: bool = True
     return_all: bool = False
 
+    @property
+    def what(self) -> str:
+        """How errors name the job: "trainer.fit", "fabric.launch(train)"."""
+        name = getattr(self.fn, "__name__", "")
+        if self.kind == "trainer":
+            return f"trainer.{name.strip('_').removesuffix('_impl')}"
+        inner = getattr(self.fn, "args", None)
+        target = getattr(inner[0], "__name__", "") if inner else ""
+        return f"fabric.launch({target})"
+
 
 @dataclass
 class Missing:
