@@ -27,8 +27,7 @@ import weakref
 from typing import Any
 
 from ..errors import MeshError, MeshNotRunningError, MeshTimeoutError, RemoteError
-from ..kernel.mesh import Mesh, current_mesh
-from ..kernel.ranks import RankMap, format_ranks
+from .. import Mesh, RankMap, current_mesh
 from . import rank as rank_side
 from .errors import MeshLightningError, TrainingInterrupted, UnpicklableJobError, fabric_interrupt
 from .shipping import KeptObjects, pickle_job
@@ -50,6 +49,19 @@ _borrowed_versions: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDiction
 
 
 # ------------------------------------------------------------------------------------------------ configuration
+
+
+def format_ranks(ranks: Any) -> str:
+    """"0-3", "0,2": ranks as the mesh prints them."""
+    rs = sorted(set(int(r) for r in ranks))
+    parts, start = [], None
+    for i, r in enumerate(rs):
+        if start is None:
+            start = r
+        if i + 1 == len(rs) or rs[i + 1] != r + 1:
+            parts.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return ",".join(parts)
 
 
 def _mesh_of(strategy: Any) -> Mesh:
