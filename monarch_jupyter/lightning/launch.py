@@ -359,8 +359,7 @@ def _recover(trainer: Any, out: rank_side.WorkerOutput) -> None:
         if loop is None:
             continue
         try:
-            loop.load_state_dict(state)
-            loop.restarting = False  # a finished run, not one resumed mid-way
+            _restore_progress(loop, state, "")
         except Exception:  # noqa: BLE001 - progress counters are a convenience; never fail a finished fit
             log.debug("could not restore %s", name, exc_info=True)
     by_key = {}
@@ -392,6 +391,21 @@ def _recover(trainer: Any, out: rank_side.WorkerOutput) -> None:
                 _borrowed_versions[logger] = version
             except TypeError:
                 pass
+
+
+def _restore_progress(loop: Any, state: dict, prefix: str) -> None:
+    """Rank 0's progress counters into a loop of the notebook's Trainer and its child loops (current_epoch,
+    global_step...). Not ``loop.load_state_dict``: that marks the loops as resumed from a checkpoint, and the next
+    fit would then behave as a resumed one instead of going on as a local Trainer does."""
+    for key, value in vars(loop).items():
+        name = prefix + key
+        if hasattr(value, "load_state_dict") and type(value).__name__.endswith("Progress") and name in state:
+            value.load_state_dict(state[name])
+        elif hasattr(value, "restarting") and hasattr(value, "state_dict") and hasattr(value, "trainer"):
+            _restore_progress(value, state, name + ".")
+    extra = state.get(prefix + "state_dict") or {}
+    if "_batches_that_stepped" in extra and hasattr(loop, "_batches_that_stepped"):
+        loop._batches_that_stepped = extra["_batches_that_stepped"]  # the logging step
 
 
 def _split(value: Any, n: int) -> list | None:
