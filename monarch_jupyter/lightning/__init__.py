@@ -123,7 +123,14 @@ def _register_one(family: str, kind: str) -> bool:
             registry.register("mesh", _Unavailable(family, e), description="(unavailable: see its error)",
                               override=True)
         _registered.add((family, kind))
-        return True
+    if kind == "trainer":
+        try:
+            from .launch import warm_up
+
+            warm_up(family)  # a mesh already runs: its ranks import Lightning now, not at the first fit
+        except Exception:  # noqa: BLE001
+            log.debug("no warm-up", exc_info=True)
+    return True
 
 
 class _Unavailable:

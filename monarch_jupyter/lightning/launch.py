@@ -134,6 +134,8 @@ def configure(strategy: Any, who: str) -> Mesh:
                 f"device is cpu): use accelerator='cpu' (or 'auto'), or start the mesh where every rank has a GPU "
                 "(%mesh start -n N --backend nccl)")
     strategy.node_ranks = node_of
+    if mesh.running:
+        warm_up(getattr(strategy, "family", "lightning"), mesh)
     if hasattr(strategy, "_num_nodes"):
         strategy._num_nodes = num_nodes
     for name in ("set_world_ranks", "_set_world_ranks"):
@@ -144,6 +146,26 @@ def configure(strategy: Any, who: str) -> Mesh:
 
 
 # ------------------------------------------------------------------------------------------------ running
+
+_warmed: weakref.WeakKeyDictionary[Mesh, float] = weakref.WeakKeyDictionary()
+
+
+def warm_up(family: str = "lightning", mesh: Mesh | None = None) -> None:
+    """Have the ranks import Lightning in the background (a non-blocking call), once per started mesh, so the
+    first fit does not wait for it (seconds per rank). Does nothing without a running mesh or on a rank."""
+    if rank_side.in_job():
+        return
+    try:
+        mesh = mesh or current_mesh()
+    except MeshNotRunningError:
+        return
+    if not mesh.running or _warmed.get(mesh) == mesh.started_at:
+        return
+    _warmed[mesh] = mesh.started_at
+    try:
+        mesh.call(rank_side.warm_up, family, block=False)
+    except Exception:  # noqa: BLE001 - only a head start; the fit imports Lightning anyway
+        log.debug("could not warm the ranks up", exc_info=True)
 
 
 def _kept_for(mesh: Mesh) -> KeptObjects:

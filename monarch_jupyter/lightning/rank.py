@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["run_job", "in_job", "Job", "WorkerOutput", "Missing", "PredictOutput", "MIN_REPORT_INTERVAL"]
+__all__ = ["run_job", "warm_up", "in_job", "Job", "WorkerOutput", "Missing", "PredictOutput", "MIN_REPORT_INTERVAL"]
 
 MIN_REPORT_INTERVAL = 0.1  # seconds between two progress reports of the progress bar callback
 
@@ -183,6 +183,13 @@ def run_job(job_bytes: bytes, slots: list, new_objects: dict, drop: list, tokens
         return Missing(missing)
     job = _JobUnpickler(io.BytesIO(job_bytes), slots).load()
     return _run(job)
+
+
+def warm_up(family: str) -> None:
+    """Import Lightning now (the controller asks for it in the background when a mesh meets Lightning), so that
+    the first fit does not wait seconds for it."""
+    for name in (PYTORCH[family], f"{PYTORCH[family]}.trainer.call", FABRIC[family]):
+        importlib.import_module(name)
 
 
 INBOX = "_monarch_lightning_inbox"

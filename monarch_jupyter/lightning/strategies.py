@@ -93,6 +93,7 @@ def build_environment(family: str) -> dict[str, type]:
 
 
 def build_trainer(family: str, environment: type) -> dict[str, type]:
+    FAMILY = family  # noqa: N806 - a class attribute below
     pl = PYTORCH[family]
     ddp = importlib.import_module(f"{pl}.strategies.ddp")
     launcher_base = importlib.import_module(f"{pl}.strategies.launchers.launcher")._Launcher
@@ -133,6 +134,7 @@ def build_trainer(family: str, environment: type) -> dict[str, type]:
         """
 
         strategy_name = "mesh"
+        family = FAMILY
 
         def __init__(self, mesh: Any = None, *, live_view: str | None = None, progress: bool = True,
                      **kwargs: Any) -> None:
@@ -169,6 +171,7 @@ def build_trainer(family: str, environment: type) -> dict[str, type]:
 
 
 def build_fabric(family: str, environment: type) -> dict[str, type]:
+    FAMILY = family  # noqa: N806 - a class attribute below
     fab = FABRIC[family]
     ddp = importlib.import_module(f"{fab}.strategies.ddp")
     launcher_base = importlib.import_module(f"{fab}.strategies.launchers.launcher")._Launcher
@@ -197,6 +200,7 @@ def build_fabric(family: str, environment: type) -> dict[str, type]:
         """
 
         strategy_name = "mesh"
+        family = FAMILY
 
         def __init__(self, mesh: Any = None, *, live_view: str | None = None, return_all: bool = False,
                      **kwargs: Any) -> None:

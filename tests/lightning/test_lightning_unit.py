@@ -86,6 +86,11 @@ class FakeMesh:
         self.world_size = sum(len(v) for v in hosts.values())
         self.running, self.listening = True, False
         self.device = device
+        self.started_at = 1.0
+        self.calls: list = []
+
+    def call(self, fn, *args, **kwargs):  # the warm-up's background import of Lightning on the ranks
+        self.calls.append((fn.__name__, args))
 
     def hosts(self) -> dict[str, list[int]]:
         return self._hosts
@@ -108,6 +113,7 @@ def test_configure_checks_the_world_and_derives_nodes_from_hosts() -> None:
     s = _strategy(two_hosts, devices=2)
     launch.configure(s, "Trainer")
     assert s.num_nodes == 2 and s.node_ranks == {0: 0, 1: 0, 2: 1, 3: 1}
+    assert two_hosts.calls == [("warm_up", ("lightning",))]  # once per started mesh
     assert s.distributed_sampler_kwargs["num_replicas"] == 4
     with pytest.raises(MeshLightningError, match=r"wants 8 ranks, but the mesh has 4 .*devices=2, num_nodes=2"):
         launch.configure(_strategy(two_hosts, devices=4, num_nodes=2), "Trainer")
