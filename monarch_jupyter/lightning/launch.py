@@ -244,7 +244,7 @@ def _run(mesh: Mesh, strategy: Any, job: rank_side.Job) -> RankMap:
 
             view = cell_view(mesh, mode=mode, fold_threshold=fold)
         handle = mesh.call(rank_side.run_job, shipment.data, shipment.slots, new, kept.take_dropped(),
-                           shipment.tokens, shipment.sources, block=False)
+                           shipment.tokens, shipment.sources, job.family, block=False)
         released: list[int] = []
         try:
             released = _watch(mesh, handle)

@@ -168,9 +168,11 @@ def _agree_missing(count: int) -> int:
 
 
 def run_job(job_bytes: bytes, slots: list, new_objects: dict, drop: list, tokens: list,
-            sources: dict) -> Any:
+            sources: dict, family: str = "lightning") -> Any:
     """Entry point of one job on a rank (called by the mesh): see the module docstring."""
     from monarch_worker.executor import register_source
+
+    _check_lightning(family)
 
     for filename, source in sources.items():
         register_source(filename, source)
@@ -183,6 +185,19 @@ def run_job(job_bytes: bytes, slots: list, new_objects: dict, drop: list, tokens
         return Missing(missing)
     job = _JobUnpickler(io.BytesIO(job_bytes), slots).load()
     return _run(job)
+
+
+def _check_lightning(family: str) -> None:
+    try:
+        importlib.import_module(PYTORCH[family])
+    except ImportError as e:
+        import socket
+
+        package = "lightning" if family == "lightning" else "pytorch-lightning"
+        raise ModuleNotFoundError(
+            f"{package} cannot be imported where this rank runs ({socket.gethostname()}, {sys.executable}): {e}. "
+            f"Install it there too:  pip install 'monarch-jupyter[lightning]'  (the ranks need the same Lightning "
+            "as the notebook)") from None
 
 
 def warm_up(family: str) -> None:

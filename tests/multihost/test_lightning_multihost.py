@@ -3,7 +3,10 @@ num_nodes comes from the hosts, Lightning sees each rank's node, and the weights
 
 from __future__ import annotations
 
+import os
+import shlex
 import subprocess
+import sys
 
 import pytest
 
@@ -43,9 +46,11 @@ def test_fit_on_two_hosts_joined_by_torchrun(fake_hosts: FakeHosts, tmp_path: ob
     procs: list[subprocess.Popen] = []
     try:
         logs = [open(f"{tmp_path}/h{k}.log", "w") for k in (1, 2)]
+        # The same software on every host: the ranks see this interpreter's packages (a virtualenv included).
+        path = "PYTHONPATH=" + shlex.quote(os.pathsep.join(p for p in sys.path if p))
         for k in (1, 2):
-            procs.append(fake_hosts.popen(k, ["sh", "-c", m.join_commands().torchrun], stdout=logs[k - 1],
-                                          stderr=subprocess.STDOUT))
+            procs.append(fake_hosts.popen(k, ["sh", "-c", f"{path} {m.join_commands().torchrun}"],
+                                          stdout=logs[k - 1], stderr=subprocess.STDOUT))
         assert m.wait_ready(120)
         x = torch.randn(64, 4)
         model = Tiny()
