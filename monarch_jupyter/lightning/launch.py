@@ -161,6 +161,8 @@ def warm_up(family: str = "lightning", mesh: Mesh | None = None) -> None:
         return
     if not mesh.running or _warmed.get(mesh) == mesh.started_at:
         return
+    if any(s.get("state") != "idle" for s in mesh.status().values()):
+        return  # never queue behind (or in front of) the user's own work: the fit imports Lightning anyway
     _warmed[mesh] = mesh.started_at
     try:
         mesh.call(rank_side.warm_up, family, block=False)

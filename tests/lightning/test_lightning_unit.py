@@ -96,7 +96,7 @@ class FakeMesh:
         return self._hosts
 
     def status(self) -> dict[int, dict]:
-        return {r: {"device": self.device} for rs in self._hosts.values() for r in rs}
+        return {r: {"device": self.device, "state": "idle"} for rs in self._hosts.values() for r in rs}
 
 
 def _strategy(mesh: FakeMesh, devices: int, num_nodes: int = 1, gpu: bool = False):

@@ -1,5 +1,5 @@
-"""Trainer(strategy="mesh") on ranks that joined from two fake hosts (network namespaces) under torchrun:
-num_nodes comes from the hosts, Lightning sees each rank's node, and the weights come back to this process."""
+"""Trainer(strategy="mesh") on ranks on two fake hosts (network namespaces): joined under torchrun, and started by
+SLURM's srun. num_nodes comes from the hosts, Lightning sees each rank's node, the weights come back here."""
 
 from __future__ import annotations
 
@@ -11,13 +11,14 @@ import sys
 import pytest
 
 from monarch_jupyter import Mesh
-from tests.multihost.conftest import FakeHosts
+from tests.multihost.conftest import FakeHosts, SlurmCluster
 from tests.multihost.test_netns import reap
+from tests.multihost.test_slurm import allocation  # noqa: F401 - the fixture
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow]
 
 
-def test_fit_on_two_hosts_joined_by_torchrun(fake_hosts: FakeHosts, tmp_path: object) -> None:
+def _fit_on(m: Mesh) -> None:
     L = pytest.importorskip("lightning")
     import torch
     import torch.nn as nn
@@ -42,6 +43,20 @@ def test_fit_on_two_hosts_joined_by_torchrun(fake_hosts: FakeHosts, tmp_path: ob
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
+    x = torch.randn(64, 4)
+    model = Tiny()
+    before = model.net.weight.detach().clone()
+    trainer = L.Trainer(strategy="mesh", accelerator="cpu", devices=2, max_epochs=1, logger=False,
+                        enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False)
+    assert trainer.num_nodes == 2 and trainer.world_size == 4
+    trainer.fit(model, DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=4))
+    assert trainer.global_step == 4  # 64 samples / (4 ranks x 4)
+    assert not torch.equal(before, model.net.weight)
+    assert trainer.strategy.node_ranks == {0: 0, 1: 0, 2: 1, 3: 1}
+
+
+def test_fit_on_two_hosts_joined_by_torchrun(fake_hosts: FakeHosts, tmp_path: object) -> None:
+    pytest.importorskip("lightning")
     m = Mesh.listen(4, address=fake_hosts.bridge, nproc_per_node=2, timeout=120, show=False)
     procs: list[subprocess.Popen] = []
     try:
@@ -52,16 +67,19 @@ def test_fit_on_two_hosts_joined_by_torchrun(fake_hosts: FakeHosts, tmp_path: ob
             procs.append(fake_hosts.popen(k, ["sh", "-c", f"{path} {m.join_commands().torchrun}"],
                                           stdout=logs[k - 1], stderr=subprocess.STDOUT))
         assert m.wait_ready(120)
-        x = torch.randn(64, 4)
-        model = Tiny()
-        before = model.net.weight.detach().clone()
-        trainer = L.Trainer(strategy="mesh", accelerator="cpu", devices=2, max_epochs=1, logger=False,
-                            enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False)
-        assert trainer.num_nodes == 2 and trainer.world_size == 4
-        trainer.fit(model, DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=4))
-        assert trainer.global_step == 4  # 64 samples / (4 ranks x 4)
-        assert not torch.equal(before, model.net.weight)
-        assert trainer.strategy.node_ranks == {0: 0, 1: 0, 2: 1, 3: 1}
+        _fit_on(m)
     finally:
         m.stop()
     assert reap(procs) == [0, 0]
+
+
+def test_fit_on_ranks_started_by_srun(slurm: SlurmCluster, allocation: str) -> None:  # noqa: F811
+    pytest.importorskip("lightning")
+    from monarch_jupyter.kernel.slurm import SlurmLauncher
+
+    m = Mesh(4, launcher=SlurmLauncher(nodes=2), address=slurm.hosts.bridge, start_timeout=120)
+    try:
+        assert sorted(map(sorted, m.hosts().values())) == [[0, 1], [2, 3]]
+        _fit_on(m)
+    finally:
+        m.stop()
