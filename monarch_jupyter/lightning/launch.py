@@ -201,26 +201,41 @@ def _global_state(family: str) -> Any:
     return mod._GlobalStateSnapshot.capture()
 
 
+def _job_parts(job: rank_side.Job) -> list[tuple[str, Any]]:
+    """What a job sends, named as the user knows it: model, datamodule=..., the launched function..."""
+    import inspect
+
+    parts: list[tuple[str, Any]] = []
+    if job.kind == "trainer":
+        try:
+            bound = inspect.signature(job.fn).bind(*job.args, **job.kwargs)
+            parts += [(name, value) for name, value in bound.arguments.items() if value is not None]
+        except (TypeError, ValueError):
+            parts += [(f"argument {i}", a) for i, a in enumerate(job.args)]
+        parts.append(("the Trainer", job.trainer))
+    else:
+        inner = getattr(job.fn, "args", ())
+        if inner:
+            parts.append(("the launched function", inner[0]))
+        parts += [(f"argument {i}", a) for i, a in enumerate(job.args[1:], 1)]
+        parts += [(f"{k}=", v) for k, v in job.kwargs.items()]
+        parts.append(("the Fabric object", job.trainer))
+    return parts
+
+
 def _describe_unpicklable(job: rank_side.Job, error: BaseException) -> str:
+    import cloudpickle
     from monarch_worker.serialize import describe_unpicklable
 
-    named = [("model", a) for a in job.args[:1]] if job.kind == "trainer" else []
-    named += [(f"argument {i}", a) for i, a in enumerate(job.args)]
-    named += [(f"{k}=", v) for k, v in job.kwargs.items()]
-    if job.trainer is not None:
-        named.append(("the Trainer" if job.kind == "trainer" else "the Fabric object", job.trainer))
-    for label, value in named:
+    for label, value in _job_parts(job):
         try:
-            import cloudpickle
-
             cloudpickle.dumps(value)
         except Exception as e:  # noqa: BLE001
-            detail = describe_unpicklable(value, e)
-            what = type(value).__name__
-            return (f"cannot send {label} ({what}) to the ranks: {detail.replace('value', label.rstrip('='), 1)}. "
-                    "Make that attribute picklable, or create it where it is used (in setup() or "
-                    "configure_model(), which run on the ranks), or drop it in __getstate__.")
-    return f"cannot send the job to the ranks: {error}"
+            detail = describe_unpicklable(value, e).replace("value", label, 1)
+            return (f"cannot send {label} ({type(value).__name__}) to the ranks: {detail}. Make that attribute "
+                    "picklable, or create it where it is used (in setup() or configure_model(), which run on the "
+                    "ranks), or drop it in __getstate__. Nothing was sent; the mesh is unchanged.")
+    return f"cannot send the job to the ranks: {error}. Nothing was sent; the mesh is unchanged."
 
 
 def _run(mesh: Mesh, strategy: Any, job: rank_side.Job) -> RankMap:
@@ -336,20 +351,25 @@ def launch_trainer(strategy: Any, family: str, function: Any, args: tuple, kwarg
     job = rank_side.Job(fn=function, args=tuple(args), kwargs=dict(kwargs), trainer=trainer,
                         global_state=_global_state(family), progress=bool(getattr(strategy, "progress", True)),
                         **_base_job(strategy, family, "trainer"))
+    # A KeyboardInterrupt must never leave this launcher: Lightning would answer it with SIG_IGN and sys.exit(1).
     try:
-        results = _run(mesh, strategy, job)
-    except _Interrupted as e:
-        raise TrainingInterrupted(
-            f"{e} ; trainer.interrupted is True and the ranks keep running: the next fit works as usual",
-            e.ranks) from None
-    output = results.get(0)
-    if trainer is None or not isinstance(output, rank_side.WorkerOutput):
-        return output
-    _recover(trainer, output)
-    if output.predictions is not None:
-        per_rank = [output.predictions] + [results[r] for r in sorted(results) if r != 0]
-        return assemble_predictions([p for p in per_rank if isinstance(p, rank_side.PredictOutput)])
-    return output.results
+        try:
+            results = _run(mesh, strategy, job)
+        except _Interrupted as e:
+            raise TrainingInterrupted(
+                f"{e} ; trainer.interrupted is True and the ranks keep running: the next fit works as usual",
+                e.ranks) from None
+        output = results.get(0)
+        if trainer is None or not isinstance(output, rank_side.WorkerOutput):
+            return output
+        _recover(trainer, output)
+        if output.predictions is not None:
+            per_rank = [output.predictions] + [results[r] for r in sorted(results) if r != 0]
+            return assemble_predictions([p for p in per_rank if isinstance(p, rank_side.PredictOutput)])
+        return output.results
+    except KeyboardInterrupt as e:
+        raise TrainingInterrupted(f"interrupted ({e or 'in the notebook'}); trainer.interrupted is True and the "
+                                  "ranks keep running: the next fit works as usual") from None
 
 
 def launch_fabric(strategy: Any, family: str, function: Any, args: tuple, kwargs: dict) -> Any:

@@ -268,11 +268,9 @@ def _run(job: Job) -> Any:
 
 
 def _run_fabric(job: Job) -> Any:
-    fabric_mod = importlib.import_module(FABRIC[job.family])
-    from_utils = importlib.import_module(f"{FABRIC[job.family]}.utilities.apply_func")
+    apply_func = importlib.import_module(f"{FABRIC[job.family]}.utilities.apply_func")
     value = job.fn(*job.args, **job.kwargs)
-    del fabric_mod
-    return from_utils.move_data_to_device(value, "cpu")
+    return apply_func.move_data_to_device(value, "cpu")
 
 
 def _run_trainer(job: Job, rank: int) -> Any:
