@@ -227,7 +227,8 @@ def main() -> None:
     if "mesh_start" in results["mesh"]:
         print(f"mesh start (once per notebook): {results['mesh']['mesh_start']:.2f} s; import lightning in the "
               f"notebook: {results['mesh']['import_lightning']:.2f} s")
-    print(f"{'':14}{'first fit':>11}{'second fit':>12}{'edit+refit':>12}{'s/step':>11}   second fit on the same Trainer")
+    print(f"{'':14}{'first fit':>11}{'second fit':>12}{'edit+refit':>12}{'s/step':>11}   "
+          "second fit on the same Trainer")
     for name, r in results.items():
         print(f"{name:14}{r['first_fit']:>10.2f}s{r['second_fit']:>11.2f}s{r['refit']:>11.2f}s"
               f"{r['step'] * 1000:>9.2f}ms   {r['second_fit_same_trainer']}")

@@ -103,8 +103,9 @@ def configure(strategy: Any, who: str) -> Mesh:
         num_nodes = n_hosts  # a multi-node mesh: one node per host
     if devices * num_nodes != world:
         per_node = world // num_nodes if world % num_nodes == 0 else None
-        fix = (f"use {who}(strategy='mesh', devices={per_node}{', num_nodes=' + str(num_nodes) if num_nodes > 1 else ''})"
-               if per_node else f"use devices x num_nodes = {world}")
+        nodes = f", num_nodes={num_nodes}" if num_nodes > 1 else ""
+        fix = f"use {who}(strategy='mesh', devices={per_node}{nodes})" if per_node else \
+            f"use devices x num_nodes = {world}"
         raise MeshLightningError(
             f"{who}(strategy='mesh', devices={devices}, num_nodes={num_nodes}) wants {devices * num_nodes} ranks, but "
             f"the mesh has {world}{' (' + where + ')' if where else ''}. devices x num_nodes must equal the mesh's "

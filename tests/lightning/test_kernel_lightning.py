@@ -256,7 +256,8 @@ def test_large_data_is_kept_on_the_ranks_by_identity(kernel: Kernel) -> None:
                                   "for s in [shipping.pickle_job(bdm, launch._kept_for(m))]) >> 20"))
     assert sizes[-1] == 0  # the 9 MiB data set is not in the job any more: a token stands for it
     # Changed in place in the notebook: shipped again (torch's version counter).
-    kernel.ok("big.mul_(1.0)\nt = new_trainer(limit_train_batches=2, limit_val_batches=0)\nt.fit(model, datamodule=bdm)")
+    kernel.ok("big.mul_(1.0)\nt = new_trainer(limit_train_batches=2, limit_val_batches=0)\n"
+              "t.fit(model, datamodule=bdm)")
 
 
 def test_error_in_training_step_shows_the_ranks_frames_and_the_mesh_survives(kernel: Kernel) -> None:
