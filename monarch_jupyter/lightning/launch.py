@@ -26,7 +26,7 @@ import time
 import weakref
 from typing import Any
 
-from ..errors import MeshError, MeshNotRunningError, MeshTimeoutError, RemoteError
+from ..errors import MeshError, MeshNotRunningError, MeshTimeoutError, RankDiedError, RemoteError
 from .. import Mesh, RankMap, current_mesh
 from . import rank as rank_side
 from .errors import MeshLightningError, TrainingInterrupted, UnpicklableJobError, fabric_interrupt
@@ -311,6 +311,8 @@ def _watch(mesh: Mesh, handle: Any) -> list[int]:
     while not handle.wait(0.1):
         if not handle.errors:
             continue
+        if any(isinstance(e, RankDiedError) for e in handle.errors.values()):
+            return []  # a death: the mesh itself releases the survivors (docs/faults.md)
         now = time.monotonic()
         failed_at = failed_at or now
         if now - failed_at < RELEASE_AFTER:

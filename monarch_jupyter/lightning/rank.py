@@ -183,8 +183,21 @@ def run_job(job_bytes: bytes, slots: list, new_objects: dict, drop: list, tokens
     missing = _missing(tokens)
     if _agree_missing(len(missing)):
         return Missing(missing)
-    job = _JobUnpickler(io.BytesIO(job_bytes), slots).load()
+    job = _JobUnpickler(io.BytesIO(job_bytes), [_aligned(t) for t in slots]).load()
     return _run(job)
+
+
+def _aligned(t: Any) -> Any:
+    """``t`` in memory of torch's own allocator (64-byte aligned) when it arrived in a transport buffer that is not:
+    the model's parameters are read and written at every step, vectorized kernels prefer aligned memory."""
+    import torch
+
+    if not isinstance(t, torch.Tensor) or t.data_ptr() % 64 == 0 or t.numel() == 0:
+        return t
+    copy = t.detach().clone()
+    if isinstance(t, torch.nn.Parameter):
+        return torch.nn.Parameter(copy, requires_grad=t.requires_grad)
+    return copy.requires_grad_(t.requires_grad)
 
 
 def _check_lightning(family: str) -> None:
