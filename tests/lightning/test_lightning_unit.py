@@ -35,7 +35,6 @@ def test_registration_is_lazy_and_reaches_both_registries() -> None:
         from lightning.fabric.strategies import STRATEGY_REGISTRY
         from pytorch_lightning.strategies import StrategyRegistry as PLRegistry
         print("mesh" in StrategyRegistry, "mesh" in STRATEGY_REGISTRY, "mesh" in PLRegistry)
-        t = lightning.Trainer(strategy="mesh", devices=2, accelerator="cpu") if False else None
         from monarch_jupyter.lightning import MeshStrategy
         print(MeshStrategy.__module__, StrategyRegistry["mesh"]["strategy"] is MeshStrategy)
     ''')
