@@ -97,6 +97,11 @@ class Mesh:
         return self.state.running
 
     @property
+    def generation(self) -> int:
+        """Counts the starts and full restarts of this mesh (what ranks keep is gone when it changes)."""
+        return self.state.generation
+
+    @property
     def address(self) -> str:
         """Where ranks connect to the controller (``tcp://HOST:PORT``)."""
         return self.state.address
