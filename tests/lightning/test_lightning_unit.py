@@ -85,7 +85,7 @@ class FakeMesh:
         self.world_size = sum(len(v) for v in hosts.values())
         self.running, self.listening = True, False
         self.device = device
-        self.started_at = 1.0
+        self.generation = 1
         self.calls: list = []
 
     def call(self, fn, *args, **kwargs):  # the warm-up's background import of Lightning on the ranks
@@ -120,7 +120,7 @@ def test_configure_checks_the_world_and_derives_nodes_from_hosts() -> None:
         launch.configure(_strategy(FakeMesh({"a": [0, 1]}), devices=3), "Trainer")
     with pytest.raises(MeshLightningError, match="2 ranks on every host"):
         launch.configure(_strategy(FakeMesh({"a": [0, 1, 2], "b": [3]}), devices=2), "Trainer")
-    with pytest.raises(MeshLightningError, match=r"accelerator='gpu'.*rank\(s\) 0-1 have no GPU.*accelerator='cpu'"):
+    with pytest.raises(MeshLightningError, match=r"accelerator='gpu'.*ranks 0,1 have no GPU.*accelerator='cpu'"):
         launch.configure(_strategy(FakeMesh({"a": [0, 1]}), devices=2, gpu=True), "Trainer")
     launch.configure(_strategy(FakeMesh({"a": [0, 1]}, device="cuda:0"), devices=2, gpu=True), "Trainer")
 
@@ -197,4 +197,4 @@ def test_strategy_pickles_without_its_mesh() -> None:
     s.parallel_devices = [torch.device("cpu")] * 2
     s._configure_launcher()
     clone = pickle.loads(pickle.dumps(s))
-    assert clone._mesh is None and clone._launcher is None and type(clone) is MeshStrategy
+    assert clone.mesh is None and clone._launcher is None and type(clone) is MeshStrategy
