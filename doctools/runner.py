@@ -9,8 +9,8 @@ Every fenced block of a checked page (getting started, guides) is one of:
                            notebook cells ran
 ``text``                   right after a ``python`` or ``bash`` block: what that block prints. Compared as a
                            multiset of lines (ranks' lines interleave in any order); with
-                           ``<!-- output: digits vary -->`` before it, every run of digits is masked first
-                           (timings). The live dashboard's display is not output here.
+                           ``<!-- output: digits vary -->`` before it, every run of digits is masked and runs
+                           of blanks are squeezed first (timings). The live dashboard's display is not output here.
 any block after            not run, and the page shows why (:mod:`doctools.hooks`)
 ``<!-- norun: REASON -->``
 
@@ -103,7 +103,7 @@ def blocks(text: str) -> tuple[list[Block], list[str]]:
 def _lines(text: str, digits_vary: bool) -> collections.Counter[str]:
     text = ANSI.sub("", text)
     if digits_vary:
-        text = re.sub(r"\d+", "N", text)
+        text = re.sub(r"[ \t]+", " ", re.sub(r"\d+", "N", text))
     return collections.Counter(ln.rstrip() for ln in text.splitlines() if ln.strip())
 
 
