@@ -21,7 +21,7 @@ DOCS = Path(__file__).resolve().parent.parent / "docs"
 LANGS = ("zh",)
 
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
-MARKER = re.compile(r"<!-- (?P<kind>mj:[\w-]+|norun|output):?.*?-->")
+MARKER = re.compile(r"<!-- (?P<kind>mj:[\w-]+|norun|output|message):?.*?-->")
 ADMONITION = re.compile(r"^[ \t]*(?:!!!|\?\?\?\+?)\s+(?P<kind>\w+)")
 
 
