@@ -27,7 +27,7 @@ ADMONITION = re.compile(r"^[ \t]*(?:!!!|\?\?\?\+?)\s+(?P<kind>\w+)")
 
 @dataclass(frozen=True)
 class Item:
-    kind: str      # heading | code | table | admonition | marker
+    kind: str      # heading | code | table | admonition | marker | directive (mkdocstrings ``:::``)
     key: str       # level+id, language, rows, kind, marker kind
     text: str = ""  # code block text
 
@@ -98,6 +98,8 @@ def structure(text: str) -> list[Item]:
             items.append(Item("heading", f"h{level}#{hid}"))
         for mm in MARKER.finditer(line):
             items.append(Item("marker", mm.group("kind")))
+        if line.startswith("::: "):
+            items.append(Item("directive", line[4:].strip()))
         am = ADMONITION.match(line)
         if am:
             items.append(Item("admonition", am.group("kind")))
