@@ -84,8 +84,10 @@ def take(site: Path, out: Path, pages: tuple[str, ...] = DEFAULT_PAGES, width: i
                     written.append(png)
             for prefix, (query, expect) in SEARCHES.items():
                 page.goto(base + prefix + pages[0], wait_until="networkidle")
-                page.locator("label.md-search__icon, .md-search__input").first.click()
-                page.locator(".md-search__input").fill(query)
+                box = page.locator(".md-search__input")
+                box.click()
+                box.fill(query)  # an input method's composed text arrives whole, like this
+                page.keyboard.press("End")  # the search box reacts to key events
                 page.wait_for_selector(".md-search-result__item", timeout=15_000)
                 hrefs = page.eval_on_selector_all(".md-search-result__item a", "els => els.map(e => e.href)")
                 if not any(expect in h for h in hrefs):
