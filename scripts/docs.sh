@@ -13,6 +13,10 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
 fi
 "$PY" -m pip install -q -e ".[docs]"
 export NO_MKDOCS_2_WARNING=1
+# nbconvert's templates live under the interpreter's share/jupyter; a venv made with --system-site-packages has
+# the packages but not that folder, so point Jupyter at the base interpreter's one as well.
+base_share=$("$PY" -c 'import os, sys; print(os.path.join(sys.base_prefix, "share", "jupyter"))')
+export JUPYTER_PATH="${JUPYTER_PATH:+$JUPYTER_PATH:}$base_share"
 start=$(date +%s)
 "$PY" -m mkdocs build --strict --clean --site-dir site
 echo "docs.sh: site built in $(( $(date +%s) - start )) s: site/ (English), site/zh/ (Chinese)"
