@@ -87,3 +87,26 @@ def unknown_messages(page: Path = PAGE) -> list[str]:
 
 if __name__ == "__main__":
     print("\n".join(unknown_messages()) or "every message on the page is produced by the code")
+
+
+def usage_error_templates() -> list[tuple[str, re.Pattern[str]]]:
+    """(source location, regex) of every UsageError message written in the magics."""
+    out = []
+    for path in sorted((ROOT / "monarch_jupyter" / "magics").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "UsageError" and node.args:
+                text = _template(node.args[0])
+                if text is None or len(text.replace(HOLE, "")) < MIN_LITERAL:
+                    continue
+                first = text.split("\n")[0]
+                rx = re.compile(".+?".join(re.escape(p) for p in first.split(HOLE)), re.DOTALL)
+                out.append((f"{path.relative_to(ROOT)}:{node.lineno}", rx))
+    return out
+
+
+def undocumented_usage_errors(page: Path = PAGE) -> list[str]:
+    """UsageError messages of the magics that no message on the page shows."""
+    shown = [m for _, m in shown_messages(page.read_text(encoding="utf-8"))]
+    return [f"{where}: {rx.pattern!r}" for where, rx in usage_error_templates()
+            if not any(rx.search(m) for m in shown)]

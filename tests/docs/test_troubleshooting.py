@@ -20,3 +20,8 @@ def test_a_message_that_is_not_in_the_code_is_caught(tmp_path) -> None:
     page = tmp_path / "t.md"
     page.write_text("```text\nUsageError: this message was never written by anyone in the code\n```\n")
     assert messages.unknown_messages(page)
+
+
+def test_every_usage_error_of_the_magics_is_on_the_page() -> None:
+    missing = messages.undocumented_usage_errors()
+    assert not missing, "add these UsageError messages to docs/troubleshooting.md (and .zh.md):\n" + "\n".join(missing)
