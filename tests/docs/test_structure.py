@@ -110,3 +110,30 @@ def test_readmes_link_both_languages() -> None:
 def test_translation_tables_parse() -> None:
     for path in (structure.DOCS / "i18n" / "zh").rglob("*.yml"):
         assert isinstance(yaml.safe_load(path.read_text(encoding="utf-8")), dict), path
+
+
+def _mkdocs_config() -> dict:
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_multi_constructor("tag:yaml.org,2002:python/", lambda loader, suffix, node: None)
+    return yaml.load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"), Loader=Loader)  # noqa: S506
+
+
+def test_every_titled_nav_entry_has_a_chinese_title() -> None:
+    config = _mkdocs_config()
+    titles: list[str] = []
+
+    def walk(items: list) -> None:
+        for item in items:
+            if isinstance(item, dict):
+                for title, value in item.items():
+                    titles.append(title)
+                    if isinstance(value, list):
+                        walk(value)
+
+    walk(config["nav"])
+    i18n = next(p["i18n"] for p in config["plugins"] if isinstance(p, dict) and "i18n" in p)
+    zh = next(lang for lang in i18n["languages"] if lang["locale"] == "zh")
+    missing = [t for t in titles if t not in zh["nav_translations"]]
+    assert not missing, f"add these nav titles to the zh nav_translations in mkdocs.yml: {missing}"
