@@ -7,7 +7,8 @@
 * Markers in a page's Markdown, expanded in the language being built:
 
   ``<!-- mj:magics -->``      the magics reference, from the magic argument parsers (:mod:`doctools.reference`)
-  ``<!-- mj:config -->``      the configuration reference, from the option declarations
+  ``<!-- mj:config-mesh -->``, ``<!-- mj:config-magics -->``  the tables of docs/configuration.md (which the
+                              code generates in English) from the option declarations, for the Chinese page
   ``<!-- norun: REASON -->``  before a code block: a visible note that CI does not run that block, and why
 """
 
@@ -54,8 +55,10 @@ def expand(markdown: str, lang: str) -> str:
     """The page's Markdown with the markers replaced (also used by the tests)."""
     if "<!-- mj:magics -->" in markdown:
         markdown = markdown.replace("<!-- mj:magics -->", reference.render_magics(lang))
-    if "<!-- mj:config -->" in markdown:
-        markdown = markdown.replace("<!-- mj:config -->", reference.render_config(lang))
+    for scope in ("mesh", "magics"):
+        marker = f"<!-- mj:config-{scope} -->"
+        if marker in markdown:
+            markdown = markdown.replace(marker, reference.render_config(lang, scope))
 
     def note(m: re.Match[str]) -> str:
         indent = m.group("indent")

@@ -113,12 +113,22 @@ def _inspect_rows(usage: str) -> tuple[OptionRow, ...]:
 
 def magic_rows() -> list[MagicRow]:
     """Every ``%mesh`` subcommand (in ``SUBCOMMANDS`` order), then ``%%mesh``."""
+    import importlib
+    import pkgutil
+
     from monarch_jupyter import magics
     from monarch_jupyter.magics import debug as debug_magics
 
+    # A subcommand's parser is MeshMagics._SUB or a function SUB of a module of monarch_jupyter.magics.
+    modules = [importlib.import_module(f"{magics.__name__}.{m.name}") for m in pkgutil.iter_modules(magics.__path__)]
+
+    def find(sub: str) -> Any:
+        candidates = [getattr(magics.MeshMagics, f"_{sub}", None), *(getattr(m, sub, None) for m in modules)]
+        return next((c for c in candidates if c is not None and hasattr(c, "parser")), None)
+
     rows = []
     for sub in magics.SUBCOMMANDS:
-        func = getattr(magics.MeshMagics, f"_{sub}", None) or getattr(debug_magics, sub, None)
+        func = find(sub)
         if sub == "inspect":
             usage_text = debug_magics.INSPECT_USAGE
             para = [ln for ln in usage_text.split("\n\n")[1].splitlines() if not ln.startswith("  ")]
@@ -126,8 +136,8 @@ def magic_rows() -> list[MagicRow]:
             rows.append(MagicRow("%mesh inspect", summary, usage, _inspect_rows(usage_text)))
             continue
         if func is None or not hasattr(func, "parser"):
-            raise LookupError(f"%mesh {sub}: no magic_arguments parser found (MeshMagics._{sub} or "
-                              f"magics.debug.{sub}); update doctools/reference.py")
+            raise LookupError(f"%mesh {sub}: no magic_arguments parser found (MeshMagics._{sub}, or {sub} in a "
+                              "module of monarch_jupyter.magics); update doctools/reference.py")
         usage, summary = _split_synopsis(func.parser.description or "")
         rows.append(MagicRow(f"%mesh {sub}", summary, usage, _parser_rows(func)))
     cell = magics.MeshMagics._cell
@@ -140,27 +150,28 @@ def magic_rows() -> list[MagicRow]:
 
 @dataclass(frozen=True)
 class ConfigRow:
-    name: str
-    type: str
-    default: str
+    key: str                 # translation key: the Mesh keyword, or the traitlet of a magics-only option
+    name: str                # Mesh keyword ("" for an option of the magics only)
+    trait: str               # MeshMagics traitlet ("" for none)
+    default: Any
+    unit: str
+    rank: bool               # sent to ranks
+    help: str                # English, as declared
     choices: tuple[str, ...]
-    help: str
+    type: str
 
 
 def config_rows() -> list[ConfigRow]:
-    """Every configuration option: name, type, default, choices, English help.
+    """Every option, in declaration order: the one place that knows where options are declared.
 
-    The one place that knows where options are declared (today: ``MeshMagics.class_traits(config=True)``).
+    Today: ``monarch_jupyter.kernel.config.options_table()``, which reads the declarations of
+    ``monarch_worker/options.py`` (the same rows docs/configuration.md is generated from).
     """
-    from monarch_jupyter.magics import MeshMagics
+    from monarch_jupyter.kernel.config import options_table
 
-    rows = []
-    for name, trait in sorted(MeshMagics.class_traits(config=True).items()):
-        choices = tuple(map(str, getattr(trait, "values", None) or ()))
-        kind = {"CaselessStrEnum": "str", "Unicode": "str", "Float": "float", "Int": "int", "Bool": "bool"}.get(
-            type(trait).__name__, type(trait).__name__)
-        rows.append(ConfigRow(name, kind, repr(trait.default_value), choices, " ".join(trait.help.split())))
-    return rows
+    return [ConfigRow(r["name"] or r["trait"], r["name"], r["trait"], r["default"], r["unit"], bool(r["rank"]),
+                      " ".join(str(r["help"]).split()), tuple(r["choices"]), str(r["type"]))
+            for r in options_table()]
 
 
 # ---------------------------------------------------------------------------------------------------- zh table
@@ -203,7 +214,7 @@ def translation_problems(table: dict[str, Any] | None = None) -> list[str]:
             check(f"magics[{row.name!r}].options.{opt.key}", opt.help,
                   _entry(table, "magics", row.name, "options", opt.key))
     for crow in config_rows():
-        check(f"config.{crow.name}", crow.help, _entry(table, "config", crow.name))
+        check(f"config.{crow.key}", crow.help, _entry(table, "config", crow.key))
     return problems
 
 
@@ -252,17 +263,39 @@ def render_magics(lang: str = "en") -> str:
     return "\n".join(out) + "\n"
 
 
-def render_config(lang: str = "en") -> str:
-    """Markdown table of every configuration option."""
+CONFIG_LABELS = {
+    "en": {"mesh": ["`Mesh` keyword", "`MeshMagics` traitlet", "default", "unit", "sent to ranks", "what it does"],
+           "magics": ["`MeshMagics` traitlet", "default", "unit", "what it does"],
+           "yes": "yes", "one_of": " One of: {}.", "sep": ", ", "traitlet": " (traitlet: `{}`)", "units": {}},
+    "zh": {"mesh": ["`Mesh` 关键字参数", "`MeshMagics` traitlet", "默认值", "单位", "发送给 rank", "说明"],
+           "magics": ["`MeshMagics` traitlet", "默认值", "单位", "说明"],
+           "yes": "是", "one_of": "可选值：{}。", "sep": "、", "traitlet": "（traitlet：`{}`）",
+           "units": {"s": "秒", "ranks": "rank"}},
+}
+
+
+def render_config(lang: str = "en", scope: str = "mesh") -> str:
+    """Markdown table of the options of a mesh (``scope="mesh"``) or of the magics only (``"magics"``), in the
+    shape of docs/configuration.md (which the code generates in English), with help texts in ``lang``."""
     table = load_table() if lang != "en" else {}
-    lab = LABELS[lang]
-    out = [f"| {lab['name']} | {lab['type']} | {lab['default']} | {lab['help']} |", "|---|---|---|---|"]
+    lab = CONFIG_LABELS[lang]
+    out = ["| " + " | ".join(lab[scope]) + " |", "| " + " | ".join(["---"] * len(lab[scope])) + " |"]
     for row in config_rows():
-        text = row.help if lang == "en" else _zh(table, row.help, "config", row.name)
-        kind = row.type + (f" ({lab['choices']} " + ", ".join(f"`{c}`" for c in row.choices) + ")"
-                           if row.choices else "")
-        out.append(f"| `MeshMagics.{row.name}` | {kind} | `{_cell(row.default)}` | "
-                   f"{_cell(text)} |")
+        if bool(row.name) != (scope == "mesh"):
+            continue
+        text = row.help if lang == "en" else _zh(table, row.help, "config", row.key)
+        if row.choices:
+            text += lab["one_of"].format(lab["sep"].join(row.choices))
+        unit = lab["units"].get(row.unit, row.unit)
+        default = f"`{row.default!r}`"
+        if scope == "mesh":
+            if row.trait and row.default is None:
+                default += lab["traitlet"].format("0" if "float" in row.type else "''")
+            trait = f"`{row.trait}`" if row.trait else ""
+            out.append(f"| `{row.name}` | {trait} | {default} | {unit} | {lab['yes'] if row.rank else ''} | "
+                       f"{_cell(text)} |")
+        else:
+            out.append(f"| `{row.trait}` | {default} | {unit} | {_cell(text)} |")
     return "\n".join(out) + "\n"
 
 
@@ -279,7 +312,7 @@ def skeleton() -> dict[str, Any]:
                                         "zh": ((old.get("options") or {}).get(opt.key) or {}).get("zh", "")}
         out["magics"][row.name] = node
     for crow in config_rows():
-        out["config"][crow.name] = {"en": crow.help, "zh": (table["config"].get(crow.name) or {}).get("zh", "")}
+        out["config"][crow.key] = {"en": crow.help, "zh": (table["config"].get(crow.key) or {}).get("zh", "")}
     return out
 
 

@@ -157,7 +157,7 @@ def run(blocks_: list[Block], workdir: Path, timeout: float = 300.0, env: dict[s
         finally:
             os.environ.clear()
             os.environ.update(saved)
-        for b, cell in zip(cells, nb.cells):
+        for b, cell in zip(cells, nb.cells, strict=True):
             b.actual = _cell_output(cell.get("outputs", []))
     for b in blocks_:
         if b.kind == "shell":

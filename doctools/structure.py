@@ -1,7 +1,8 @@
 """The section structure of a page, to keep each English page and its Chinese translation in step.
 
 A page's structure is the sequence of its headings (level and anchor id), code blocks (language and exact text),
-tables (number of rows), admonitions (kind), and markers (``<!-- mj:... -->``, ``<!-- norun: ... -->``). The
+tables (number of rows), admonitions (kind), and markers (``<!-- output: ... -->``, ``<!-- message: ... -->``),
+taken from the page as built (generated parts expanded, ``<!-- norun -->`` notes as admonitions). The
 Chinese page must have the same sequence: the same code, the same number of sections at the same levels with the
 same anchors (Chinese headings carry the English anchor as ``{#id}``), so links with ``#anchor`` work in both
 languages and neither version can drift from the other unnoticed.
@@ -109,11 +110,15 @@ def structure(text: str) -> list[Item]:
     return items
 
 
-def differences(en: Path, other: Path) -> list[str]:
-    """How ``other``'s structure differs from ``en``'s (empty when they match)."""
-    a, b = structure(en.read_text(encoding="utf-8")), structure(other.read_text(encoding="utf-8"))
+def differences(en: Path, other: Path, lang: str = "zh") -> list[str]:
+    """How ``other``'s structure differs from ``en``'s (empty when they match), both as built: generated parts
+    (``<!-- mj:... -->``) expanded, so a table generated for one language and written out in the other compare."""
+    from doctools.hooks import expand
+
+    a = structure(expand(en.read_text(encoding="utf-8"), "en"))
+    b = structure(expand(other.read_text(encoding="utf-8"), lang))
     out = []
-    for n, (x, y) in enumerate(zip(a, b)):
+    for n, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
             out.append(f"item {n}: {en.name} has {x}, {other.name} has {y}")
             if x.kind == y.kind == "code" and x.key == y.key:
@@ -127,7 +132,7 @@ def differences(en: Path, other: Path) -> list[str]:
 
 
 def _first_diff(x: str, y: str) -> str:
-    for lx, ly in zip(x.splitlines(), y.splitlines()):
+    for lx, ly in zip(x.splitlines(), y.splitlines(), strict=False):
         if lx != ly:
             return f"{lx!r} vs {ly!r}"
     return "one is longer"

@@ -79,10 +79,16 @@ def test_notebooks_are_rendered_with_their_stored_outputs(site: Path) -> None:
 
 def test_generated_references_are_on_the_pages(site: Path) -> None:
     magics = _html(site, "magics", "en")
-    assert "--pdb-commands" in magics and "number of ranks (world size)" in magics
-    assert "rank 的数量（world size）" in _html(site, "magics", "zh")
-    assert "MeshMagics.stream_order" in _html(site, "configuration", "zh")
-    assert "monarch_jupyter.kernel.mesh.Mesh.run" in _html(site, "api", "en") or "Mesh.run" in _html(site, "api", "en")
+    assert "--pdb-commands" in magics and "number of ranks: the world size" in magics
+    assert "rank 的数量：即 world size" in _html(site, "magics", "zh")
+    assert "<code>stream_order</code>" in _html(site, "configuration", "zh")
+    assert "单元格中 rank 输出的顺序" in _html(site, "configuration", "zh")
+    for lang in ("en", "zh"):
+        api = _html(site, "api", lang)
+        for obj in ("Mesh", "Mesh.run", "Mesh.push", "Mesh.interrupt", "CellHandle.result", "RankMap", "current_mesh",
+                    "errors.MeshError", "errors.RankDiedError", "errors.MeshTimeoutError"):
+            assert f'id="monarch_jupyter.{obj}"' in api, (lang, obj)
+        assert 'id="monarch_worker.progress"' in api
 
 
 def test_norun_blocks_say_why(site: Path) -> None:

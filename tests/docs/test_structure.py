@@ -64,8 +64,8 @@ def test_translation_table_has_no_stale_keys() -> None:
     magics = {row.name: {o.key for o in row.options} for row in reference.magic_rows()}
     assert set(table["magics"]) == set(magics)
     for name, keys in magics.items():
-        assert set((table["magics"][name].get("options") or {})) == keys, name
-    assert set(table["config"]) == {row.name for row in reference.config_rows()}
+        assert set(table["magics"][name].get("options") or {}) == keys, name
+    assert set(table["config"]) == {row.key for row in reference.config_rows()}
 
 
 @pytest.mark.parametrize("nb", notebooks.tutorials(), ids=lambda p: p.name)
@@ -79,7 +79,7 @@ def test_chinese_notebooks_keep_code_and_outputs(nb: Path) -> None:
     en = notebooks.load(nb)
     zh = notebooks.translate(en, notebooks.table_for(nb))
     assert len(en["cells"]) == len(zh["cells"])
-    for a, b in zip(en["cells"], zh["cells"]):
+    for a, b in zip(en["cells"], zh["cells"], strict=True):
         assert a["cell_type"] == b["cell_type"]
         if a["cell_type"] == "code":
             assert a == b
