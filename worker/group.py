@@ -36,10 +36,18 @@ from .addresses import address_toward
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MeshGroup", "MeshGroupError", "DESTROY_NOTE", "default_backend"]
+__all__ = ["MeshGroup", "MeshGroupError", "DESTROY_NOTE", "default_backend", "installed"]
 
 DESTROY_NOTE = ("monarch: destroy_process_group() left the mesh's process group up: the mesh owns it, and the next "
                 "cells and runs use it (docs/torchrun.md). This note shows once.\n")
+
+
+_installed: list[MeshGroup] = []  # the MeshGroup whose wrappers this process runs (at most one)
+
+
+def installed() -> MeshGroup | None:
+    """The MeshGroup of this rank process once it joined (None before, and outside ranks)."""
+    return _installed[0] if _installed else None
 
 
 class MeshGroupError(RuntimeError):
@@ -173,6 +181,7 @@ class MeshGroup:
         for module in (dist, c10d):
             module.init_process_group = init  # type: ignore[attr-defined]
             module.destroy_process_group = destroy  # type: ignore[attr-defined]
+        _installed[:] = [self]
 
     def on_init(self, backend: Any = None, init_method: Any = None, timeout: Any = None, world_size: int = -1,
               rank: int = -1, store: Any = None, group_name: str = "", pg_options: Any = None, device_id: Any = None,
