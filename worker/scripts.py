@@ -16,6 +16,7 @@ as in a fresh torchrun process (torch and other installed packages stay imported
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import runpy
 import sys
@@ -77,6 +78,14 @@ def run_script(target: str, args: list[str], module: bool = False, path: str = "
             sys.argv = [target, *args]  # runpy sets argv[0] to the module's file, as python -m does
             sys.path.insert(0, os.getcwd())
             origin = os.getcwd()
+            try:
+                spec = importlib.util.find_spec(target)
+            except ImportError:  # a parent package that does not exist
+                spec = None
+            if spec is None:
+                raise ModuleNotFoundError(f"No module named {target!r} on this rank (looked in the working folder "
+                                          f"{origin} and sys.path): check the name, or run the file with  %mesh run "
+                                          "path/to/script.py", name=target)
             _run(lambda: runpy.run_module(target, run_name="__main__", alter_sys=True), target)
         else:
             file = path or os.path.abspath(target)
