@@ -73,4 +73,4 @@ def run_script(state: MeshState, waiter: Waiter, target: str | os.PathLike, args
     what = f"the {'module' if module else 'script'} {os.fspath(target)}"
     handle = waiter.submit(cell_id, [(chosen, P.Call(cell_id, {}), payload, buffers)], what, order)
     result = waiter.result(handle, timeout)
-    return result if result is not None else RankMap({r: 0 for r in chosen})
+    return result if result is not None else RankMap(dict.fromkeys(chosen, 0))

@@ -7,10 +7,9 @@ import argparse
 import os
 import sys
 
+import exits_helper  # a module beside the script: importable because the script's folder is sys.path[0]
 import torch
 import torch.distributed as dist
-
-import exits_helper  # a module beside the script: importable because the script's folder is sys.path[0]
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--rank-exits", type=int, default=-1, help="only this rank exits with --status")
