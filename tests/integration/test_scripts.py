@@ -149,7 +149,6 @@ def test_destroy_process_group_in_a_cell_is_harmless(m: Mesh, capsys: pytest.Cap
 
 
 def test_accelerate_state_persists_and_resets_in_one_line(m: Mesh) -> None:
-    pytest.importorskip("accelerate")  # the test extra installs it (pyproject.toml)
     first = m.run("from accelerate import Accelerator\nacc = Accelerator(cpu=True)\n"
                   "(acc.num_processes, acc.process_index, acc.distributed_type.value)")
     assert first == {0: (2, 0, "MULTI_CPU"), 1: (2, 1, "MULTI_CPU")}
