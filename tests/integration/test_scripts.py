@@ -142,6 +142,9 @@ def test_destroy_process_group_in_a_cell_is_harmless(m: Mesh, capsys: pytest.Cap
     assert m.run(cell) == {0: (True, 3.0), 1: (True, 3.0)}
     assert m.state.group_status().startswith("up")
     assert all(s["group"] == "gloo" for s in m.status().values())
+    from monarch_jupyter.widgets.text import StatusText
+
+    assert "process group: up (gloo, 2 of 2 ranks)" in StatusText(m).text()  # what  %mesh status  prints
     # A group of the user's own is destroyed for real.
     assert m.run("g = dist.new_group([0, 1]); dist.destroy_process_group(g); dist.is_initialized()") == {0: True,
                                                                                                      1: True}

@@ -139,3 +139,22 @@ def test_mesh_run_passes_everything_after_the_script_to_it() -> None:
                                                                  ["--lr", "0.1", "-m", "x", "--ranks", "3"])
     args = parse_argstring(script_magics.run, "-m pkg.train --epochs 2")
     assert (args.module, args.target, args.args) == (True, "pkg.train", ["--epochs", "2"])
+
+
+def test_group_status_tells_the_truth() -> None:
+    from monarch_jupyter.kernel.events import EventBus
+    from monarch_jupyter.kernel.state import MeshState, RankState
+    from monarch_worker.options import MeshOptions
+
+    state = MeshState(2, MeshOptions(), EventBus())
+    assert state.group_status() == "none: the mesh is not running"
+    state.new_generation(b"s")
+    state.running = True
+    for info in state.ranks.values():
+        info.state, info.group = RankState.IDLE, "gloo"
+    assert state.group_status() == "up (gloo, 2 of 2 ranks)"
+    assert state.status()[1]["group"] == "gloo"
+    state.ranks[1].group = ""  # what rank 1's heartbeat said
+    assert state.group_status().startswith("down on rank 1: no default process group there")
+    state.group_down = "rank 1 died"
+    assert state.group_status() == "down: rank 1 died"
