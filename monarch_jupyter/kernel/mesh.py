@@ -17,10 +17,9 @@ from monarch_worker.serialize import dumps
 
 from ..errors import MeshError, MeshNotRunningError, MeshStartError
 from ..ranks import RankMap, format_ranks, parse_ranks
-from . import config, registry, scripts
+from . import config, hints, registry, scripts
 from .cells import CellHandle
 from .compiling import compile_cell, notebook_refs, sources_of
-from .hints import name_hints
 from .launch import JoinCommands, launcher_for
 from .parts import build
 from .recovery import InterruptReport
@@ -270,9 +269,8 @@ class Mesh:
                                     "the cell", order)
         try:
             return self._finish(handle, timeout, block)
-        except MeshError as e:
-            if namespace is not None:
-                name_hints(e, namespace)  # a NameError for a notebook name: how to send it (hints.py)
+        except MeshError as e:  # a NameError for a notebook name: how to send it (hints.py)
+            hints.name_hints(e, namespace or {})
             raise
 
     def call(self, fn: Callable[..., Any], *args: Any, ranks: str | int | Iterable[int] | None = None,
@@ -290,16 +288,14 @@ class Mesh:
                                     f"call of {getattr(fn, '__qualname__', fn)!s}")
         return self._finish(handle, timeout, block)
 
-    def run_script(self, path: str | Any, *args: Any, module: bool = False,
-                   ranks: str | int | Iterable[int] | None = None, timeout: float | None = None,
-                   order: str = "arrival") -> RankMap:
+    def run_script(self, path: Any, *args: Any, module: bool = False, ranks: str | int | Iterable[int] | None = None,
+                   timeout: float | None = None, order: str = "arrival") -> RankMap:
         """Run a torchrun script (``module``: ``python -m path``) unchanged on ``ranks`` as torchrun would (docs/
         torchrun.md); returns rank -> exit status (0). Raises FileNotFoundError (no such script here; nothing runs),
         and as ``run``: MeshError when it raised or exited with a non-zero status (``ScriptExit``) on some ranks."""
         self._check_running()
         return scripts.run_script(self.state, self.waiter, path, args, module=module, local=not self.lifecycle.joined,
-                                  ranks=ranks, timeout=timeout if timeout is not None else self.options.timeout,
-                                  order=order)
+                                  ranks=ranks, timeout=timeout, order=order)
 
     def _finish(self, handle: CellHandle, timeout: float | None, block: bool) -> RankMap | None | CellHandle:
         if not block:

@@ -61,7 +61,8 @@ def script_call(target: str | os.PathLike, args: Iterable[Any], module: bool, lo
 def run_script(state: MeshState, waiter: Waiter, target: str | os.PathLike, args: Iterable[Any], *, module: bool,
                local: bool, ranks: str | int | Iterable[int] | None, timeout: float | None,
                order: str) -> RankMap:
-    """Run ``target`` on ``ranks`` and wait (``timeout`` seconds, None: no limit); rank -> exit status (0).
+    """Run ``target`` on ``ranks`` and wait (``timeout`` seconds, None: the mesh's cell timeout, if any); rank ->
+    exit status (0).
 
     Raises as ``script_call`` does before anything runs; then as ``Mesh.run``: MeshError (an exception or a
     non-zero exit status on some ranks), MeshTimeoutError, KeyboardInterrupt.
@@ -72,5 +73,5 @@ def run_script(state: MeshState, waiter: Waiter, target: str | os.PathLike, args
     payload, buffers = dumps((fn, args, kwargs))
     what = f"the {'module' if module else 'script'} {os.fspath(target)}"
     handle = waiter.submit(cell_id, [(chosen, P.Call(cell_id, {}), payload, buffers)], what, order)
-    result = waiter.result(handle, timeout)
+    result = waiter.result(handle, timeout if timeout is not None else (state.options.timeout or None))
     return result if result is not None else RankMap(dict.fromkeys(chosen, 0))
