@@ -17,7 +17,7 @@ __all__ = [
     "Goodbye",
 ]
 
-PROTOCOL_VERSION = 2  # checked at the handshake (Hello); raise it when a message changes
+PROTOCOL_VERSION = 3  # checked at the handshake (Hello); raise it when a message changes
 
 # ``payload`` fields carry user values and travel pickled outside the header.
 
@@ -67,7 +67,9 @@ class Welcome(Message):
     ``master_addr``, or, when ``master_addr`` is empty, on its own address toward the controller, and to answer
     ``StoreReady``; -1 means the launcher's own rendezvous (MASTER_ADDR/MASTER_PORT in the rank's environment,
     torch's ``env://``). ``settings`` are RankConfig fields a joined rank takes from the controller (backend,
-    timeouts, env).
+    timeouts, env). ``elastic``: what torchrun's agent would export that only the controller knows
+    (``group_rank``, ``group_world_size``: this rank's host among the mesh's hosts; ``run_id``), see
+    monarch_worker.elastic_env.
     """
 
     TYPE: ClassVar[str] = "welcome"
@@ -78,6 +80,7 @@ class Welcome(Message):
     master_addr: str
     master_port: int
     settings: dict = field(default_factory=dict)
+    elastic: dict = field(default_factory=dict)
 
 
 @_register
@@ -291,12 +294,14 @@ class Progress(Message):
 @dataclass(frozen=True)
 class Heartbeat(Message):
     """Rank -> controller: alive. Memory in bytes: ``rss`` (resident set size of the process) and, once the rank
-    uses CUDA, ``cuda_allocated`` / ``cuda_reserved`` (torch's caching allocator on the rank's device)."""
+    uses CUDA, ``cuda_allocated`` / ``cuda_reserved`` (torch's caching allocator on the rank's device). ``group``:
+    the backend of the rank's default process group ("" when it has none)."""
 
     TYPE: ClassVar[str] = "heartbeat"
     rss: int = 0
     cuda_allocated: int = 0
     cuda_reserved: int = 0
+    group: str = ""
 
 
 # ---- transfers of values between the notebook and the ranks (see monarch_worker.transfer)

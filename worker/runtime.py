@@ -27,13 +27,13 @@ from typing import Any
 
 import zmq
 
-from . import live, recovery
+from . import elastic_env, live, recovery
 from . import protocol as P
-from .addresses import address_toward
 from .channel import Mailbox, Outbox, recv_frames, send_frames
 from .config import RankConfig
 from .debugger import RankDebugger
 from .executor import Namespace, format_error, main_thread_stack, register_source
+from .group import MeshGroup
 from .options import RANK_SETTINGS
 from .serialize import SerializationError, dumps, loads
 from .transfer import RankTransfers
@@ -83,6 +83,8 @@ class Rank:
         self.device: Any = None  # this rank's torch.device (cuda:LOCAL_RANK or cpu), set by join()
         self.transfers = RankTransfers(self)
         self.group_sockets = recovery.GroupSockets()  # what Abort shuts down to release gloo collectives
+        self.group = MeshGroup(lambda: self._in_cell, self.send)  # the mesh's process group (group.py)
+        self.group.sockets = self.group_sockets
         self.debugger = RankDebugger(self)  # breakpoint(), post-mortem, inspect (debugger.py)
         # Records (protocol.RECORD_PREFIX): once the rank serves cells, its main thread writes what it reports
         # into its stdout pipe, through a copy of fd 1 that user code redirecting fd 1 does not affect.
@@ -165,7 +167,8 @@ class Rank:
                         self._send_now(*item)
             if now >= next_beat and self._said_hello:
                 next_beat = now + self.config.heartbeat_interval
-                self._send_now(P.Heartbeat(rss=_rss_bytes(), **_cuda_memory(self.device)))
+                self._send_now(P.Heartbeat(rss=_rss_bytes(), group=self.group.current_backend(),
+                                           **_cuda_memory(self.device)))
                 if self._joined and now - self._last_heard > self.config.heartbeat_timeout:
                     sys.stderr.write(
                         f"monarch_worker rank {self.rank}: no word from the controller for "
@@ -274,13 +277,9 @@ class Rank:
             self.config = cfg = dataclasses.replace(cfg, **settings)
         if self.relay is not None:
             self.relay.release()  # output held while waiting to be admitted goes out now
-        env = {
-            "RANK": str(welcome.rank),
-            "WORLD_SIZE": str(welcome.world_size),
-            "LOCAL_RANK": str(welcome.local_rank),
-            "LOCAL_WORLD_SIZE": str(welcome.local_world_size),
-        }
-        os.environ.update(env)
+        elastic_env.apply(rank=welcome.rank, world_size=welcome.world_size, local_rank=welcome.local_rank,
+                          local_world_size=welcome.local_world_size, elastic=welcome.elastic,
+                          launched_by_torchrun="TORCHELASTIC_RUN_ID" in cfg.launcher_env)
         device, backend = self.init_group(welcome.rank, welcome.world_size, welcome.local_rank,
                                           welcome.local_world_size, welcome.master_addr, welcome.master_port,
                                           cfg.backend)
@@ -293,59 +292,21 @@ class Rank:
             "dist": dist,
             "torch": torch,
         })
+        self.group.install()  # user code's own init/destroy_process_group (group.py)
         self.send(P.Ready(device=str(device), backend=backend, host=socket.gethostname(), pid=os.getpid()))
 
     def init_group(self, rank: int, world_size: int, local_rank: int, local_world_size: int, master_addr: str,
                    master_port: int, backend: str) -> tuple[Any, str]:
-        """Join the default process group (at start, and again on Regroup); returns (device, backend).
-
-        ``master_port`` < 0: the launcher's rendezvous (env://: torchrun's store, or MASTER_ADDR/PORT); 0: host
-        a TCPStore here (on ``master_addr``, or our address toward the controller when it is empty) and report
-        it with StoreReady; > 0: the TCPStore at ``master_addr:master_port``.
-        """
-        from datetime import timedelta
-
-        import torch
-        import torch.distributed as dist
-
+        """Join the default process group (at start, and again on Regroup); returns (device, backend). See
+        ``MeshGroup.join`` (group.py) for ``master_addr`` and ``master_port``."""
         cfg = self.config
-        if backend == "auto":
-            cuda = torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size
-            backend = "nccl" if cuda else "gloo"
-        timeout = timedelta(seconds=cfg.pg_timeout)
-        store: Any = None
-        if master_port < 0:  # the launcher's rendezvous (torchrun's store, or MASTER_ADDR/PORT): env://
-            addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-        elif master_port == 0:
-            if master_addr:
-                addr = master_addr
-            else:  # an address the other ranks can reach: ours toward the controller
-                addr = address_toward(cfg.controller)
-            store = dist.TCPStore(addr, 0, world_size, is_master=True,
-                                  timeout=timedelta(seconds=cfg.join_timeout), wait_for_workers=False)
-            port = store.port
-            self.send(P.StoreReady(port=port, addr=addr))
-        else:
-            addr, port = master_addr, master_port
-            store = dist.TCPStore(addr, port, world_size, is_master=False,
-                                  timeout=timedelta(seconds=cfg.join_timeout))
-        os.environ["MASTER_ADDR"] = addr
-        os.environ["MASTER_PORT"] = str(port)
-        if backend == "nccl":
-            torch.cuda.set_device(local_rank)
-            device = torch.device("cuda", local_rank)
-        else:
-            device = torch.device("cpu")
-        kwargs: dict[str, Any] = {}
-        if backend == "nccl":
-            kwargs["device_id"] = device
-        if store is None:
-            kwargs["init_method"] = "env://"
-        else:
-            kwargs["store"] = store
-        with self.group_sockets:  # the connections this group opens (see recovery.GroupSockets)
-            dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
-        return device, backend
+        return self.group.join(rank, world_size, local_rank, local_world_size, master_addr, master_port, backend,
+                               cfg.controller, cfg.join_timeout, cfg.pg_timeout)
+
+    @property
+    def in_cell(self) -> bool:
+        """The main thread runs user code now (a cell, a call, a script)."""
+        return self._in_cell
 
     def serve(self) -> None:
         """Main loop: take work and run it until Shutdown."""

@@ -15,9 +15,9 @@ from typing import Any
 from monarch_worker import protocol as P
 from monarch_worker.serialize import dumps
 
-from ..errors import MeshNotRunningError, MeshStartError
+from ..errors import MeshError, MeshNotRunningError, MeshStartError
 from ..ranks import RankMap, format_ranks, parse_ranks
-from . import config, registry
+from . import config, hints, registry, scripts
 from .cells import CellHandle
 from .compiling import compile_cell, notebook_refs, sources_of
 from .launch import JoinCommands, launcher_for
@@ -272,7 +272,11 @@ class Mesh:
         payload, buffers = dumps(refs) if refs else (b"", [])
         handle = self.waiter.submit(cell_id, [(chosen, P.Exec(cell_id, code, filename, sources), payload, buffers)],
                                     "the cell", order)
-        return self._finish(handle, timeout, block)
+        try:
+            return self._finish(handle, timeout, block)
+        except MeshError as e:  # a NameError for a notebook name: how to send it (hints.py)
+            hints.name_hints(e, namespace or {})
+            raise
 
     def call(self, fn: Callable[..., Any], *args: Any, ranks: str | int | Iterable[int] | None = None,
              timeout: float | None = None, block: bool = True, **kwargs: Any) -> RankMap | None | CellHandle:
@@ -288,6 +292,15 @@ class Mesh:
         handle = self.waiter.submit(cell_id, [(chosen, P.Call(cell_id, sources_of([fn])), payload, buffers)],
                                     f"call of {getattr(fn, '__qualname__', fn)!s}")
         return self._finish(handle, timeout, block)
+
+    def run_script(self, path: Any, *args: Any, module: bool = False, ranks: str | int | Iterable[int] | None = None,
+                   timeout: float | None = None, order: str = "arrival") -> RankMap:
+        """Run a torchrun script (``module``: ``python -m path``) unchanged on ``ranks`` as torchrun would (docs/
+        torchrun.md); returns rank -> exit status (0). Raises FileNotFoundError (no such script here; nothing runs),
+        and as ``run``: MeshError when it raised or exited with a non-zero status (``ScriptExit``) on some ranks."""
+        self._check_running()
+        return scripts.run_script(self.state, self.waiter, path, args, module=module, local=not self.lifecycle.joined,
+                                  ranks=ranks, timeout=timeout, order=order)
 
     def _finish(self, handle: CellHandle, timeout: float | None, block: bool) -> RankMap | None | CellHandle:
         if not block:

@@ -21,14 +21,14 @@ from ..kernel.launch import launcher_for
 from ..kernel.mesh import Mesh
 from ..ranks import parse_ranks
 from . import debug as debug_magics
-from . import transfer
+from . import scripts, transfer
 
 log = logging.getLogger(__name__)
 
 __all__ = ["MeshMagics", "load", "unload"]
 
-SUBCOMMANDS = ("start", "listen", "status", "stop", "restart", "stacks", *transfer.SUBCOMMANDS, "debug",
-               "inspect", "interrupt")
+SUBCOMMANDS = ("start", "listen", "status", "stop", "restart", "stacks", *scripts.SUBCOMMANDS,
+               *transfer.SUBCOMMANDS, "debug", "inspect", "interrupt")
 
 
 def _rest(line: str) -> tuple[str, str]:
@@ -70,7 +70,7 @@ class MeshMagics(Magics):
 
     @line_cell_magic
     def mesh(self, line: str, cell: str | None = None) -> Any:
-        """%mesh start|listen|status|stop|restart|stacks|interrupt|push|pull|scatter|gather|debug|inspect ...,
+        """%mesh start|listen|status|stop|restart|stacks|run|interrupt|push|pull|scatter|gather|debug|inspect ...,
         and %%mesh ...
 
         Run `%mesh SUBCOMMAND --help` for each subcommand's options, `%%mesh --help` for the cell magic.
@@ -89,6 +89,7 @@ class MeshMagics(Magics):
             "stop": self._stop,
             "restart": self._restart,
             "stacks": self._stacks,
+            "run": lambda rest: scripts.run(self, rest),
             "push": lambda rest: transfer.push(self, rest),
             "pull": lambda rest: transfer.pull(self, rest),
             "scatter": lambda rest: transfer.scatter(self, rest),

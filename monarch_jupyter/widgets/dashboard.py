@@ -78,6 +78,8 @@ def render_header(summary: Summary, title: str) -> str:
         parts.append(f"slowest: rank {summary.slowest}")
     if summary.elapsed is not None:
         parts.append(_e(fmt_seconds(summary.elapsed)))
+    if summary.group:
+        parts.append(f"process group {_e(summary.group)}")
     return f'<div class="mj-header">{" · ".join(parts)}</div>'
 
 

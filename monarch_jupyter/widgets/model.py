@@ -16,6 +16,7 @@ stopped (the mesh was stopped). Mesh-level states: starting, idle, running, brea
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 import threading
@@ -112,6 +113,7 @@ class Summary:
     slowest: int | None
     elapsed: float | None
     finished: bool
+    group: str = ""  # the process group as MeshState.group_status says (views of the mesh, not of a cell)
 
     @property
     def failed(self) -> tuple[int, ...]:
@@ -297,7 +299,11 @@ class MeshMonitor:
             chosen = sorted(self._ranks) if ranks is None else list(ranks)
             rows = [self._row(self._rank(r), cell_id, now) for r in chosen]
             world = self.world_size
-        return rows, summarize(rows, world, cell_id is not None)
+        summary = summarize(rows, world, cell_id is not None)
+        mesh = self._mesh()
+        if cell_id is None and mesh is not None:
+            summary = dataclasses.replace(summary, group=mesh.state.group_status())
+        return rows, summary
 
     def _row(self, info: _Rank, cell_id: int | None, now: float) -> RowView:
         if cell_id is not None:

@@ -117,7 +117,8 @@ class StatusText:
         self.rows, self.summary = self.monitor.snapshot()
 
     def text(self) -> str:
-        return "\n".join([f"mesh: world size {self.summary.world_size}; {header_text(self.summary)}",
+        group = f"\nprocess group: {self.summary.group}" if self.summary.group else ""
+        return "\n".join([f"mesh: world size {self.summary.world_size}; {header_text(self.summary)}{group}",
                           *table_text(self.rows)])
 
     def stable_text(self) -> str:
