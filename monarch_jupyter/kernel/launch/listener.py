@@ -132,6 +132,10 @@ class Listener:
         events (pids, output, exits)."""
         self._send_to, self._dispatcher, self._sink = send_to, dispatcher, sink
 
+    def use_sink(self, sink: LauncherEvents) -> None:
+        """Report the ranks of the generation about to open to ``sink``."""
+        self._sink = sink
+
     @property
     def loopback(self) -> bool:
         return self.bind_ip.startswith("127.")
