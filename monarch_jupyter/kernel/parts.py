@@ -21,6 +21,7 @@ from .launch.join import JoinLauncher
 from .launch.listener import Listener
 from .lifecycle import Lifecycle
 from .recovery import RankEvents, Recovery
+from .rich import RichRouter
 from .routing import OutputRouter
 from .stacks import StackRequests
 from .state import MeshState
@@ -47,6 +48,7 @@ class Parts:
     recovery: Recovery
     waiter: Waiter
     debugger: MeshDebugger
+    rich: RichRouter
 
 
 def build(nproc: int, options: MeshOptions, join_launcher: JoinLauncher | None) -> Parts:
@@ -69,19 +71,21 @@ def build(nproc: int, options: MeshOptions, join_launcher: JoinLauncher | None) 
     transfers.waiter = waiter
     debugger = MeshDebugger(state, dispatcher, waiter)  # breakpoint(), post-mortem, inspect
     waiter.prompts = debugger
+    rich = RichRouter(state, cells, dispatcher)  # ranks' display(), figures
     # What ranks send over the socket (I/O thread) ...
     for kind, handler in ((P.Result, cells.on_result), (P.Stacks, stacks.on_reply), (P.Stream, router.on_stream),
                           (P.PullReply, transfers.on_pull_reply), (P.ShmRelease, transfers.on_release),
                           (P.DebugOutput, debugger.on_message), (P.DebugPrompt, debugger.on_message),
-                          (P.DebugResumed, debugger.on_message), (P.DebugReply, debugger.on_message)):
+                          (P.DebugResumed, debugger.on_message), (P.DebugReply, debugger.on_message),
+                          (P.Display, rich.on_display)):
         io.handle(kind, handler)
     # ... and as records in a local rank's stdout pipe (protocol.record_types; the output reader thread).
     router.record_handlers.update({P.Result: cells.on_result, P.Progress: io.on_progress,
                                    P.DebugOutput: debugger.on_message, P.DebugPrompt: debugger.on_message,
-                                   P.DebugResumed: debugger.on_message})
+                                   P.DebugResumed: debugger.on_message, P.Display: rich.on_display})
     io.every_interval(recovery.check_heartbeats)
     if listener is not None:
         io.every_interval(listener.check)
         listener.attach(io.send_to, dispatcher, sink)
     return Parts(events, state, dispatcher, cells, stacks, transfers, listener, io, router, lifecycle, recovery,
-                 waiter, debugger)
+                 waiter, debugger, rich)
