@@ -101,7 +101,7 @@ def _publish_unflushed(bundle: dict) -> bool:
 
 
 def cell_view(mesh: Any, ranks: list[int] | None = None, *, mode: str = "auto",
-              fold_threshold: int = 16) -> LiveView | None:
+              fold_threshold: int = 16, title: str = "mesh cell") -> LiveView | None:
     """Show a live view of the next cell submitted to ``mesh`` (call it just before ``Mesh.run``).
 
     Parameters
@@ -112,6 +112,8 @@ def cell_view(mesh: Any, ranks: list[int] | None = None, *, mode: str = "auto",
         See ``choose_mode``; "off" returns None.
     fold_threshold:
         Past this many ranks the dashboard folds into a per-state summary plus stragglers and failed ranks.
+    title:
+        The dashboard's title ("mesh cell (auto mode)" for cells that auto mode sent to the mesh).
 
     Returns
     -------
@@ -127,25 +129,27 @@ def cell_view(mesh: Any, ranks: list[int] | None = None, *, mode: str = "auto",
         return TextLiveView(monitor, chosen, follow_cell=True).start()
     from .dashboard import DashboardView
 
-    view = DashboardView(monitor, chosen, follow_cell=True, title="mesh cell", fold_threshold=fold_threshold,
-                         plain=f"mesh cell on {ranks_text(chosen)} (live per-rank view)")
+    view = DashboardView(monitor, chosen, follow_cell=True, title=title, fold_threshold=fold_threshold,
+                         plain=f"{title} on {ranks_text(chosen)} (live per-rank view)")
     view.start()
     _display(view.widget)
     return view
 
 
-def status_view(mesh: Any, *, mode: str = "auto", fold_threshold: int = 16) -> Any:
+def status_view(mesh: Any, *, mode: str = "auto", fold_threshold: int = 16, note: str = "") -> Any:
     """What ``%mesh status`` shows: a live dashboard of every rank (until the mesh stops), or ``StatusText``.
+    ``note`` (e.g. "auto mode: on") is shown under the header.
 
     Returns the object to display (the magic returns it, so it becomes the cell's output).
     """
     mode = choose_mode(mode)
     monitor = monitor_for(mesh)
     if mode != "widget":
-        return StatusText(mesh, monitor)
+        return StatusText(mesh, monitor, note=note)
     from .dashboard import DashboardView
 
-    view = DashboardView(monitor, None, follow_cell=False, title="mesh", fold_threshold=fold_threshold)
+    view = DashboardView(monitor, None, follow_cell=False, title=f"mesh · {note}" if note else "mesh",
+                         fold_threshold=fold_threshold)
     view.start()
     # A notebook may ask for the status many times; the latest few stay live, older ones keep their last state.
     live = [v for v in monitor.status_views if not v.final]
