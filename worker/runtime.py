@@ -27,7 +27,7 @@ from typing import Any
 
 import zmq
 
-from . import live, recovery
+from . import completion, live, recovery
 from . import protocol as P
 from .addresses import address_toward
 from .channel import Mailbox, Outbox, recv_frames, send_frames
@@ -148,6 +148,8 @@ class Rank:
             P.DebugInput: self.debugger.on_input,
             P.Inspect: self.debugger.on_inspect,
             P.DebugClear: self.debugger.on_clear,
+            P.Complete: lambda msg, payload, bufs: self._send_now(
+                completion.answer(self.ns.ns if self.ns is not None else None, msg)),
         }
         while not self._stop.is_set():
             events = dict(poller.poll(interval_ms))

@@ -369,6 +369,13 @@ class Mesh:
         self._check_running()
         return self.parts.stacks.ask(ranks, timeout)
 
+    def complete(self, code: str, cursor_pos: int, rank: int = 0, *, inspect: bool = False,
+                 timeout: float = 0.5) -> Any:
+        """Completions of ``code`` at ``cursor_pos`` in ``rank``'s namespace, asked of its I/O thread (it answers while
+        the rank runs a cell): a ``CompleteReply`` (``matches``, ``cursor_start``, ``cursor_end``; ``text`` for
+        ``inspect``), or None when the rank is dead or did not answer within ``timeout`` seconds."""
+        return self.parts.completions.ask(rank, code, cursor_pos, inspect, timeout)
+
     def interrupt(self, ranks: str | int | Iterable[int] | None = None, *, force: bool = False,
                   grace: float | None = None) -> InterruptReport:
         """Interrupt what the chosen ranks run now: KeyboardInterrupt in their main thread; they keep their state.

@@ -23,6 +23,7 @@ from ..ranks import parse_ranks
 from . import debug as debug_magics
 from . import transfer
 from .auto import AutoMode
+from .complete import MeshCompletion
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class MeshMagics(Magics):
         super().__init__(shell=shell, **kwargs)
         self.meshes: list[Mesh] = []
         self.auto = AutoMode(shell)  # %mesh auto, %%local (auto.py)
+        self.completion = MeshCompletion(self)  # Tab and Shift-Tab from a rank (complete.py)
 
     def option(self, name: str) -> Any:
         """The value of mesh option ``name`` (a MeshOptions field) as configured here (``cell_timeout`` 0 -> None)."""
@@ -399,6 +401,7 @@ def load(ipython: Any) -> None:
     magics = MeshMagics(shell=ipython, parent=ipython)
     ipython.register_magics(magics)
     magics.auto.install()
+    magics.completion.install()
     _MAGICS[id(ipython)] = magics
     note = _check_ipykernel()
     if note:
@@ -430,6 +433,7 @@ def unload(ipython: Any) -> None:
         loaded.discard("monarch_jupyter")
     mm = ipython.magics_manager
     magics.auto.uninstall()
+    magics.completion.uninstall()
     for kind in ("line", "cell"):
         mm.magics[kind].pop("mesh", None)
     mm.magics["cell"].pop("local", None)
