@@ -71,9 +71,9 @@ def _lookup(namespace: dict, name: str) -> tuple[bool, Any]:
 def describe(namespace: dict, code: str, cursor_pos: int) -> str:
     """IPython-``?``-like text for the dotted name at ``cursor_pos`` of ``code`` ("" when it is not defined)."""
     name = ""
-    for m in _NAME.finditer(code):
-        if m.start() <= cursor_pos <= m.end():
-            name = m.group(0)
+    for found in _NAME.finditer(code):
+        if found.start() <= cursor_pos <= found.end():
+            name = found.group(0)
             break
     if not name:
         # the name before an open parenthesis: f(|  -> f
@@ -81,8 +81,8 @@ def describe(namespace: dict, code: str, cursor_pos: int) -> str:
         name = m.group(1) if m else ""
     if not name:
         return ""
-    found, obj = _lookup(namespace, name)
-    if not found:
+    ok, obj = _lookup(namespace, name)
+    if not ok:
         return ""
     lines = [f"Type:      {type(obj).__name__}"]
     if callable(obj):

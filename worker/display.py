@@ -223,6 +223,8 @@ class Publisher:
                  display_id: str, cell: int | None = None) -> None:
         if cell is None:
             cell = self._current_cell()
+        md: dict[str, Any]
+        notes: list[str]
         if raw and isinstance(obj, dict):
             data, md, notes = dict(obj), {}, []
         else:

@@ -50,11 +50,9 @@ class RichOutput:
 
     def publish(self) -> None:
         """Send it to the notebook (display_data, update_display_data or clear_output), or print its text."""
-        try:
-            from IPython.core.interactiveshell import InteractiveShell
-        except ImportError:  # pragma: no cover - IPython is a dependency
-            InteractiveShell = None  # noqa: N806
-        if InteractiveShell is None or not InteractiveShell.initialized():
+        from IPython.core.interactiveshell import InteractiveShell
+
+        if not InteractiveShell.initialized():
             if self.kind != "clear":
                 write_lines([(self.rank, "stdout", line) for line in _unlabelled(self.data).splitlines() or [""]])
             return

@@ -302,7 +302,8 @@ class MeshMagics(Magics):
             except ValueError as e:
                 raise UsageError(str(e)) from None
             view = cell_view(m, chosen, mode=self.setting("live_view"), fold_threshold=self.setting("dashboard_fold"),
-                             title="mesh cell (auto mode)" if self.auto.on else "mesh cell")
+                             title="mesh cell (auto mode)" if self.auto.on else "mesh cell",
+                             defer=0.0 if args.async_ else None)  # an --async cell returns at once: show it now
         try:
             with m.debugger.options(debug_magics.unquote(args.pdb_commands),
                                     args.on_interrupt or self.setting("debug_on_interrupt")):

@@ -130,18 +130,20 @@ class MeshCompletion:
     # ------------------------------------------------------------------ install
 
     def install(self) -> None:
-        completer = getattr(self.shell, "Completer", None)
+        shell: Any = self.shell
+        completer = getattr(shell, "Completer", None)
         if completer is not None and self._matcher not in completer.custom_matchers:
             completer.custom_matchers.append(self._matcher)
-        if self._inspect_orig is None and hasattr(self.shell, "object_inspect_mime"):
-            self._inspect_orig = self.shell.object_inspect_mime
-            self.shell.object_inspect_mime = self.object_inspect_mime
+        if self._inspect_orig is None and hasattr(shell, "object_inspect_mime"):
+            self._inspect_orig = shell.object_inspect_mime
+            shell.object_inspect_mime = self.object_inspect_mime
 
     def uninstall(self) -> None:
-        completer = getattr(self.shell, "Completer", None)
+        shell: Any = self.shell
+        completer = getattr(shell, "Completer", None)
         if completer is not None and self._matcher in completer.custom_matchers:
             completer.custom_matchers.remove(self._matcher)
         if self._inspect_orig is not None:
-            if self.shell.__dict__.get("object_inspect_mime") == self.object_inspect_mime:
-                del self.shell.object_inspect_mime
+            if shell.__dict__.get("object_inspect_mime") == self.object_inspect_mime:
+                del shell.object_inspect_mime
             self._inspect_orig = None
