@@ -29,7 +29,9 @@ def values_equal(a: Any, b: Any) -> bool:
     """Equality that never raises: tensors and arrays by content, DataFrames by ``equals``, else ``==``."""
     if a is b:
         return True
-    if type(a) is not type(b):
+    ta, tb = type(a), type(b)
+    # Classes defined in cells come back by value, one class object per rank: same name, same module.
+    if ta is not tb and (ta.__qualname__, ta.__module__) != (tb.__qualname__, tb.__module__):
         return False
     try:
         if hasattr(a, "equals") and callable(a.equals):  # pandas
