@@ -73,6 +73,15 @@ class CellDashboardView(DashboardView):
     def wants_render(self) -> bool:
         return self.widget_made is None and time.monotonic() - self._born >= self.defer
 
+    def _on_mesh_event(self, kind: str, data: dict) -> None:
+        if (kind == "cell_done" and self.widget_made is None and self.handle is not None
+                and data.get("handle") is self.handle):
+            # A quick cell: the thread that waited for it renders the final state in finish() (the magic calls it
+            # before returning the result), which costs less than a render on the events thread that the waiting
+            # thread would wait for; where nobody calls finish(), the ticker renders it within TICK seconds.
+            return
+        super()._on_mesh_event(kind, data)
+
     # ------------------------------------------------------------------ rendering (under the view lock)
 
     def render(self, rows: list[RowView], summary: Summary, final: bool) -> None:

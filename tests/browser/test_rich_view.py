@@ -53,8 +53,8 @@ display(HTML(f"<i class='mj-test-done'>rank {{rank}} finished</i>"))""",
     "%mesh stop",
 ]
 
-_JS_OWN = """(area, css) => Array.from(area.querySelectorAll(css)).filter(e => !e.closest('.mj-dashboard, .mj-rank-output'))
-                                        .map(e => e.innerText)"""
+_JS_OWN = """(area, css) => Array.from(area.querySelectorAll(css))
+                           .filter(e => !e.closest('.mj-dashboard, .mj-rank-output')).map(e => e.innerText)"""
 _JS_POINTS = """(area) => Array.from(area.querySelectorAll('svg.mj-chart'), s => Number(s.dataset.points))"""
 
 
