@@ -119,9 +119,10 @@ def count_lines(msgs: list[dict], n: int, lines: int) -> tuple[int, bool]:
 
 
 def widget_updates(msgs: list[dict]) -> tuple[int, int]:
-    """(dashboard updates, bytes of their HTML) among ``msgs``."""
+    """(dashboard updates, bytes of their HTML) among ``msgs``: the table, the charts and the per-rank outputs."""
     values = [m["content"]["data"].get("state", {}).get("value", "") for m in msgs if m["msg_type"] == "comm_msg"]
-    values = [v for v in values if isinstance(v, str) and "mj-dashboard" in v]
+    values = [v for v in values if isinstance(v, str) and ("mj-dashboard" in v or "mj-rank-output" in v
+                                                           or "mj-charts" in v)]
     return len(values), sum(len(v) for v in values)
 
 
@@ -239,8 +240,12 @@ def main() -> None:
             floods = {"on": flood(kernel, "%%mesh", n, lines), "off": flood(kernel, "%%mesh --no-widget", n, lines)}
             if peer_up:
                 floods["ipyparallel"] = flood(kernel, "%%px", n, lines)
+            if ref is not None:
+                floods["before:on"] = flood(ref, "%%mesh", n, lines)
             paced = {"on": flood(kernel, "%%mesh", n, lines, PACED),
                      "off": flood(kernel, "%%mesh --no-widget", n, lines, PACED)}
+            if ref is not None:
+                paced["before:on"] = flood(ref, "%%mesh", n, lines, PACED)
     finally:
         try:
             if peer_up:
@@ -280,12 +285,15 @@ def main() -> None:
         print(f"  {title}")
         for key, f in runs.items():
             lost = "none lost, in order" if f["lines"] == want and f["in_order"] else f"LOST {want - f['lines']}"
-            extra = f"; {f['updates']} dashboard updates, {f['bytes'] / 1024:.0f} KiB" if key == "on" else ""
+            extra = (f"; {f['updates']} dashboard updates, {f['bytes'] / 1024:.0f} KiB" if key.endswith("on")
+                     else "")
             print(f"    {key:<12} {f['s']:7.2f} s  lines {f['lines']} ({lost}); control channel round trip "
                   f"median {f['control_median_s'] * 1e3:.1f} ms, max {f['control_max_s'] * 1e3:.1f} ms{extra}")
         print(f"    on/off time = {runs['on']['s'] / runs['off']['s']:.2f}x"
               + (f"; ours (on) / ipyparallel time = {runs['on']['s'] / runs['ipyparallel']['s']:.2f}x"
-                 if "ipyparallel" in runs else ""))
+                 if "ipyparallel" in runs else "")
+              + (f"; on: after/before = {runs['on']['s'] / runs['before:on']['s']:.2f}x"
+                 if "before:on" in runs else ""))
 
 
 if __name__ == "__main__":

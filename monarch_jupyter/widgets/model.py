@@ -45,6 +45,7 @@ LOG_KEPT = 2000  # output items (lines and rich outputs) kept per rank and cell 
 POINTS_KEPT = 400  # points kept per metric and rank; past that every other point is dropped (the curve stays whole)
 METRICS_KEPT = 8  # metrics charted per cell (the first reported)
 LOG_CELLS = 4  # a rank's last cells whose output the monitor keeps (older cells keep their state, not output)
+LOG_DISPLAY_MAX = 512 * 1024  # characters of a rich output kept for the per-rank view; larger ones kept as a note
 _METRIC = re.compile(r"([A-Za-z_][\w./-]*)=([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)(?![\w.])")
 
 
@@ -283,6 +284,12 @@ class MeshMonitor:
     def _on_display(self, data: dict, now: float) -> None:
         cell = self._rank(data["rank"]).cells.get(data.get("cell_id", -1))
         if cell is not None:
+            bundle = data.get("data") or {}
+            size = sum(len(v) for v in bundle.values() if isinstance(v, str))
+            if size > LOG_DISPLAY_MAX:  # shown in the cell itself; the per-rank view names it only
+                kinds = ", ".join(k for k in bundle if k != "text/plain")
+                note = f"{bundle.get('text/plain', '')} ({kinds}, {size:,} characters: shown in the cell's output)"
+                data = {**data, "data": {"text/plain": note}}
             cell.log.append(("display", data))
             cell.logged += 1
 
