@@ -319,13 +319,15 @@ class Publisher:
         pyplot = sys.modules.get("matplotlib.pyplot")
         if pyplot is None:
             return
-        from matplotlib._pylab_helpers import Gcf
+        import matplotlib
 
-        managers = Gcf.get_all_fig_managers()
-        if not managers:
+        if matplotlib.get_backend() != BACKEND:  # the rank's environment chose another backend (MPLBACKEND)
             return
-        for manager in managers:
-            fig = manager.canvas.figure
+        nums = pyplot.get_fignums()
+        if not nums:
+            return
+        for num in nums:
+            fig = pyplot.figure(num)  # an open figure: made current, not created
             if id(fig) not in self.figures_shown:
                 self._publish("display", fig, False, None, None, None, "", cell)
         pyplot.close("all")
