@@ -90,3 +90,24 @@ def test_completion_answers_while_the_rank_waits_at_a_pdb_prompt(mesh):
     finally:
         with mesh.debugger.options(["c"]):
             handle.result(30)
+
+
+@pytest.mark.slow
+def test_displays_of_joined_ranks_travel_over_their_socket():
+    """Ranks started by torchrun write no records: their displays, binary parts as raw buffers, come over the
+    socket and reach the cell (and the views' ``display`` event) intact."""
+    import base64
+
+    m = Mesh(2, launcher="torchrun", start_timeout=120)
+    seen: list[dict] = []
+    m.add_listener(lambda kind, data: seen.append(data) if kind == "display" else None)
+    try:
+        m.run("class Png:\n    def _repr_png_(self):\n        return bytes(range(256)) * 300 + bytes([rank])\n"
+              "display(Png())")
+        deadline = time.monotonic() + 10
+        while len(seen) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        by_rank = {d["rank"]: base64.b64decode(d["data"]["image/png"]) for d in seen}
+        assert by_rank == {r: bytes(range(256)) * 300 + bytes([r]) for r in (0, 1)}
+    finally:
+        m.stop()
