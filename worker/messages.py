@@ -14,10 +14,10 @@ __all__ = [
     "Exec", "Call", "Interrupt", "StacksRequest", "Abort", "Regroup", "Ping", "Rejected", "Shutdown", "Result",
     "Stream", "Stacks", "Progress", "Heartbeat", "Push", "Pull", "PullReply", "ShmRelease", "DebugOutput",
     "DebugPrompt", "DebugResumed", "DebugInput", "DebugPostMortem", "Inspect", "DebugClear", "DebugReply",
-    "Goodbye",
+    "Goodbye", "Display", "Complete", "CompleteReply",
 ]
 
-PROTOCOL_VERSION = 3  # checked at the handshake (Hello); raise it when a message changes
+PROTOCOL_VERSION = 4  # checked at the handshake (Hello); raise it when a message changes
 
 # ``payload`` fields carry user values and travel pickled outside the header.
 
@@ -467,6 +467,8 @@ class DebugReply(Message):
     state: str = ""
     where: str = ""
     cell_id: int = -1
+
+
 @_register
 @dataclass(frozen=True)
 class Goodbye(Message):
@@ -475,3 +477,59 @@ class Goodbye(Message):
 
     TYPE: ClassVar[str] = "goodbye"
     returncode: int = 0
+
+
+# ---- rich output and completion (see monarch_worker.display, monarch_jupyter.kernel.display)
+
+
+@_register
+@dataclass(frozen=True)
+class Display(Message):
+    """Rank -> controller: rich output of cell ``cell_id`` (``display()``, ``update_display()``,
+    ``clear_output()``, matplotlib figures), republished in the notebook as display_data, update_display_data or
+    clear_output.
+
+    ``kind`` is "display", "update" or "clear" (``wait``: clear when the next output comes). ``data`` maps text
+    MIME types to their text (JSON-valued types, named in ``json``, as JSON text); each MIME type named in
+    ``binary`` (image/png, ...) has its raw bytes, not base64, in one out-of-band buffer, in order, or, for
+    large ones from a local rank, at ``layout`` offsets of the shared memory segment ``shm``
+    (monarch_worker.shm). ``metadata`` is JSON text.
+    """
+
+    TYPE: ClassVar[str] = "display"
+    cell_id: int
+    kind: str = "display"
+    data: dict = field(default_factory=dict)
+    json: list = field(default_factory=list)
+    binary: list = field(default_factory=list)
+    metadata: str = "{}"
+    display_id: str = ""
+    wait: bool = False
+    shm: dict | None = None
+
+
+@_register
+@dataclass(frozen=True)
+class Complete(Message):
+    """Controller -> rank (I/O thread, answered while the main thread is busy): complete, or (``inspect``)
+    describe, the name at ``cursor_pos`` of ``code`` in the rank's namespace."""
+
+    TYPE: ClassVar[str] = "complete"
+    request_id: int
+    code: str
+    cursor_pos: int
+    inspect: bool = False
+
+
+@_register
+@dataclass(frozen=True)
+class CompleteReply(Message):
+    """Rank -> controller: ``matches`` replace ``code[cursor_start:cursor_end]``; for an inspection, ``text`` is
+    the object's signature and docstring ("" when the name is not found)."""
+
+    TYPE: ClassVar[str] = "complete_reply"
+    request_id: int
+    matches: list = field(default_factory=list)
+    cursor_start: int = 0
+    cursor_end: int = 0
+    text: str = ""

@@ -27,7 +27,7 @@ from typing import Any
 
 import zmq
 
-from . import elastic_env, live, recovery
+from . import completion, elastic_env, live, recovery
 from . import protocol as P
 from .channel import Mailbox, Outbox, recv_frames, send_frames
 from .config import RankConfig
@@ -93,13 +93,20 @@ class Rank:
         self._pid = os.getpid()  # a process forked by user code (multiprocessing) must not write records
         self._record_types = P.record_types()
         self._main_signer = P.Signer(bytes.fromhex(config.secret))  # the main thread's own sender session
+        self.rich: Any = None  # the display publisher (display.Publisher), set at start-up
 
-    def send(self, msg: P.Message, value: Any = None, *, with_value: bool = False) -> None:
-        """Queue ``msg`` for the I/O thread (any thread); ``value`` is pickled here as its payload.
+    @property
+    def writes_records(self) -> bool:
+        """What this thread sends now goes as records into the stdout pipe (a local rank's main thread)."""
+        return self._record_fd >= 0 and threading.get_ident() == self.main_ident and os.getpid() == self._pid
+
+    def send(self, msg: P.Message, value: Any = None, *, with_value: bool = False, buffers: list | None = None) -> None:
+        """Queue ``msg`` for the I/O thread (any thread); ``value`` is pickled here as its payload, or ``buffers``
+        (raw bytes) go with it as they are.
 
         Raises SerializationError when ``value`` cannot be pickled (nothing is queued then).
         """
-        payload, buffers = dumps(value) if with_value else (b"", [])
+        payload, buffers = dumps(value) if with_value else (b"", buffers or [])
         if (self._record_fd >= 0 and isinstance(msg, self._record_types)
                 and threading.get_ident() == self.main_ident and os.getpid() == self._pid):
             self._write_records(msg, payload, buffers)
@@ -144,6 +151,8 @@ class Rank:
             P.DebugInput: self.debugger.on_input,
             P.Inspect: self.debugger.on_inspect,
             P.DebugClear: self.debugger.on_clear,
+            P.Complete: lambda msg, payload, bufs: self._send_now(
+                completion.answer(self.ns.ns if self.ns is not None else None, msg)),
         }
         while not self._stop.is_set():
             events = dict(poller.poll(interval_ms))
@@ -413,6 +422,9 @@ class Rank:
                 self.debugger.cell_finished()
         except BaseException as e:  # noqa: BLE001 - report everything, KeyboardInterrupt included
             error, value, has_value = format_error(e), None, False
+        if self.rich is not None:  # figures left open are shown; a figure value comes back as its image
+            value = self.rich.cell_value(value) if has_value and reply is None else value
+            self.rich.end_cell(cell_id)
         live.flush()  # the last progress report of the cell, held back by throttling
         result = P.Result(cell_id, "error" if error else "ok", has_value, error, time.perf_counter() - start)
         if reply is not None:

@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 
-from . import elastic_env, live, recovery
+from . import display, elastic_env, live, recovery
 from . import protocol as P
 from .config import RankConfig
 from .elastic_env import apply_thread_settings
@@ -62,6 +62,9 @@ def run_rank(config: RankConfig) -> int:
         code = 1
     else:
         rank.debugger.install()
+        rank.rich = display.Publisher(lambda msg, bufs: rank.send(msg, buffers=bufs), lambda: rank.current_cell,
+                                      lambda: rank.transfers.pool, lambda: rank.writes_records)
+        display.install(rank.rich, rank.ns.ns if rank.ns is not None else None)
         rank.serve()
     for stream in (sys.stdout, sys.stderr):
         try:

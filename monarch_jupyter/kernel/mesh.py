@@ -15,7 +15,7 @@ from typing import Any
 from monarch_worker import protocol as P
 from monarch_worker.serialize import dumps
 
-from ..errors import MeshError, MeshNotRunningError, MeshStartError
+from ..errors import MeshError, MeshNotRunningError
 from ..ranks import RankMap, format_ranks, parse_ranks
 from . import config, hints, registry, scripts
 from .cells import CellHandle
@@ -66,7 +66,7 @@ class Mesh:
             raise ValueError(f"nproc must be a positive number of ranks, got {nproc!r}")
         self.options = config.make_options(**options)
         if self.options.backend == "nccl":
-            _check_gpus(nproc)
+            config.check_gpus(nproc)
         join_launcher = launcher_for(launcher, nproc)
         if join_launcher is None and (self.options.address not in (None, "", "127.0.0.1", "localhost")
                                       or self.options.encrypt):
@@ -387,6 +387,13 @@ class Mesh:
         self._check_running()
         return self.parts.stacks.ask(ranks, timeout)
 
+    def complete(self, code: str, cursor_pos: int, rank: int = 0, *, inspect: bool = False,
+                 timeout: float = 0.5) -> Any:
+        """Completions of ``code`` at ``cursor_pos`` in ``rank``'s namespace, asked of its I/O thread (it answers while
+        the rank runs a cell): a ``CompleteReply`` (``matches``, ``cursor_start``, ``cursor_end``; ``text`` for
+        ``inspect``), or None when the rank is dead or did not answer within ``timeout`` seconds."""
+        return self.parts.completions.ask(rank, code, cursor_pos, inspect, timeout)
+
     def interrupt(self, ranks: str | int | Iterable[int] | None = None, *, force: bool = False,
                   grace: float | None = None) -> InterruptReport:
         """Interrupt what the chosen ranks run now: KeyboardInterrupt in their main thread; they keep their state.
@@ -435,15 +442,3 @@ class Mesh:
 
 config.add_option_attributes(Mesh)
 Mesh.__init__.__signature__ = config.mesh_signature(Mesh.__init__)  # type: ignore[attr-defined]
-
-
-def _check_gpus(nproc: int) -> None:
-    try:
-        import torch
-    except ImportError:
-        raise MeshStartError("backend 'nccl' needs torch with CUDA; torch is not importable here") from None
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if n < nproc:
-        raise MeshStartError(
-            f"backend 'nccl' needs one GPU per rank: {nproc} ranks but {n} CUDA device(s) visible; "
-            "use --backend gloo or fewer ranks")

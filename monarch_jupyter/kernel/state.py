@@ -89,6 +89,7 @@ class MeshState:
         self.ranks: dict[int, RankInfo] = {}
         self.cells: dict[int, CellHandle] = {}  # cells some rank has not finished (and blocking ones not yet read)
         self.last_cell: CellHandle | None = None  # output that belongs to no cell goes there
+        self.recent_cells: dict[int, CellHandle] = {}  # the last cells submitted, ended or not (late displays)
         self.running = False
         self.stopping = False  # exits now are expected (stop, restart): not reported as deaths
         self.launcher: Launcher | None = None
