@@ -403,11 +403,18 @@ def install(pub: Publisher, namespace: dict | None = None) -> None:
     if namespace is not None:
         for name, fn in (("display", display), ("update_display", update_display), ("clear_output", clear_output)):
             namespace.setdefault(name, fn)
-    if os.environ.get("MPLBACKEND", "") in ("", "module://matplotlib_inline.backend_inline"):
-        os.environ["MPLBACKEND"] = BACKEND
     from .hooks import after_import
 
+    # The backend is chosen when matplotlib is imported, not through MPLBACKEND: the rank's environment stays what
+    # torchrun would give it (docs/torchrun.md), and a backend the user's environment names wins.
+    if os.environ.get("MPLBACKEND", "") in ("", "module://matplotlib_inline.backend_inline"):
+        after_import("matplotlib", _use_rank_backend)
     after_import("IPython.core.display_functions", _patch_ipython)
+
+
+def _use_rank_backend(matplotlib: Any) -> None:
+    """matplotlib was just imported on this rank: draw with the rank's backend (figures become displays)."""
+    matplotlib.use(BACKEND)
 
 
 def _patch_ipython(module: Any) -> None:

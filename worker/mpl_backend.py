@@ -1,5 +1,5 @@
-"""The matplotlib backend of ranks (``MPLBACKEND=module://monarch_worker.mpl_backend``, set by
-``monarch_worker.display.install`` unless the rank's environment names another backend).
+"""The matplotlib backend of ranks (``module://monarch_worker.mpl_backend``: ``monarch_worker.display.install`` has
+matplotlib use it when it is imported, unless the rank's environment names another backend in MPLBACKEND).
 
 Figures draw on Agg canvases; ``plt.show()`` and the end of every cell show each open pyplot figure in the notebook
 cell as a PNG and close it (``display.Publisher.flush_figures``), as IPython's inline backend (matplotlib_inline)
