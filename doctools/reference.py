@@ -1,7 +1,8 @@
 """The magics and configuration references, generated from the code at build time.
 
 * Magics: every ``%mesh`` subcommand and ``%%mesh`` from the ``magic_arguments`` parsers of
-  ``monarch_jupyter.magics`` (flags, argument, default, choices, help), and ``%mesh inspect`` from its usage text.
+  ``monarch_jupyter.magics`` (flags, argument, default, choices, help); ``%mesh inspect`` and ``%mesh auto``, which
+  parse their line by hand, from their usage texts; ``%%local`` from its docstring.
 * Configuration: :func:`config_rows` reads the option declarations. Today they are the configurable traits of
   ``MeshMagics``; when the options move to one declaration, only that function changes.
 
@@ -83,13 +84,13 @@ def _option_row(parser: argparse.ArgumentParser, action: argparse.Action) -> Opt
     elif action.option_strings:
         argument = action.metavar or action.dest.upper()
     else:
-        argument = action.dest + (" ..." if action.nargs in ("+", "*") else "")
+        argument = action.dest + (" ..." if action.nargs in ("+", "*", argparse.REMAINDER) else "")
     default = action.default
     if action.nargs == 0 or default in (None, argparse.SUPPRESS) or (default == "" and action.option_strings):
         default_text = ""
     else:
         default_text = repr(default) if isinstance(default, str) else str(default)
-    required = bool(action.required) or (not action.option_strings and action.nargs not in ("?", "*"))
+    required = bool(action.required) or (not action.option_strings and action.nargs not in ("?", "*", argparse.REMAINDER))
     return OptionRow(action.dest, flags, argument, default_text, help_text, required)
 
 
@@ -98,28 +99,43 @@ def _parser_rows(func: Any) -> tuple[OptionRow, ...]:
     return tuple(_option_row(parser, a) for a in parser._actions if not isinstance(a, argparse._HelpAction))
 
 
-def _inspect_rows(usage: str) -> tuple[OptionRow, ...]:
+_USAGE_OPTION = re.compile(r"\s{2}(?P<flag>--?[\w-]+|[A-Za-z]+)(?:\s+(?P<arg>[A-Z]+))?(?:,\s*(?P<short>-\w)(?:\s+[A-Z]+)?)?"
+                           r"\s{2,}(?P<text>\S.*)$")
+
+
+def _usage_rows(usage: str) -> tuple[OptionRow, ...]:
+    """Option rows of a magic that parses its line by hand and documents it in a usage text (``%mesh inspect``,
+    ``%mesh auto``): one row per indented ``  FLAG [ARG][, -X]   help`` line."""
     rows = []
     for line in usage.splitlines():
-        m = re.match(r"\s+(--[\w-]+)(?:\s+([A-Z]+))?(?:,\s*(-\w)(?:\s+[A-Z]+)?)?\s{2,}(.*)$", line)
+        m = _USAGE_OPTION.match(line)
         if m:
-            flag, arg, short, text = m.groups()
+            flag, arg, short, text = m.group("flag"), m.group("arg"), m.group("short"), m.group("text")
             flags = f"{flag}, {short}" if short else flag
-            required = "(required)" in text
-            rows.append(OptionRow(flag.lstrip("-"), flags, arg or "", "", text, required))
-    rows.append(OptionRow("expr", "EXPR", "EXPR", "", "a Python expression: the rest of the line, verbatim", True))
+            rows.append(OptionRow(flag.lstrip("-").lower(), flags, arg or "", "", text, "(required)" in text))
     return tuple(rows)
 
 
+def _usage_row(name: str, usage: str, extra: tuple[OptionRow, ...] = ()) -> MagicRow:
+    """A magic documented by a usage text: its synopsis line, a paragraph (the summary), its option lines."""
+    para = [ln for ln in usage.split("\n\n")[1].splitlines() if not ln.startswith("  ")]
+    return MagicRow(name, " ".join(" ".join(para).split()), usage.splitlines()[0], _usage_rows(usage) + extra)
+
+
 def magic_rows() -> list[MagicRow]:
-    """Every ``%mesh`` subcommand (in ``SUBCOMMANDS`` order), then ``%%mesh``."""
+    """Every ``%mesh`` subcommand (in ``SUBCOMMANDS`` order), then ``%%mesh`` and ``%%local``."""
     import importlib
     import pkgutil
 
     from monarch_jupyter import magics
+    from monarch_jupyter.magics import auto as auto_magics
     from monarch_jupyter.magics import debug as debug_magics
 
-    # A subcommand's parser is MeshMagics._SUB or a function SUB of a module of monarch_jupyter.magics.
+    # A subcommand's parser is MeshMagics._SUB or a function SUB of a module of monarch_jupyter.magics; the two
+    # that parse their line by hand document it in a usage text instead.
+    expr = OptionRow("expr", "EXPR", "EXPR", "", "a Python expression: the rest of the line, verbatim", True)
+    by_hand = {"inspect": lambda: _usage_row("%mesh inspect", debug_magics.INSPECT_USAGE, (expr,)),
+               "auto": lambda: _usage_row("%mesh auto", auto_magics.USAGE)}
     modules = [importlib.import_module(f"{magics.__name__}.{m.name}") for m in pkgutil.iter_modules(magics.__path__)]
 
     def find(sub: str) -> Any:
@@ -128,13 +144,10 @@ def magic_rows() -> list[MagicRow]:
 
     rows = []
     for sub in magics.SUBCOMMANDS:
-        func = find(sub)
-        if sub == "inspect":
-            usage_text = debug_magics.INSPECT_USAGE
-            para = [ln for ln in usage_text.split("\n\n")[1].splitlines() if not ln.startswith("  ")]
-            usage, summary = usage_text.splitlines()[0], " ".join(" ".join(para).split())
-            rows.append(MagicRow("%mesh inspect", summary, usage, _inspect_rows(usage_text)))
+        if sub in by_hand:
+            rows.append(by_hand[sub]())
             continue
+        func = find(sub)
         if func is None or not hasattr(func, "parser"):
             raise LookupError(f"%mesh {sub}: no magic_arguments parser found (MeshMagics._{sub}, or {sub} in a "
                               "module of monarch_jupyter.magics); update doctools/reference.py")
@@ -143,6 +156,8 @@ def magic_rows() -> list[MagicRow]:
     cell = magics.MeshMagics._cell
     usage, summary = _split_synopsis(cell.parser.description or "")
     rows.append(MagicRow("%%mesh", summary, usage, _parser_rows(cell)))
+    usage, summary = _split_synopsis(magics.MeshMagics.local.__doc__ or "")
+    rows.append(MagicRow("%%local", summary, usage, ()))
     return rows
 
 

@@ -13,9 +13,19 @@ from typing import Any
 
 from IPython.core.error import UsageError
 
-__all__ = ["AutoMode", "PREFIX"]
+__all__ = ["AutoMode", "PREFIX", "USAGE"]
 
 PREFIX = "%%mesh"
+
+USAGE = """\
+%mesh auto [on [%%mesh options] | off]
+
+Run every following cell on the mesh as if it began with %%mesh; magics, shell escapes (!ls) and help requests
+(x?) still run in the kernel, and %%local runs one cell there.
+  on               turn auto mode on (the default when nothing follows auto)
+  off              turn it off: cells run in the kernel again
+  OPTIONS          %%mesh options every auto cell gets, after on or alone: --ranks 0 --no-widget
+"""
 
 
 class AutoMode:
@@ -51,6 +61,9 @@ class AutoMode:
 
     def command(self, rest: str) -> None:
         """``%mesh auto [on|off] [%%mesh options]``: switch the mode (no argument: on)."""
+        if rest.strip() in ("-h", "--help"):
+            print(USAGE)
+            return
         words = rest.split(None, 1)
         what = words[0] if words else "on"
         if what not in ("on", "off"):

@@ -9,7 +9,20 @@ def test_every_subcommand_and_the_cell_magic_are_documented() -> None:
     from monarch_jupyter import magics
 
     names = [row.name for row in reference.magic_rows()]
-    assert names == [f"%mesh {sub}" for sub in magics.SUBCOMMANDS] + ["%%mesh"]
+    assert names == [f"%mesh {sub}" for sub in magics.SUBCOMMANDS] + ["%%mesh", "%%local"]
+
+
+def test_magics_that_parse_by_hand_are_documented_from_the_usage_they_print(capsys) -> None:
+    from monarch_jupyter.magics.auto import USAGE, AutoMode
+
+    rows = {row.name: row for row in reference.magic_rows()}
+    assert rows["%mesh auto"].usage == USAGE.splitlines()[0]
+    assert [o.flags for o in rows["%mesh auto"].options] == ["on", "off", "OPTIONS"]
+    assert [o.flags for o in rows["%mesh inspect"].options] == ["--rank, -r", "--frame", "--timeout", "EXPR"]
+    assert rows["%%local"].usage == "%%local" and "in the kernel" in rows["%%local"].summary
+    auto = AutoMode(shell=None)
+    auto.command("--help")  # what the magics page says of every subcommand: --help prints its options
+    assert capsys.readouterr().out.strip() == USAGE.strip() and not auto.on
 
 
 def test_every_option_of_every_parser_is_in_the_magics_page() -> None:
