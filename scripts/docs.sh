@@ -2,9 +2,9 @@
 # Build the documentation site into site/: English at site/, Simplified Chinese at site/zh/, one search index for
 # both. Strict: a warning, a broken link or anchor, a missing reference or a missing Chinese page fails the build.
 # Installs what it needs on a fresh machine (torch's CPU build if no torch is installed, then this package with its
-# [docs] extra, and [lightning]: the API page documents the Lightning strategy's classes, built from Lightning's). Then, where headless Chromium and Playwright are installed (bash tests/browser/INSTALL.sh), it
-# takes screenshots of the getting-started page in both languages and checks that search answers in both, into
-# site/_artifacts/.
+# [docs] extra, and [lightning]: the API page documents the Lightning strategy's classes, built from Lightning's).
+# Then, where headless Chromium and Playwright are installed (bash tests/browser/INSTALL.sh), it takes screenshots
+# of the getting-started page in both languages and checks that search answers in both, into site/_artifacts/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
