@@ -1,59 +1,61 @@
-"""A griffe extension for the API page: public classes that exist only at run time.
+"""A griffe extension for the API page: public classes that the code builds at run time.
 
 ``monarch_jupyter.lightning`` builds ``MeshStrategy``, ``MeshFabricStrategy``, ``MeshEnvironment`` and the
-launchers on first access, as subclasses of the installed Lightning's classes, so that loading the extension never
-imports Lightning. Static analysis sees only the module's ``__getattr__``. This extension imports them (Lightning
-must be installed: ``pip install -e ".[docs,lightning]"``, which scripts/docs.sh does), inspects them with the
-docstring parser and extensions of the page, and adds them to the module as griffe sees it, so that
-``::: monarch_jupyter.lightning.MeshStrategy`` renders their docstrings and signatures. Nothing in the code changes.
+launchers on first access, inside the builder functions of ``strategies.py`` (as subclasses of the installed
+Lightning's classes, so that loading the extension never imports Lightning). Static analysis sees only the module's
+``__getattr__``. This extension reads those class definitions from the builders' source, as written, and adds them
+to the module as griffe sees it, so that ``::: monarch_jupyter.lightning.MeshStrategy`` renders their docstrings
+and signatures. Nothing is imported (the site builds without Lightning) and nothing in the code changes.
 """
 
 from __future__ import annotations
 
-import importlib
+import ast
+import textwrap
 from typing import Any
 
 import griffe
 
-RUNTIME_MODULES = ("monarch_jupyter.lightning",)
+# module as documented -> the file (beside its __init__.py) whose functions define its run-time classes
+RUNTIME_CLASSES = {"monarch_jupyter.lightning": "strategies.py"}
+
+
+def nested_classes(source: str) -> dict[str, str]:
+    """Class name -> dedented source of every class defined inside a top-level function of ``source``."""
+    tree = ast.parse(source)
+    out = {}
+    for func in tree.body:
+        if isinstance(func, ast.FunctionDef):
+            for node in ast.walk(func):
+                if isinstance(node, ast.ClassDef):
+                    segment = ast.get_source_segment(source, node, padded=True) or ""
+                    out[node.name] = textwrap.dedent(segment)
+    return out
+
+
+def public_names(init_source: str) -> list[str]:
+    """The names in ``__all__`` of a module's source."""
+    for node in ast.parse(init_source).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return [str(v) for v in ast.literal_eval(node.value)]
+    return []
 
 
 class RuntimeClasses(griffe.Extension):
     def on_module_members(self, *, mod: griffe.Module, agent: Any = None, **kwargs: Any) -> None:
-        if mod.path not in RUNTIME_MODULES:
+        builders = RUNTIME_CLASSES.get(mod.path)
+        if builders is None or mod.filepath is None or isinstance(mod.filepath, list):
             return
-        try:
-            module = importlib.import_module(mod.path)
-            names = [n for n in getattr(module, "__all__", ()) if n not in mod.members]
-            classes = {n: getattr(module, n) for n in names}
-        except ImportError as e:
-            raise ImportError(f"the API page documents {mod.path}, whose classes need Lightning: "
-                              f"pip install -e '.[docs,lightning]' ({e})") from e
-        classes = {n: c for n, c in classes.items() if isinstance(c, type)}
-        for cls in classes.values():
-            _own_names(cls)
-        inspected: dict[str, griffe.Module] = {}
-        for name, cls in classes.items():
-            where = cls.__module__
-            if where not in inspected:
-                inspected[where] = griffe.inspect(
-                    where, extensions=getattr(agent, "extensions", None),
-                    docstring_parser=getattr(agent, "docstring_parser", None),
-                    docstring_options=getattr(agent, "docstring_options", None))
-            obj = inspected[where].members.get(name)
-            if isinstance(obj, griffe.Class):
-                mod.set_member(name, obj)
-
-
-def _own_names(cls: type) -> None:
-    """Give the functions of ``cls`` the module and qualified name of the class as it is published.
-
-    The classes are defined inside a builder function, so their methods are named ``build_trainer.<locals>.
-    MeshStrategy.__init__`` in ``strategies``; griffe's inspector takes a member named elsewhere for an alias of
-    something it cannot find. Done in the docs build's own process only.
-    """
-    for attr, value in vars(cls).items():
-        for fn in (value, getattr(value, "__func__", None), getattr(value, "fget", None)):
-            if callable(fn) and "<locals>" in getattr(fn, "__qualname__", ""):
-                fn.__qualname__ = f"{cls.__qualname__}.{attr}"
-                fn.__module__ = cls.__module__
+        folder = mod.filepath.parent
+        path = folder / builders
+        classes = nested_classes(path.read_text(encoding="utf-8"))
+        wanted = [n for n in public_names(mod.filepath.read_text(encoding="utf-8"))
+                  if n in classes and n not in mod.members]
+        if not wanted:
+            return
+        visited = griffe.visit(f"{mod.path}._runtime", filepath=path, code="\n\n".join(classes[n] for n in wanted),
+                               extensions=getattr(agent, "extensions", None),
+                               docstring_parser=getattr(agent, "docstring_parser", None),
+                               docstring_options=getattr(agent, "docstring_options", None))
+        for name in wanted:
+            mod.set_member(name, visited.members[name])

@@ -11,6 +11,8 @@ Every fenced block of a checked page (getting started, guides) is one of:
                            multiset of lines (ranks' lines interleave in any order); with
                            ``<!-- output: digits vary -->`` before it, every run of digits is masked and runs
                            of blanks are squeezed first (timings). The live dashboard's display is not output here.
+                           A cell that raises must show its error this way: an error in a cell without a
+                           ``text`` block fails the page (:func:`mismatch`).
 any block after            not run, and the page shows why (:mod:`doctools.hooks`)
 ``<!-- norun: REASON -->``
 
@@ -43,6 +45,7 @@ class Block:
     expected: str | None = None
     digits_vary: bool = False
     actual: str = field(default="", compare=False)
+    error: str = field(default="", compare=False)  # the exception a cell raised ("" when none)
 
 
 def _dedent(lines: list[str], indent: str) -> str:
@@ -108,8 +111,12 @@ def _lines(text: str, digits_vary: bool) -> collections.Counter[str]:
 
 
 def mismatch(block: Block) -> str | None:
-    """None when the block's actual output matches the page, else a readable difference."""
+    """None when the block's actual output matches the page, else a readable difference. A cell that raised matches
+    only an expected output (which then shows the error), so a failing cell with no output on the page is caught."""
     if block.expected is None:
+        if block.error:
+            return (f"block at line {block.line} ({block.kind}) raised {block.error}, and the page shows no output "
+                    f"for it\n--- run output ---\n{block.actual}")
         return None
     want, got = _lines(block.expected, block.digits_vary), _lines(block.actual, block.digits_vary)
     if want == got:
@@ -159,6 +166,8 @@ def run(blocks_: list[Block], workdir: Path, timeout: float = 300.0, env: dict[s
             os.environ.update(saved)
         for b, cell in zip(cells, nb.cells, strict=True):
             b.actual = _cell_output(cell.get("outputs", []))
+            b.error = next((f"{o.get('ename')}: {o.get('evalue')}" for o in cell.get("outputs", [])
+                            if o.get("output_type") == "error"), "")
     for b in blocks_:
         if b.kind == "shell":
             path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])

@@ -2,16 +2,16 @@
 # Build the documentation site into site/: English at site/, Simplified Chinese at site/zh/, one search index for
 # both. Strict: a warning, a broken link or anchor, a missing reference or a missing Chinese page fails the build.
 # Installs what it needs on a fresh machine (torch's CPU build if no torch is installed, then this package with its
-# [docs] extra, and [lightning]: the API page documents the Lightning strategy's classes, built from Lightning's).
-# Then, where headless Chromium and Playwright are installed (bash tests/browser/INSTALL.sh), it takes screenshots
-# of the getting-started page in both languages and checks that search answers in both, into site/_artifacts/.
+# [docs] extra). Then, where headless Chromium and Playwright are installed (bash tests/browser/INSTALL.sh), it
+# takes screenshots of the getting-started page in both languages and checks that search answers in both, into
+# site/_artifacts/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q "torch==2.13.0"
 fi
-"$PY" -m pip install -q -e ".[docs,lightning]"
+"$PY" -m pip install -q -e ".[docs]"
 export NO_MKDOCS_2_WARNING=1
 # nbconvert's templates live under the interpreter's share/jupyter; a venv made with --system-site-packages has
 # the packages but not that folder, so point Jupyter at the base interpreter's one as well.
