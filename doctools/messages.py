@@ -1,9 +1,9 @@
 """Check that the messages the troubleshooting page shows are messages the code still produces.
 
 Every string literal of the product's modules (``monarch_jupyter``, ``worker``, ``shim``) is a template: its
-literal parts, with ``.+`` where an f-string puts a value. A message shown on the page (the first line of each
-``text`` block of docs/troubleshooting.md) passes when some template of at least ``MIN_LITERAL`` literal
-characters matches inside it. Blocks after ``<!-- message: external -->`` show messages of other software
+literal parts, with ``.+`` where an f-string (or a ``str.format`` field) puts a value. A message shown on the page
+(the first line of each ``text`` block of docs/troubleshooting.md) passes when some template of at least
+``MIN_LITERAL`` literal characters matches inside it. Blocks after ``<!-- message: external -->`` show messages of other software
 (IPython, torch) and are skipped.
 """
 
@@ -20,6 +20,7 @@ PAGE = ROOT / "docs" / "troubleshooting.md"
 MIN_LITERAL = 20
 EXTERNAL = "<!-- message: external -->"
 HOLE = "\x00"
+FORMAT_FIELD = re.compile(r"\{[A-Za-z_]\w*(?:![rsa])?(?::[^{}]*)?\}")
 
 
 def _template(node: ast.AST) -> str | None:
@@ -55,6 +56,9 @@ def templates() -> tuple[tuple[re.Pattern[str], int], ...]:
                 t = _template(node)
                 if t is not None:
                     add(t)
+                    if isinstance(node, ast.Constant) and FORMAT_FIELD.search(t):
+                        t = FORMAT_FIELD.sub(HOLE, t)  # a str.format template: its fields are holes too
+                        add(t)
                     # the parts of a message split by "\n" are shown on lines of their own
                     for part in t.split("\n"):
                         add(part)

@@ -25,3 +25,11 @@ def test_a_message_that_is_not_in_the_code_is_caught(tmp_path) -> None:
 def test_every_usage_error_of_the_magics_is_on_the_page() -> None:
     missing = messages.undocumented_usage_errors()
     assert not missing, "add these UsageError messages to docs/troubleshooting.md (and .zh.md):\n" + "\n".join(missing)
+
+
+def test_a_str_format_template_matches_with_its_fields_filled(tmp_path) -> None:
+    # monarch_worker.scripts.NO_INIT_NOTE is filled with .format(target=...), not an f-string
+    page = tmp_path / "t.md"
+    page.write_text("```text\nmonarch: train.py ran collectives without calling torch.distributed.init_process_group(); "
+                    "on the mesh they used the mesh's process group\n```\n")
+    assert not messages.unknown_messages(page)
