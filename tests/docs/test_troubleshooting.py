@@ -28,8 +28,8 @@ def test_every_usage_error_of_the_magics_is_on_the_page() -> None:
 
 
 def test_a_str_format_template_matches_with_its_fields_filled(tmp_path) -> None:
-    # monarch_worker.scripts.NO_INIT_NOTE is filled with .format(target=...), not an f-string
+    from monarch_worker.scripts import NO_INIT_NOTE  # filled with .format(target=...), not an f-string
+
     page = tmp_path / "t.md"
-    page.write_text("```text\nmonarch: train.py ran collectives without calling torch.distributed.init_process_group(); "
-                    "on the mesh they used the mesh's process group\n```\n")
+    page.write_text(f"```text\n{NO_INIT_NOTE.format(target='train.py').strip()}\n```\n")
     assert not messages.unknown_messages(page)
