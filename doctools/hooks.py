@@ -10,6 +10,8 @@
   ``<!-- mj:config-mesh -->``, ``<!-- mj:config-magics -->``  the tables of docs/configuration.md (which the
                               code generates in English) from the option declarations, for the Chinese page
   ``<!-- norun: REASON -->``  before a code block: a visible note that CI does not run that block, and why
+* Chinese pages lose the line breaks between two Chinese characters, which Markdown would show as spaces
+  (:mod:`doctools.cjk`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # hooks are loaded by path; make `doctools` importable beside them
     sys.path.insert(0, str(ROOT))
 
-from doctools import notebooks, reference  # noqa: E402
+from doctools import cjk, notebooks, reference  # noqa: E402
 
 log = logging.getLogger("mkdocs.hooks.doctools")
 
@@ -52,7 +54,10 @@ def on_files(files: Any, config: Any) -> Any:
 
 
 def expand(markdown: str, lang: str) -> str:
-    """The page's Markdown with the markers replaced (also used by the tests)."""
+    """The page's Markdown with the markers replaced (also used by the tests); in Chinese, without the line breaks
+    that would show as gaps between Chinese characters (:mod:`doctools.cjk`)."""
+    if lang == "zh":
+        markdown = cjk.join_lines(markdown)
     if "<!-- mj:magics -->" in markdown:
         markdown = markdown.replace("<!-- mj:magics -->", reference.render_magics(lang))
     for scope in ("mesh", "magics"):

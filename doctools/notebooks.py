@@ -20,6 +20,8 @@ from typing import Any
 
 import yaml
 
+from doctools import cjk
+
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = ROOT / "notebooks"
 TABLES = ROOT / "docs" / "i18n" / "zh" / "notebooks"
@@ -81,7 +83,7 @@ def translate(nb: dict[str, Any], table: dict[str, Any]) -> dict[str, Any]:
             continue
         entry = table.get(cell.get("id") or str(i))
         if entry and str(entry.get("zh") or "").strip() and entry.get("en_sha") == sha(source_text(cell)):
-            cell["source"] = str(entry["zh"]).rstrip("\n")
+            cell["source"] = cjk.join_lines(str(entry["zh"]).rstrip("\n"))
     out.setdefault("metadata", {})["language_info"] = dict(out["metadata"].get("language_info") or {})
     return out
 

@@ -86,9 +86,14 @@ def test_generated_references_are_on_the_pages(site: Path) -> None:
     for lang in ("en", "zh"):
         api = _html(site, "api", lang)
         for obj in ("Mesh", "Mesh.run", "Mesh.push", "Mesh.interrupt", "CellHandle.result", "RankMap", "current_mesh",
-                    "errors.MeshError", "errors.RankDiedError", "errors.MeshTimeoutError"):
+                    "errors.MeshError", "errors.RankDiedError", "errors.MeshTimeoutError", "Mesh.run_script",
+                    "Mesh.complete", "Mesh.generation", "lightning.MeshStrategy", "lightning.MeshFabricStrategy",
+                    "lightning.MeshEnvironment", "lightning.errors.MeshLightningError",
+                    "lightning.errors.TrainingInterrupted"):
             assert f'id="monarch_jupyter.{obj}"' in api, (lang, obj)
-        assert 'id="monarch_worker.progress"' in api
+        for obj in ("progress", "group.MeshGroupError", "scripts.ScriptExit"):
+            assert f'id="monarch_worker.{obj}"' in api, (lang, obj)
+    assert "%mesh run" in magics and "%mesh auto" in magics and "%%local" in magics
 
 
 def test_norun_blocks_say_why(site: Path) -> None:

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from doctools import notebooks, reference, runner, structure
+from doctools import cjk, hooks, notebooks, reference, runner, structure
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = structure.pages()
 # Pages whose every code block runs in CI (tests/docs/test_pages.py) or is marked not runnable, with the reason.
 CHECKED_PAGES = ("getting_started.md", "guide_torchrun_slurm.md", "guide_mixed_precision.md",
-                 "guide_data_loading.md")
+                 "guide_data_loading.md", "torchrun.md", "lightning.md", "live_view.md")
 
 
 def test_the_docs_have_pages() -> None:
@@ -96,6 +96,39 @@ def test_every_code_block_of_the_checked_pages_runs_or_says_why_not(name: str) -
         blocks, problems = runner.blocks(path.read_text(encoding="utf-8"))
         assert not problems, f"{path.name}:\n" + "\n".join(problems)
         assert any(b.kind == "cell" for b in blocks)
+
+
+def test_a_cell_that_raises_fails_its_page_unless_the_page_shows_the_error() -> None:
+    blocks, problems = runner.blocks("```python\n1 / 0\n```\n\n```python\nraise SystemExit(3)\n```\n\n```text\n"
+                                     "SystemExit: 3\n```\n")
+    assert not problems and [b.expected for b in blocks] == [None, "SystemExit: 3"]
+    blocks[0].error, blocks[0].actual = "ZeroDivisionError: division by zero", "ZeroDivisionError: division by zero"
+    blocks[1].error, blocks[1].actual = "SystemExit: 3", "SystemExit: 3\n"
+    assert "raised ZeroDivisionError" in (runner.mismatch(blocks[0]) or "")
+    assert runner.mismatch(blocks[1]) is None  # shown on the page: compared like any output
+
+
+def test_the_api_page_finds_the_classes_the_lightning_module_builds_at_run_time() -> None:
+    import griffe
+
+    from doctools.griffe_runtime import RuntimeClasses
+
+    pkg = griffe.load("monarch_jupyter", extensions=griffe.load_extensions(RuntimeClasses()),
+                      docstring_parser="numpy")
+    lightning = pkg["lightning"]
+    init = lightning["MeshStrategy"]["__init__"]
+    assert [p.name for p in init.parameters] == ["self", "mesh", "live_view", "progress", "kwargs"]
+    assert "DDP on the ranks" in lightning["MeshFabricStrategy"].docstring.value
+    assert lightning["MeshEnvironment"].docstring is not None
+
+
+def test_chinese_line_breaks_between_chinese_characters_do_not_become_spaces() -> None:
+    page = ("## 标题 {#title}\n这一段\n被折行了，还有 `code`\n和 words\n继续。\n\n- 第一行，\n  第二行。\n\n"
+            "```python\n# 注释，\n# 不动\n```\n")
+    assert cjk.join_lines(page) == ("## 标题 {#title}\n这一段被折行了，还有 `code`\n和 words\n继续。\n\n- 第一行，第二行。\n\n"
+                                    "```python\n# 注释，\n# 不动\n```\n")
+    zh = structure.translation(structure.DOCS / "torchrun.md").read_text(encoding="utf-8")
+    assert "用相同的线程数运行 torch" not in zh and "用相同的线程数运行 torch" in hooks.expand(zh, "zh")
 
 
 def test_readmes_link_both_languages() -> None:
