@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterator
 
 import pytest
 import zmq
@@ -15,6 +16,14 @@ from monarch_jupyter import Mesh
 from monarch_jupyter.kernel import lograte
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def mesh() -> Iterator[Mesh]:
+    """A mesh of its own (the session's is stopped by tests/integration/test_magics.py's unload_ext, which runs
+    after this module)."""
+    with Mesh(2, start_timeout=120) as m:
+        yield m
 
 
 def test_a_flood_of_forged_messages_is_rejected_and_logged_at_a_bounded_rate(
@@ -45,4 +54,4 @@ def test_a_flood_of_forged_messages_is_rejected_and_logged_at_a_bounded_rate(
     counts = [r.getMessage() for r in caplog.records]
     lograte.REJECTED.flush(now + 3 * lograte.REJECTED.period)  # a calm minute after it: the next flood logs again
     assert len(counts) == 1 and f"more {what} in the last 60 s" in counts[0], counts
-    assert mesh.run("rank * 2") == {0: 0, 1: 2, 2: 4, 3: 6}  # the mesh is still fine
+    assert mesh.run("rank * 2") == {0: 0, 1: 2}  # the mesh is still fine
