@@ -14,10 +14,10 @@ __all__ = [
     "Exec", "Call", "Interrupt", "StacksRequest", "Abort", "Regroup", "Ping", "Rejected", "Shutdown", "Result",
     "Stream", "Stacks", "Progress", "Heartbeat", "Push", "Pull", "PullReply", "ShmRelease", "DebugOutput",
     "DebugPrompt", "DebugResumed", "DebugInput", "DebugPostMortem", "Inspect", "DebugClear", "DebugReply",
-    "Goodbye",
+    "Goodbye", "Display", "Complete", "CompleteReply",
 ]
 
-PROTOCOL_VERSION = 2  # checked at the handshake (Hello); raise it when a message changes
+PROTOCOL_VERSION = 4  # checked at the handshake (Hello); raise it when a message changes
 
 # ``payload`` fields carry user values and travel pickled outside the header.
 
@@ -67,7 +67,9 @@ class Welcome(Message):
     ``master_addr``, or, when ``master_addr`` is empty, on its own address toward the controller, and to answer
     ``StoreReady``; -1 means the launcher's own rendezvous (MASTER_ADDR/MASTER_PORT in the rank's environment,
     torch's ``env://``). ``settings`` are RankConfig fields a joined rank takes from the controller (backend,
-    timeouts, env).
+    timeouts, env). ``elastic``: what torchrun's agent would export that only the controller knows
+    (``group_rank``, ``group_world_size``: this rank's host among the mesh's hosts; ``run_id``), see
+    monarch_worker.elastic_env.
     """
 
     TYPE: ClassVar[str] = "welcome"
@@ -78,6 +80,7 @@ class Welcome(Message):
     master_addr: str
     master_port: int
     settings: dict = field(default_factory=dict)
+    elastic: dict = field(default_factory=dict)
 
 
 @_register
@@ -291,12 +294,14 @@ class Progress(Message):
 @dataclass(frozen=True)
 class Heartbeat(Message):
     """Rank -> controller: alive. Memory in bytes: ``rss`` (resident set size of the process) and, once the rank
-    uses CUDA, ``cuda_allocated`` / ``cuda_reserved`` (torch's caching allocator on the rank's device)."""
+    uses CUDA, ``cuda_allocated`` / ``cuda_reserved`` (torch's caching allocator on the rank's device). ``group``:
+    the backend of the rank's default process group ("" when it has none)."""
 
     TYPE: ClassVar[str] = "heartbeat"
     rss: int = 0
     cuda_allocated: int = 0
     cuda_reserved: int = 0
+    group: str = ""
 
 
 # ---- transfers of values between the notebook and the ranks (see monarch_worker.transfer)
@@ -462,6 +467,8 @@ class DebugReply(Message):
     state: str = ""
     where: str = ""
     cell_id: int = -1
+
+
 @_register
 @dataclass(frozen=True)
 class Goodbye(Message):
@@ -470,3 +477,59 @@ class Goodbye(Message):
 
     TYPE: ClassVar[str] = "goodbye"
     returncode: int = 0
+
+
+# ---- rich output and completion (see monarch_worker.display, monarch_jupyter.kernel.display)
+
+
+@_register
+@dataclass(frozen=True)
+class Display(Message):
+    """Rank -> controller: rich output of cell ``cell_id`` (``display()``, ``update_display()``,
+    ``clear_output()``, matplotlib figures), republished in the notebook as display_data, update_display_data or
+    clear_output.
+
+    ``kind`` is "display", "update" or "clear" (``wait``: clear when the next output comes). ``data`` maps text
+    MIME types to their text (JSON-valued types, named in ``json``, as JSON text); each MIME type named in
+    ``binary`` (image/png, ...) has its raw bytes, not base64, in one out-of-band buffer, in order, or, for
+    large ones from a local rank, at ``layout`` offsets of the shared memory segment ``shm``
+    (monarch_worker.shm). ``metadata`` is JSON text.
+    """
+
+    TYPE: ClassVar[str] = "display"
+    cell_id: int
+    kind: str = "display"
+    data: dict = field(default_factory=dict)
+    json: list = field(default_factory=list)
+    binary: list = field(default_factory=list)
+    metadata: str = "{}"
+    display_id: str = ""
+    wait: bool = False
+    shm: dict | None = None
+
+
+@_register
+@dataclass(frozen=True)
+class Complete(Message):
+    """Controller -> rank (I/O thread, answered while the main thread is busy): complete, or (``inspect``)
+    describe, the name at ``cursor_pos`` of ``code`` in the rank's namespace."""
+
+    TYPE: ClassVar[str] = "complete"
+    request_id: int
+    code: str
+    cursor_pos: int
+    inspect: bool = False
+
+
+@_register
+@dataclass(frozen=True)
+class CompleteReply(Message):
+    """Rank -> controller: ``matches`` replace ``code[cursor_start:cursor_end]``; for an inspection, ``text`` is
+    the object's signature and docstring ("" when the name is not found)."""
+
+    TYPE: ClassVar[str] = "complete_reply"
+    request_id: int
+    matches: list = field(default_factory=list)
+    cursor_start: int = 0
+    cursor_end: int = 0
+    text: str = ""

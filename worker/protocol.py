@@ -44,6 +44,8 @@ from .messages import (
     PROTOCOL_VERSION,
     Abort,
     Call,
+    Complete,
+    CompleteReply,
     DebugClear,
     DebugInput,
     DebugOutput,
@@ -51,6 +53,7 @@ from .messages import (
     DebugPrompt,
     DebugReply,
     DebugResumed,
+    Display,
     Exec,
     Goodbye,
     Heartbeat,
@@ -82,7 +85,7 @@ __all__ = [
     "Ready", "StartFailed", "Exec", "Call", "Interrupt", "StacksRequest", "Abort", "Regroup", "Ping", "Rejected",
     "Shutdown", "Result", "Stream", "Stacks", "Progress", "Heartbeat", "Push", "Pull", "PullReply", "ShmRelease",
     "DebugOutput", "DebugPrompt", "DebugResumed", "DebugInput", "DebugPostMortem", "Inspect", "DebugClear",
-    "DebugReply", "Goodbye",
+    "DebugReply", "Goodbye", "Display", "Complete", "CompleteReply",
 ]
 
 MAGIC = b"MJ\x01"
@@ -227,7 +230,7 @@ RECORD_BODY_START = _FRAME_LEN.pack(len(MAGIC)) + MAGIC
 
 def record_types() -> tuple[type[Message], ...]:
     """The messages a rank's main thread sends as records (their kernel handlers may run on any thread)."""
-    return (Result, Progress, DebugOutput, DebugPrompt, DebugResumed)
+    return (Result, Progress, DebugOutput, DebugPrompt, DebugResumed, Display)
 
 
 def pack_frames(frames: list) -> bytes:

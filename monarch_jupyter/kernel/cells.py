@@ -79,7 +79,7 @@ class CellHandle:
         self.keep_outcome = False  # a handle the caller holds (block=False): result() may be asked again
         self.tracks_failures = True  # its failures are the ones post-mortem opens (not a post-mortem's own)
         self.final: tuple[Any, BaseException | None] | None = None  # the outcome, once computed
-        self._lines: list[tuple[int, str, str]] = []
+        self._lines: list[tuple[int, str, Any]] = []
         self._held: dict[int, list] = {r: [] for r in ranks}  # order == "rank": lines not yet released
         self._wake = threading.Condition(state.lock)  # notified when lines arrive for a waiter, or when done
         self._waiting = False
@@ -91,7 +91,7 @@ class CellHandle:
         """Every rank finished it (under the lock, or as a snapshot)."""
         return len(self.finished) == len(self.ranks)
 
-    def emit(self, rank: int, stream: str, text: str) -> None:
+    def emit(self, rank: int, stream: str, text: Any) -> None:
         """Under the lock: a line the cell's ``rank`` wrote; written now unless someone waits for the cell."""
         if self.order == "rank" and not self._released(rank):
             self._held[rank].append((rank, stream, text))
@@ -160,7 +160,7 @@ class CellHandle:
         if not self._lines and not self.all_done:
             self._wake.wait(timeout)
 
-    def pop_lines(self) -> list[tuple[int, str, str]]:
+    def pop_lines(self) -> list[tuple[int, str, Any]]:
         """Under the lock: the lines collected for the waiter, now taken."""
         lines, self._lines = self._lines, []
         return lines
@@ -178,7 +178,7 @@ class CellHandle:
         """A thread waits for the cell now (it writes the cell's lines; a snapshot)."""
         return self._waiting
 
-    def take_lines(self) -> list[tuple[int, str, str]]:
+    def take_lines(self) -> list[tuple[int, str, Any]]:
         """The lines collected for the waiter, now taken (takes the lock)."""
         with self._state.lock:
             return self.pop_lines()
@@ -225,6 +225,10 @@ class CellTable:
     def get(self, cell_id: int) -> CellHandle | None:
         """Under the lock: the cell, while some rank has not finished it."""
         return self.state.cells.get(cell_id)
+
+    def lookup(self, cell_id: int) -> CellHandle | None:
+        """Under the lock: the cell, also after it ended (one of the last cells submitted), else None."""
+        return self.state.cells.get(cell_id) or self.state.recent_cells.get(cell_id)
 
     def on_result(self, rank: int, msg: P.Result, payload: bytes, bufs: list) -> None:
         """A rank's Result (I/O thread or output reader): its value is unpickled here, outside the lock."""

@@ -11,6 +11,7 @@ import codecs
 import contextvars
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from monarch_worker import protocol as P
 
@@ -169,9 +170,28 @@ def _terminal_view(line: str) -> str:
     return line
 
 
-def write_lines(lines: list[tuple[int, str, str]], ctx: contextvars.Context | None = None) -> None:
-    """Write (rank, stream, text) lines to sys.stdout / sys.stderr, labelled, inside ``ctx`` if given."""
+def write_lines(lines: list[tuple[int, str, Any]], ctx: contextvars.Context | None = None) -> None:
+    """Write (rank, stream, text) lines to sys.stdout / sys.stderr, labelled, inside ``ctx`` if given.
+
+    An item whose stream is "display" carries a rich output (``kernel.rich.RichOutput``) in place of the text: it
+    is published there, in order with the lines around it.
+    """
     if not lines:
+        return
+    if any(stream == "display" for _, stream, _ in lines):
+        def write_all() -> None:
+            start = 0
+            for i, (_, stream, item) in enumerate(lines):
+                if stream == "display":
+                    write_lines(lines[start:i])
+                    item.publish()
+                    start = i + 1
+            write_lines(lines[start:])
+
+        if ctx is None:
+            write_all()
+        else:
+            ctx.run(write_all)
         return
 
     def write() -> None:
