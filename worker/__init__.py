@@ -7,7 +7,8 @@ ipywidgets or monarch_jupyter. Start a rank that joins a listening controller wi
 from __future__ import annotations
 
 from .live import progress
+from .reaper import keep_alive
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "progress"]
+__all__ = ["__version__", "progress", "keep_alive"]

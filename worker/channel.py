@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import queue
+import threading
 from typing import Any
 
 import zmq
@@ -25,13 +26,17 @@ class _WakeQueue:
         self.wake_fd, self._wake_w = os.pipe()
         os.set_blocking(self.wake_fd, False)
         os.set_blocking(self._wake_w, False)
+        self._closing = threading.Lock()  # a put never writes to a descriptor that close() gave back
 
     def put(self, item: Any) -> None:
         self._q.put(item)
-        try:
-            os.write(self._wake_w, b"\0")
-        except BlockingIOError:
-            pass  # the pipe already holds wake-ups
+        with self._closing:
+            if self._wake_w < 0:
+                return  # closed: nobody waits on it any more
+            try:
+                os.write(self._wake_w, b"\0")
+            except BlockingIOError:
+                pass  # the pipe already holds wake-ups
 
     def clear_wake(self) -> None:
         """Consume the wake-ups ``wake_fd`` holds (look for items after: one put meanwhile has lost its own)."""
@@ -48,11 +53,15 @@ class _WakeQueue:
             return None
 
     def close(self) -> None:
-        for fd in (self.wake_fd, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        with self._closing:
+            fds, self._wake_w = (self.wake_fd, self._wake_w), -1
+        for fd in fds:
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self.wake_fd = -1
 
 
 class Outbox(_WakeQueue):

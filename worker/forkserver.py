@@ -13,7 +13,8 @@ drains the rank's pipes before it acts on that status. Each rank's work pipe (pr
 way, from the kernel, with the spawn request.
 
 It exits, killing every rank, when the kernel closes the control socket or when its parent process changes (the
-kernel died), so no rank outlives the notebook kernel.
+kernel died), so no rank outlives the notebook kernel. Nor does anything a rank started: the fork server is a child
+subreaper and ends the process tree of every rank that is gone (reaper.py).
 
 Control channel: the kernel passes one end of a Unix socket pair as fd 0; it carries the frames of
 protocol.FORK_SERVER_HEADER both ways, and file descriptors with them. It is moved away from fd 0 at once.
@@ -29,9 +30,9 @@ import select
 import signal
 import socket
 import sys
-import time
 
 from . import protocol as P
+from .reaper import ProcessTrees, become_rank
 
 PR_SET_PDEATHSIG = 1
 
@@ -51,6 +52,7 @@ class ForkServer:
         self.received_fds: list[int] = []  # work pipes handed over with SCM_RIGHTS, in the order of the spawns
         self.parent = os.getppid()
         self.children: dict[int, int] = {}  # pid -> spawn id
+        self.trees = ProcessTrees(os.getpid())  # subreaper from now on: what ranks leave behind comes back here
         self.buf = b""
         self.pending: list[tuple[bytes, tuple[int, ...]]] = []  # frames for the kernel, with fds to hand over
         self.sig_r, self.sig_w = os.pipe()
@@ -83,7 +85,7 @@ class ForkServer:
         pid = os.fork()
         if pid == 0:  # the rank
             try:
-                self._become_rank(req, out_w, err_w, work_r)
+                self._become_rank(req, out_w, err_w, work_r, sid)
             finally:
                 os._exit(1)
         os.close(out_w)
@@ -93,7 +95,7 @@ class ForkServer:
         self.children[pid] = sid
         self.emit(P.fork_server_json(P.FS_SPAWNED, sid, {"pid": pid}), (out_r, err_r))
 
-    def _become_rank(self, req: dict, out_w: int, err_w: int, work_r: int) -> None:
+    def _become_rank(self, req: dict, out_w: int, err_w: int, work_r: int, sid: int) -> None:
         signal.set_wakeup_fd(-1)
         for sig in (signal.SIGCHLD, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)
@@ -111,6 +113,7 @@ class ForkServer:
         os.closerange(P.WORK_FD + 1 if work_r >= 0 else 3, 65536)
         os.environ.clear()
         os.environ.update(req["env"])
+        become_rank(self.trees.tag(sid))  # a session of its own, tagged: reaper.py finds what it leaves behind
         try:
             os.chdir(req["cwd"])
         except OSError:
@@ -131,18 +134,22 @@ class ForkServer:
                     pass
 
     def reap(self) -> None:
-        while self.children:
+        exited = False
+        while True:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
-                return
+                break
             if pid == 0:
-                return
+                break
             sid = self.children.pop(pid, None)
             if sid is None:
-                continue
+                continue  # a process a rank left behind, reparented here (reaper.py)
+            exited = True
             code = os.waitstatus_to_exitcode(status)
             self.emit(P.fork_server_json(P.FS_EXITED, sid, {"returncode": code, "pid": pid}))
+        if exited:  # before the exit is reported: what the rank left behind is gone when the kernel hears of it
+            self.trees.sweep(dict(self.children))
 
     def handle_control(self) -> None:
         try:
@@ -167,13 +174,7 @@ class ForkServer:
 
     def shutdown(self, code: int) -> None:
         self.kill(-1, signal.SIGKILL)
-        deadline = time.monotonic() + 5
-        while self.children and time.monotonic() < deadline:
-            try:
-                pid, _ = os.waitpid(-1, 0)
-                self.children.pop(pid, None)
-            except ChildProcessError:
-                break
+        self.trees.end_all()  # the ranks and everything they started (but processes kept on purpose), reaped
         os._exit(code)
 
     def serve(self) -> None:

@@ -43,10 +43,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["prepare_process", "GroupSockets", "abort_communicators", "destroy_group", "regroup",
+__all__ = ["prepare_process", "flush_c_stdio", "GroupSockets", "abort_communicators", "destroy_group", "regroup",
            "last_collective"]
 
 _IOLBF = 1  # setvbuf mode: line buffered (glibc value)
+_fflush = None  # libc's fflush, once prepare_process found it
 
 
 def prepare_process() -> None:
@@ -55,11 +56,20 @@ def prepare_process() -> None:
         faulthandler.enable(file=sys.stderr, all_threads=False)
     except (RuntimeError, ValueError, OSError):
         pass  # stderr without a file descriptor
+    global _fflush
     try:
         libc = ctypes.CDLL(None)
+        _fflush = libc.fflush
         libc.setvbuf(ctypes.c_void_p.in_dll(libc, "stdout"), None, _IOLBF, 0)
     except (OSError, AttributeError, ValueError):
         pass  # not glibc: C stdout keeps its default buffering
+
+
+def flush_c_stdio() -> None:
+    """``fflush(NULL)``: what C code wrote through stdio and did not flush (a ``printf`` without a newline) goes to
+    its file descriptor now. Called at the end of every cell, before its result, so that it shows in that cell."""
+    if _fflush is not None:
+        _fflush(None)
 
 
 _TCP_LISTEN = "0A"  # socket state in /proc/net/tcp

@@ -457,6 +457,7 @@ class Rank:
                 stream.flush()
             except Exception:  # noqa: BLE001 - a user may have replaced or closed it
                 pass
+        recovery.flush_c_stdio()  # C stdio too: a printf without a newline belongs to this cell
 
     def _sync_output(self, cell_id: int) -> None:
         self._flush_std_streams()

@@ -71,6 +71,7 @@ def run_rank(config: RankConfig) -> int:
             stream.flush()
         except Exception:  # noqa: BLE001 - a user may have replaced or closed it
             pass
+    recovery.flush_c_stdio()  # os._exit does not flush C stdio
     if relay is not None:
         relay.flush(1.0)
     rank.send(P.Goodbye(returncode=code))

@@ -58,8 +58,10 @@ class Dispatcher:
         self._pipes_waiting: set[WorkPipe] = set()  # work pipes with bytes the I/O thread still has to write
 
     def new_generation(self, secret: bytes) -> None:
-        """A start or restart: a fresh outbox and a signer for the new secret."""
-        self.outbox = Outbox()
+        """A start or restart: a fresh outbox and a signer for the new secret (the last generation's I/O thread
+        has stopped: its outbox, and the wake-up pipe it holds, are closed)."""
+        old, self.outbox = self.outbox, Outbox()
+        old.close()
         self._work_signer = P.Signer(secret)
         self._pipes_waiting = set()
 

@@ -27,10 +27,14 @@ import zmq
 from monarch_worker import protocol as P
 from monarch_worker.channel import recv_frames, send_frames
 
+from . import lograte
 from .dispatch import Dispatcher
 from .state import MeshState, RankInfo, RankState, owner_check
 
 log = logging.getLogger(__name__)
+log.addFilter(lograte.REJECTED)  # a stranger's messages are all rejected, but logged at a bounded rate
+DROPPED = lograte.kind("messages dropped by the controller")
+REFUSED = lograte.kind("hellos refused by the controller")
 
 __all__ = ["IOThread", "Handler", "Admission", "post_regroup"]
 
@@ -159,13 +163,14 @@ class IOThread:
                     send_frames(router, [ident, *ping])
                 for tick in self._ticks:
                     tick(now)
+                lograte.REJECTED.flush(now)
         self._send_outbox()  # what was queued while stopping (Shutdown, Rejected)
 
     def _receive(self, identity: bytes, frames: list, by_identity: dict[bytes, int]) -> None:
         try:
             msg, payload, bufs = self._signer.unpack(frames)
         except (P.ProtocolError, ValueError, TypeError, KeyError) as e:
-            log.warning("dropped a message from %r: %s", identity[:32], e)
+            log.warning("dropped a message from %r: %s", identity[:32], e, extra=DROPPED)
             return
         if isinstance(msg, P.Hello):
             self._on_hello(identity, msg, by_identity)
@@ -174,11 +179,11 @@ class IOThread:
         if rank is None and self.admission is not None and self.admission.on_unknown(identity, msg):
             return  # a rank waiting for the others to join
         if rank is None:
-            log.warning("dropped %s from a peer that did not say hello", msg.TYPE)
+            log.warning("dropped %s from a peer that did not say hello", msg.TYPE, extra=DROPPED)
             return
         handler = self._handlers.get(type(msg))
         if handler is None:
-            log.warning("rank %d sent an unexpected %s", rank, msg.TYPE)
+            log.warning("rank %d sent an unexpected %s", rank, msg.TYPE, extra=DROPPED)
             return
         try:
             handler(rank, msg, payload, bufs)
@@ -210,13 +215,13 @@ class IOThread:
             return
         if msg.version != P.PROTOCOL_VERSION:
             log.warning("rank %d speaks protocol %d, controller %d; ignored", msg.rank, msg.version,
-                        P.PROTOCOL_VERSION)
+                        P.PROTOCOL_VERSION, extra=REFUSED)
             return
         state = self.state
         with state.lock:
             info = state.ranks.get(msg.rank)
             if info is None or info.identity is not None:
-                log.warning("rejected hello for rank %d (unknown or taken)", msg.rank)
+                log.warning("rejected hello for rank %d (unknown or taken)", msg.rank, extra=REFUSED)
                 return
             info.identity = identity
             info.host = msg.host

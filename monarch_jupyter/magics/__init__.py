@@ -292,8 +292,7 @@ class MeshMagics(Magics):
         if args.async_ and (args.out or args.timeout is not None):
             raise UsageError("%%mesh --async returns a CellHandle: use handle.result(timeout=S) instead of "
                              "--out / --timeout")
-        count = getattr(self.shell, "execution_count", None)
-        filename = f"<mesh In[{count}]>" if count is not None else None
+        filename = f"<mesh In[{count}]>" if (count := self._prompt_count()) is not None else None
         view = None
         if not args.no_widget:
             from ..widgets import cell_view
@@ -342,6 +341,16 @@ class MeshMagics(Magics):
         self.auto.run_local(cell)
 
     # ------------------------------------------------------------------ helpers
+
+    def _prompt_count(self) -> int | None:
+        """The number the notebook shows beside the running cell (``In [N]``), or None outside a shell.
+
+        IPython's displayhook knows it (its ``Out[N]``): IPython 9 increments ``execution_count`` before it runs a cell,
+        IPython 8 after, so ``execution_count`` itself is one too many with IPython 9.
+        """
+        hook = getattr(self.shell, "displayhook", None)
+        count = getattr(hook, "prompt_count", None)
+        return count if isinstance(count, int) else getattr(self.shell, "execution_count", None)
 
     def parse_args(self, func: Any, rest: str, sub: str | None) -> Any:
         """Parse the arguments ``rest`` of subcommand ``sub`` (None: the cell magic) with ``func``'s parser.

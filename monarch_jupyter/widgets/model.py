@@ -64,6 +64,7 @@ class _CellRank:
     desc: str = ""
     postfix: str = ""
     last_line: str = ""
+    output_at: float | None = None  # time.monotonic() of its last line of output in the cell
     error: str = ""
     duration: float | None = None  # seconds the rank itself measured
     log: deque = field(default_factory=lambda: deque(maxlen=LOG_KEPT))  # ("stdout"|"stderr"|"display", item)
@@ -104,6 +105,7 @@ class RowView:
     cuda_allocated: int
     cuda_reserved: int
     error: str  # "ZeroDivisionError: division by zero", "signal SIGKILL", ...
+    output_at: float | None = None  # time.monotonic() of the rank's last line of output in the cell (None: none)
 
     @property
     def fraction(self) -> float | None:
@@ -280,6 +282,7 @@ class MeshMonitor:
         cell = info.cells.get(data.get("cell_id", -1))
         if cell is not None:
             cell.last_line = data["text"]
+            cell.output_at = now
             cell.log.append((data["stream"], data["text"]))
             cell.logged += 1
 
@@ -294,6 +297,7 @@ class MeshMonitor:
                 data = {**data, "data": {"text/plain": note}}
             cell.log.append(("display", data))
             cell.logged += 1
+            cell.output_at = now
 
     def _on_progress(self, data: dict, now: float) -> None:
         info = self._rank(data["rank"])
@@ -400,6 +404,7 @@ class MeshMonitor:
             desc="" if cell is None else cell.desc, postfix="" if cell is None else cell.postfix,
             last_line=info.last_line if cell_id is None else (cell.last_line if cell is not None else ""),
             rss=info.rss, cuda_allocated=info.cuda_allocated, cuda_reserved=info.cuda_reserved, error=error,
+            output_at=None if cell is None else cell.output_at,
         )
 
 

@@ -3,8 +3,8 @@
 - ``stable_text`` is what a saved notebook keeps as the dashboard's ``text/plain``: states per rank, no times,
   pids, hosts or memory, so nbval compares it run after run.
 - ``TextLiveView`` prints while a cell runs (outside widget frontends): a failure the moment it happens, a
-  progress line every ``interval`` seconds once the cell has run ``quiet`` seconds, and a closing line when it
-  printed anything before. A cell that finishes quickly and cleanly prints nothing.
+  progress line when progress or states change, a line when the ranks have been silent for a while, and a closing
+  line when it printed anything before. A cell that finishes quickly and cleanly prints nothing.
 - ``StatusText`` is ``%mesh status`` as a table.
 """
 
@@ -135,26 +135,37 @@ class StatusText:
 class TextLiveView(LiveView):
     """Prints the live state of a cell as compact lines on ``stream`` (default: sys.stderr at print time).
 
+    It speaks only when it has something to say, so that the ranks' own lines stay readable: a failure the moment it
+    happens; a progress line when progress or the ranks' states changed (at most every ``interval`` seconds); when
+    no rank has printed anything for ``silence`` seconds, one line saying so (the next after twice as long, up to a
+    minute); and a closing line when it printed anything before.
+
     Parameters
     ----------
     interval:
         Seconds between two progress lines.
     quiet:
         Seconds a cell runs before the first progress line (fast cells print nothing).
+    silence:
+        Seconds without output from any rank before a "no output" line.
     """
 
     render_in_context = True  # its lines belong to the cell that made it
+    SILENCE_MAX = 60.0  # seconds: the longest gap between two "no output" lines
 
     def __init__(self, monitor: MeshMonitor, ranks: list[int] | None = None, *, follow_cell: bool = True,
-                 interval: float = 2.0, quiet: float = 1.0, stream: Any = None) -> None:
+                 interval: float = 2.0, quiet: float = 1.0, silence: float = 5.0, stream: Any = None) -> None:
         super().__init__(monitor, ranks, follow_cell=follow_cell)
         self.interval = interval
         self.quiet = quiet
+        self.silence = silence
         self.stream = stream
         self._created = time.monotonic()
         self._printed_at: float | None = None
         self._reported: dict[int, str] = {}  # rank -> failure already printed
-        self._last_line = ""
+        self._said = ""  # the last progress line, without its clock
+        self._heard = self._created  # when a rank last printed, or the view last spoke
+        self._gap = silence  # seconds of silence before the next "no output" line
 
     def _final_render(self) -> None:
         if self._waited():
@@ -197,21 +208,34 @@ class TextLiveView(LiveView):
             if self._printed_at is not None:
                 self._write(f"[mesh] {header_text(summary)}")
             return
-        due = self._printed_at is None or now - self._printed_at >= self.interval
-        if now - self._created < self.quiet or not due:
+        if now - self._created < self.quiet:
             return
-        line = self._progress_line(rows, summary)
-        if line != self._last_line:
-            self._last_line = line
-            self._printed_at = now
-            self._write(line)
+        output_at = max((r.output_at for r in rows if r.output_at is not None), default=None)
+        if output_at is not None and output_at > self._heard:
+            self._heard, self._gap = output_at, self.silence  # the ranks speak for themselves
+        said = self._progress_text(rows, summary)
+        if said and said != self._said and (self._printed_at is None or now - self._printed_at >= self.interval):
+            self._said = said
+            self._speak(f"[mesh {fmt_seconds(summary.elapsed)}] {said}", now)
+        elif now - self._heard >= self._gap:
+            quiet_for = "no output yet" if output_at is None else f"no output for {now - output_at:.0f} s"
+            self._speak(f"[mesh {fmt_seconds(summary.elapsed)}] {header_text(summary, times=False)} · {quiet_for}",
+                        now)
+            self._gap = min(self._gap * 2, self.SILENCE_MAX)
+
+    def _speak(self, line: str, now: float) -> None:
+        self._printed_at = self._heard = now
+        self._write(line)
 
     @staticmethod
-    def _progress_line(rows: list[RowView], summary: Summary) -> str:
-        head = f"[mesh {fmt_seconds(summary.elapsed)}] {header_text(summary, times=False)}"
+    def _progress_text(rows: list[RowView], summary: Summary) -> str:
+        """States and progress ('ranks 0-3: running 0-3 · rank 2 14/100 · train (slowest)'), or '' when that says
+        nothing new: every rank running, none reporting progress."""
         shown = [r for r in rows if r.n is not None and r.state == "running"]
+        if not shown and set(summary.by_state) <= {"running"}:
+            return ""
         if len(shown) > 4:
             shown = stragglers(rows, limit=2) or shown[:1]
         bits = [f"rank {r.rank} {fmt_progress(r)}" + (" (slowest)" if r.rank == summary.slowest else "")
                 for r in shown]
-        return " · ".join([head, *bits])
+        return " · ".join([header_text(summary, times=False), *bits])

@@ -117,7 +117,9 @@ def test_interrupt_crash_restart_and_kernel_sigkill(kernel: tuple[KernelManager,
 
     r = execute(kc, "%%mesh\nimport time\nprint('sleeping', flush=True)\ntime.sleep(600)\n", on_stream=interrupt_once)
     assert r.status == "error" and r.ename == "KeyboardInterrupt", (r.status, r.ename, r.traceback)
-    assert "interrupted ranks 0,1 (they keep their state): ranks 0,1: time.sleep at cell line 3" in r.evalue
+    # Where each rank was when the interrupt landed (in print or in time.sleep, on a loaded machine) is the race's
+    # business; that both were interrupted and kept their state is the behaviour.
+    assert "interrupted ranks 0,1 (they keep their state)" in r.evalue, r.evalue
     assert worker_pids(kc) == pids  # the interrupt signal reached no rank process directly
     r = execute(kc, "%%mesh\nx")
     assert r.status == "ok" and r.results == ["{0: 7, 1: 8}"], r.traceback

@@ -178,6 +178,32 @@ def test_text_view_prints_progress_and_failure(mesh):
     assert text.rstrip().splitlines()[-1].startswith("[mesh] ranks 0,1: error 1 · done 0")
 
 
+def test_text_view_speaks_only_when_it_has_something_to_say(mesh):
+    """Ranks that print keep the text view quiet (no clock-only lines between their lines); a silent cell gets a
+    line saying so, then lines at growing gaps."""
+    out = io.StringIO()
+    view = TextLiveView(monitor_for(mesh), [0, 1], interval=0.2, quiet=0.1, silence=5.0, stream=out).start()
+    mesh.run("import time\nfor i in range(12):\n    print('step', i, flush=True)\n    time.sleep(0.2)\n")
+    view.finish()
+    assert out.getvalue() == "", out.getvalue()
+
+    out = io.StringIO()
+    view = TextLiveView(monitor_for(mesh), [0, 1], interval=0.2, quiet=0.1, silence=0.6, stream=out).start()
+    handle = mesh.run("import time\ntime.sleep(60)\n", block=False)
+    deadline = time.monotonic() + 60
+    while out.getvalue().count("\n") < 2 and time.monotonic() < deadline:  # the first two "no output" lines
+        time.sleep(0.05)
+    mesh.interrupt()
+    with pytest.raises(KeyboardInterrupt):
+        handle.result(30)
+    view.finish()
+    lines = out.getvalue().splitlines()
+    assert [re.sub(r"[\d.]+ s\]", "T]", line) for line in lines[:2]] == [
+        "[mesh T] ranks 0,1: running 0,1 · no output yet"] * 2, lines
+    times = [float(re.match(r"\[mesh ([\d.]+) s\]", line).group(1)) for line in lines[:2]]
+    assert times[1] - times[0] >= 1.1, times  # the second after twice the silence (1.2 s; clock shown to 0.1 s)
+
+
 def test_breakpoint_state_from_the_debugger_event(mesh):
     """The debugger reports a rank stopped at a breakpoint as a rank_state event; the row shows it."""
     monitor = monitor_for(mesh)

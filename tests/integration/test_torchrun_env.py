@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 SCRIPTS = Path(__file__).parent / "torchrun_scripts"
 REPORT = SCRIPTS / "env_report.py"
 # Variables a mesh adds for itself (docs/torchrun.md says why); torchrun has none of them.
-MESH_EXTRAS = {"GLOO_SOCKET_IFNAME", "TORCH_FR_BUFFER_SIZE"}
+MESH_EXTRAS = {"GLOO_SOCKET_IFNAME", "TORCH_FR_BUFFER_SIZE", "MONARCH_PROCESS_TREE"}
 # Values that legitimately differ between two launches: where the store listens, the run's id, a temporary path.
 DIFFERENT_VALUES = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "MASTER_ADDR"}
 

@@ -36,6 +36,7 @@ from monarch_worker.options import rank_settings
 
 from ...errors import MeshStartError, describe_returncode
 from ...ranks import format_ranks, ranks_text
+from .. import lograte
 from ..state import MeshState, RankState
 from .base import LauncherEvents
 from .join import JoinCommands, JoinLauncher, ProcessLauncher, default_nproc_per_node, resolve_address
@@ -46,6 +47,8 @@ if TYPE_CHECKING:
     from ..dispatch import Dispatcher
 
 log = logging.getLogger(__name__)
+log.addFilter(lograte.REJECTED)
+REFUSED = lograte.kind("hellos refused by the controller")
 
 __all__ = ["Listener"]
 
@@ -246,7 +249,7 @@ class Listener:
     def on_hello(self, identity: bytes, msg: P.Hello, by_identity: dict[bytes, int]) -> None:
         reason = self._admission(identity, msg)
         if reason:
-            log.warning("rejected a rank from %s (pid %d): %s", msg.host, msg.pid, reason)
+            log.warning("rejected a rank from %s (pid %d): %s", msg.host, msg.pid, reason, extra=REFUSED)
             self._send(identity, P.Rejected(reason))
             return
         with self.state.lock:

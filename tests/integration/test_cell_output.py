@@ -1,0 +1,91 @@
+"""What a cell shows, through a real Jupyter kernel (jupyter_client): everything a rank wrote during a cell, at
+the C level too and without a trailing newline, shows in that cell; the cell's name in tracebacks and pdb,
+``<mesh In[N]>``, carries the number the notebook shows beside the cell (the execute_reply's execution_count)."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from jupyter_client.manager import KernelManager, start_new_kernel
+
+from tests.integration.test_kernel import TIMEOUT, execute, streams
+
+pytestmark = [pytest.mark.kernel, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def kc() -> Iterator[Any]:
+    """A kernel with a 2-rank mesh (output in rank order), shared by this module's tests."""
+    km: KernelManager
+    km, kc = start_new_kernel(kernel_name="python3", startup_timeout=TIMEOUT, env=dict(os.environ), cwd=os.getcwd())
+    try:
+        reply, _ = execute(kc, "%load_ext monarch_jupyter\nm = %mesh start -n 2\n"
+                               "%config MeshMagics.stream_order = 'rank'")
+        assert reply["status"] == "ok", reply
+        yield kc
+    finally:
+        execute(kc, "%mesh stop")
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def lines(msgs: list[dict], name: str = "stdout") -> list[str]:
+    return streams(msgs, name).splitlines()
+
+
+def test_c_output_without_a_newline_shows_in_its_own_cell(kc: Any) -> None:
+    setup = ("%%mesh\nimport ctypes, os\nlibc = ctypes.CDLL(None)\n"
+             "c_stdout = ctypes.c_void_p.in_dll(libc, 'stdout')\nc_stderr = ctypes.c_void_p.in_dll(libc, 'stderr')\n")
+    reply, _ = execute(kc, setup)
+    assert reply["status"] == "ok", reply
+    # C stdio, buffered in the rank (line-buffered stdout), no newline at the end: each write in a cell of its own.
+    for code, out, err in [
+        ("libc.printf(b'cprintf-%d', rank)", ["[rank0]: cprintf-0", "[rank1]: cprintf-1"], []),
+        ("libc.fputs(b'fputs-' + str(rank).encode(), c_stdout)", ["[rank0]: fputs-0", "[rank1]: fputs-1"], []),
+        ("libc.fprintf(c_stderr, b'cstderr-%d', rank)", [], ["[rank0]: cstderr-0", "[rank1]: cstderr-1"]),
+    ]:
+        reply, msgs = execute(kc, "%%mesh\n" + code)
+        assert reply["status"] == "ok", reply
+        assert (lines(msgs), lines(msgs, "stderr")) == (out, err), code
+    # The next cell that writes from C starts clean: nothing of the previous cell shows up here.
+    reply, msgs = execute(kc, "%%mesh\nlibc.printf(b'next-%d\\n', rank)\nos.write(1, b'os-write')\n")
+    assert reply["status"] == "ok", reply
+    assert lines(msgs) == ["[rank0]: next-0", "[rank0]: os-write", "[rank1]: next-1", "[rank1]: os-write"], msgs
+    # Python's print without a newline: in its cell, and the next cell starts clean.
+    reply, msgs = execute(kc, "%%mesh --ranks 0\nprint('py-no-newline', end='')\n")
+    assert reply["status"] == "ok", reply
+    assert lines(msgs) == ["[rank0]: py-no-newline"], msgs
+    reply, msgs = execute(kc, "%%mesh --ranks 0\nprint('after')\n")
+    assert lines(msgs) == ["[rank0]: after"], msgs
+
+
+def test_cell_name_carries_the_number_beside_the_cell(kc: Any) -> None:
+    for _ in range(2):  # twice: an off-by-one would show on every cell
+        code = "%%mesh --ranks 1\nx = 1\nraise ValueError('where am I')\n"
+        msg_id = kc.execute(code)
+        reply, msgs = _collect(kc, msg_id)
+        shown = [m["content"]["execution_count"] for m in msgs if m["msg_type"] == "execute_input"]
+        assert reply["status"] == "error"
+        tb = "\n".join(reply["traceback"])
+        names = set(re.findall(r"<mesh In\[(\d+)\]>", re.sub(r"\x1b\[[0-9;]*m", "", tb)))
+        assert names == {str(reply["execution_count"])}, (names, reply["execution_count"], tb)
+        assert shown == [reply["execution_count"]]
+
+
+def _collect(kc: Any, msg_id: str) -> tuple[dict, list[dict]]:
+    reply = kc.get_shell_msg(timeout=TIMEOUT)
+    while reply["parent_header"].get("msg_id") != msg_id:
+        reply = kc.get_shell_msg(timeout=TIMEOUT)
+    msgs = []
+    while True:
+        msg = kc.get_iopub_msg(timeout=TIMEOUT)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            break
+        msgs.append(msg)
+    return reply["content"], msgs
