@@ -414,10 +414,10 @@ class Rank:
                     self.work.clear_wake()
                 if fd not in r:
                     continue
-                data = os.read(fd, 65536)
-                if not data:
+                bodies = reader.read_from(fd)
+                if bodies is None:
                     return None
-                for body in reader.feed(data):
+                for body in bodies:
                     try:
                         ready.append(signer.unpack(P.unpack_frames(body)))
                     except P.ProtocolError as e:

@@ -151,6 +151,11 @@ class Dispatcher:
         """Some work pipe holds bytes its rank could not take yet."""
         return bool(self._pipes_waiting)
 
+    def waiting_fds(self) -> list[int]:
+        """The work pipes (fds) that hold bytes their rank could not take yet: the I/O thread polls them for
+        POLLOUT (I/O thread)."""
+        return [pipe.fd for pipe in list(self._pipes_waiting) if not pipe.closed]
+
     def flush_pipes(self) -> None:
         """Write what waits in work pipes, as far as each pipe takes it (I/O thread)."""
         for pipe in list(self._pipes_waiting):

@@ -140,9 +140,14 @@ class IOThread:
         next_ping = 0.0
         interval = state.options.heartbeat_interval
         while not self._stop.is_set():
-            # While some work pipe is full, retry it every few milliseconds (a pipe that closes meanwhile must not
-            # sit in the poller).
-            events = dict(poller.poll(5 if dispatcher.pipes_waiting else int(interval * 1000)))
+            # Work pipes that are full are polled until they take more (registered for this poll only: a pipe that
+            # closes meanwhile must not sit in the poller).
+            waiting = dispatcher.waiting_fds()
+            for fd in waiting:
+                poller.register(fd, zmq.POLLOUT)
+            events = dict(poller.poll(int(interval * 1000)))
+            for fd in waiting:
+                poller.unregister(fd)
             dispatcher.flush_pipes()
             if router in events:
                 while (frames := recv_frames(router)) is not None:
