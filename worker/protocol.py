@@ -43,6 +43,8 @@ from .messages import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
     Abort,
+    AgentHello,
+    AgentWelcome,
     Call,
     DebugClear,
     DebugInput,
@@ -52,9 +54,11 @@ from .messages import (
     DebugReply,
     DebugResumed,
     Exec,
+    Forward,
     Goodbye,
     Heartbeat,
     Hello,
+    HostEvents,
     Inspect,
     Interrupt,
     Message,
@@ -69,6 +73,8 @@ from .messages import (
     Result,
     ShmRelease,
     Shutdown,
+    Signal,
+    Spawn,
     Stacks,
     StacksRequest,
     StartFailed,
@@ -83,7 +89,7 @@ __all__ = [
     "Ready", "StartFailed", "Exec", "Call", "Interrupt", "StacksRequest", "Abort", "Regroup", "Ping", "Rejected",
     "Shutdown", "Result", "Stream", "Stacks", "Progress", "Heartbeat", "Push", "Pull", "PullReply", "ShmRelease",
     "DebugOutput", "DebugPrompt", "DebugResumed", "DebugInput", "DebugPostMortem", "Inspect", "DebugClear",
-    "DebugReply", "Goodbye",
+    "DebugReply", "Goodbye", "AgentHello", "AgentWelcome", "Forward", "HostEvents", "Spawn", "Signal",
 ]
 
 MAGIC = b"MJ\x01"

@@ -261,6 +261,28 @@ class CellTable:
                                error=None if error is None else str(error), duration=msg.duration,
                                ename=getattr(error, "ename", ""), evalue=getattr(error, "evalue", ""))
 
+    def on_done(self, cell_id: int, ranks: list[int], durations: list[float]) -> None:
+        """``ranks`` finished cell ``cell_id`` with no value and no error (a host agent's summary of its ranks;
+        ``durations`` in seconds, in the same order): what ``on_result`` does for each, under one lock."""
+        state = self.state
+        with state.lock:
+            cell = state.cells.get(cell_id)
+            if cell is None:
+                return
+            now = time.monotonic()
+            failures = state.failures if cell.tracks_failures else {}
+            for rank, duration in zip(ranks, durations, strict=True):
+                cell.durations[rank] = duration
+                failures.pop(rank, None)
+                cell.results_in.add(rank)
+                cell.result_seen_at[rank] = now
+                cell.values[rank] = None
+                cell.has_value[rank] = False
+                cell.check_rank(rank)
+        for rank, duration in zip(ranks, durations, strict=True):
+            state.events.emit("rank_result", rank=rank, cell_id=cell_id, status="ok", error=None, duration=duration,
+                              ename="", evalue="")
+
     def on_sync(self, rank: int, stream: str, cell_id: int) -> None:
         """Under the lock: ``rank``'s ``stream`` reached the end of cell ``cell_id`` (a sync marker)."""
         cell = self.state.cells.get(cell_id)

@@ -49,6 +49,10 @@ class Launcher:
         """Send ``sig`` to ``rank``; ``rank`` -1 means every rank this launcher started."""
         raise NotImplementedError
 
+    def restartable(self, ranks: list[int]) -> str:
+        """"" when ``start`` can give ``ranks`` fresh processes (``restart --rank``), else why not."""
+        return ""
+
     def kill(self) -> None:
         """Kill every rank (SIGKILL) without waiting."""
         self.signal(-1, signal.SIGKILL)
