@@ -24,7 +24,7 @@ import zmq
 from . import protocol as P
 from . import shm
 from .addresses import address_toward
-from .agent import AgentConfig, rank_environment
+from .agentconfig import AgentConfig, rank_environment
 from .channel import recv_frames, send_frames
 from .hostlink import EventBatch, ForkServerClient, LocalRank, drain, read_output, take_record
 from .pipes import WorkPipe

@@ -23,7 +23,7 @@ from monarch_worker.serialize import loads
 
 from ..errors import MonarchError, RankDiedError, RemoteError
 from ..ranks import RankMap, format_ranks
-from .output import write_lines
+from .output import FOLD_WINDOW, Who, fold_lines, write_lines
 from .state import MeshState, RankState
 
 if TYPE_CHECKING:
@@ -80,6 +80,9 @@ class CellHandle:
         self.tracks_failures = True  # its failures are the ones post-mortem opens (not a post-mortem's own)
         self.final: tuple[Any, BaseException | None] | None = None  # the outcome, once computed
         self._lines: list[tuple[int, str, str]] = []
+        self._lines_since = 0.0  # when the oldest line in _lines came
+        # Many ranks: identical lines of several ranks show once (output.fold_lines), gathered for FOLD_WINDOW s.
+        self.fold = 0 < state.options.output_fold < len(ranks)
         self._held: dict[int, list] = {r: [] for r in ranks}  # order == "rank": lines not yet released
         self._wake = threading.Condition(state.lock)  # notified when lines arrive for a waiter, or when done
         self._waiting = False
@@ -96,6 +99,8 @@ class CellHandle:
         if self.order == "rank" and not self._released(rank):
             self._held[rank].append((rank, stream, text))
         else:
+            if not self._lines:
+                self._lines_since = time.monotonic()
             self._lines.append((rank, stream, text))
         if not self._waiting:
             self.deliver()
@@ -105,7 +110,7 @@ class CellHandle:
     def deliver(self) -> None:
         """Under the lock: write the lines collected so far, in the cell's context."""
         lines, self._lines = self._lines, []
-        write_lines(lines, self.ctx)
+        write_lines(fold_lines(lines) if self.fold else lines, self.ctx)
 
     def _released(self, rank: int) -> bool:
         for r in self.ranks:
@@ -157,13 +162,23 @@ class CellHandle:
 
     def wake_wait(self, timeout: float) -> None:
         """Under the lock: sleep until lines arrive or the cell is done, at most ``timeout`` seconds."""
-        if not self._lines and not self.all_done:
+        if self.all_done:
+            return
+        if not self._lines:
             self._wake.wait(timeout)
+        elif self.fold:  # lines wait for the same line from other ranks
+            left = self._lines_since + FOLD_WINDOW - time.monotonic()
+            if left > 0:
+                self._wake.wait(min(timeout, left))
 
-    def pop_lines(self) -> list[tuple[int, str, str]]:
-        """Under the lock: the lines collected for the waiter, now taken."""
+    def pop_lines(self) -> list[tuple[Who, str, str]]:
+        """Under the lock: the lines collected for the waiter, now taken (folded where the cell folds; the lines of
+        a folding cell are held until they are ``FOLD_WINDOW`` seconds old or the cell is done)."""
+        if (self.fold and self._lines and not self.all_done
+                and time.monotonic() - self._lines_since < FOLD_WINDOW):
+            return []
         lines, self._lines = self._lines, []
-        return lines
+        return fold_lines(lines) if self.fold else list(lines)
 
     def set_waiting(self, waiting: bool) -> None:
         """Under the lock: whether a thread waits for the cell (it then writes the lines itself)."""
@@ -178,7 +193,7 @@ class CellHandle:
         """A thread waits for the cell now (it writes the cell's lines; a snapshot)."""
         return self._waiting
 
-    def take_lines(self) -> list[tuple[int, str, str]]:
+    def take_lines(self) -> list[tuple[Who, str, str]]:
         """The lines collected for the waiter, now taken (takes the lock)."""
         with self._state.lock:
             return self.pop_lines()

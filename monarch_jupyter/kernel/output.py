@@ -9,20 +9,84 @@ from whichever thread delivers them (the pattern of ipykernel's IOPubThread and 
 from __future__ import annotations
 
 import contextvars
+import heapq
 import sys
+from collections import Counter, deque
 
 from monarch_worker.streams import StreamSplitter
 
-__all__ = ["StreamSplitter", "label", "write_lines"]
+from ..ranks import format_ranks
+
+__all__ = ["StreamSplitter", "label", "write_lines", "fold_lines", "FOLD_WINDOW"]
 
 
-def label(rank: int) -> str:
-    """The prefix of each output line of ``rank``; the same as torchrun's ``--tee`` line prefix."""
+FOLD_WINDOW = 0.1
+"""Seconds the lines of a folding cell wait for the same line from other ranks before they are shown."""
+
+Who = int | tuple[int, ...]  # a line's rank, or the ranks of a folded line
+
+
+def label(rank: Who) -> str:
+    """The prefix of each output line of ``rank``; the same as torchrun's ``--tee`` line prefix. A folded line
+    (a tuple of ranks) is labelled with all of them: ``[rank0-63]:``."""
+    if isinstance(rank, tuple):
+        return f"[rank{format_ranks(rank)}]:"
     return f"[rank{rank}]:"
 
 
-def write_lines(lines: list[tuple[int, str, str]], ctx: contextvars.Context | None = None) -> None:
-    """Write (rank, stream, text) lines to sys.stdout / sys.stderr, labelled, inside ``ctx`` if given."""
+def fold_lines(lines: list[tuple[int, str, str]]) -> list[tuple[Who, str, str]]:
+    """Lines (rank, stream, text) with byte-identical lines of several ranks made one line with all their ranks (a
+    tuple). Lines that differ never fold, and each rank's own lines keep their order; within that, lines come in
+    the order they arrived, and a line is shown as soon as every rank that will print it in this batch is at it
+    (a rank's own different lines, like its loss, go first and the common line then shows once).
+    """
+    seqs: dict[int, deque[tuple[int, tuple[str, str]]]] = {}
+    for i, (rank, stream, text) in enumerate(lines):
+        seqs.setdefault(rank, deque()).append((i, (stream, text)))
+    left = Counter(key for seq in seqs.values() for _, key in seq)  # occurrences not shown yet
+    heads: dict[tuple[str, str], set[int]] = {}  # ranks whose next line is this
+    first: dict[tuple[str, str], int] = {}  # the earliest arrival among those next lines
+    ready: list[tuple[int, tuple[str, str]]] = []  # (first, key) of lines every rank that prints them is at
+    waiting: list[tuple[int, int]] = []  # (arrival, rank) of every rank's next line (stale entries skipped)
+
+    def advance(rank: int) -> None:
+        if not seqs[rank]:
+            return
+        i, key = seqs[rank][0]
+        heads.setdefault(key, set()).add(rank)
+        first[key] = min(first.get(key, i), i)
+        heapq.heappush(waiting, (i, rank))
+        if len(heads[key]) == left[key]:
+            heapq.heappush(ready, (first[key], key))
+
+    for rank in seqs:
+        advance(rank)
+    out: list[tuple[Who, str, str]] = []
+    while waiting or ready:
+        key = None
+        while ready and key is None:
+            _, cand = heapq.heappop(ready)
+            if cand in heads and len(heads[cand]) == left[cand]:
+                key = cand
+        while key is None and waiting:  # nothing is ready everywhere: the earliest line goes first
+            i, rank = heapq.heappop(waiting)
+            if seqs[rank] and seqs[rank][0][0] == i:
+                key = seqs[rank][0][1]
+        if key is None:
+            break
+        group = sorted(heads.pop(key))
+        first.pop(key, None)
+        out.append((tuple(group) if len(group) > 1 else group[0], key[0], key[1]))
+        for rank in group:
+            seqs[rank].popleft()
+            left[key] -= 1
+            advance(rank)
+    return out
+
+
+def write_lines(lines: list[tuple[Who, str, str]], ctx: contextvars.Context | None = None) -> None:
+    """Write (rank, stream, text) lines to sys.stdout / sys.stderr, labelled, inside ``ctx`` if given (``rank`` a
+    tuple: a folded line, see ``fold_lines``)."""
     if not lines:
         return
 
