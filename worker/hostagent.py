@@ -439,7 +439,8 @@ class HostAgent:
             self._rank_exited(r, -signal.SIGKILL)
         try:
             self.flush()
-            self.send(P.Goodbye(returncode=code))
+            if self.welcome is not None:
+                self.send(P.Goodbye(returncode=code))
         except zmq.ZMQError:
             pass
         if self.pool is not None:

@@ -138,8 +138,11 @@ class ForkServerClient:
 
     def failure(self) -> str:
         """Why the fork server could not start: its exit status and last lines."""
+        try:
+            rc: int | None = self.proc.wait(2.0)
+        except subprocess.TimeoutExpired:
+            rc = None
         self._read_log()
-        rc = self.proc.poll()
         tail = "\n".join([*self.log, self._log_part.decode(errors="replace")]).strip()
         return (f"the fork server exited ({'code ' + str(rc) if rc is not None else 'still running'}) before it "
                 f"was ready:\n{tail}")
