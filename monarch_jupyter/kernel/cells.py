@@ -83,7 +83,7 @@ class CellHandle:
         self._lines_since = 0.0  # when the oldest line in _lines came
         # Many ranks: identical lines of several ranks show once (output.fold_lines), gathered for FOLD_WINDOW s.
         self.fold = 0 < state.options.output_fold < len(ranks)
-        self._held: dict[int, list] = {r: [] for r in ranks}  # order == "rank": lines not yet released
+        self._held: dict[int, list] = {r: [] for r in ranks} if order == "rank" else {}  # lines not yet released
         self._wake = threading.Condition(state.lock)  # notified when lines arrive for a waiter, or when done
         self._waiting = False
 
@@ -138,6 +138,32 @@ class CellHandle:
                     self._held[r] = []
             if not self._waiting:
                 self.deliver()
+        if self.all_done or self._lines:
+            self._wake.notify_all()
+        if self.all_done:
+            self._state.events.emit("cell_done", cell_id=self.cell_id, handle=self)
+
+    def finish_ranks(self, ranks: list[int]) -> None:
+        """Under the lock: ``finish_rank`` for each of ``ranks`` whose result is in (no output markers to wait for:
+        a host agent's ranks), with one wake-up of the waiter."""
+        launcher = self._state.launcher
+        if launcher is not None and launcher.relays_output or self.order == "rank":
+            for rank in ranks:
+                self.check_rank(rank)
+            return
+        infos = self._state.ranks
+        for rank in ranks:
+            if rank in self.finished:
+                continue
+            self.finished.add(rank)
+            info = infos.get(rank)
+            if info is not None:
+                if info.cells and info.cells[0] is self:
+                    info.cells.popleft()
+                elif self in info.cells:
+                    info.cells.remove(self)
+                if not info.cells and info.state is RankState.RUNNING:
+                    info.state = RankState.IDLE
         if self.all_done or self._lines:
             self._wake.notify_all()
         if self.all_done:
@@ -285,18 +311,19 @@ class CellTable:
             if cell is None:
                 return
             now = time.monotonic()
-            failures = state.failures if cell.tracks_failures else {}
+            if cell.tracks_failures and state.failures:
+                for rank in ranks:
+                    state.failures.pop(rank, None)
+            cell.durations.update(zip(ranks, durations, strict=True))
+            cell.results_in.update(ranks)
+            cell.result_seen_at.update(dict.fromkeys(ranks, now))
+            cell.values.update(dict.fromkeys(ranks))
+            cell.has_value.update(dict.fromkeys(ranks, False))
+            cell.finish_ranks(ranks)
+        if state.events.listening:
             for rank, duration in zip(ranks, durations, strict=True):
-                cell.durations[rank] = duration
-                failures.pop(rank, None)
-                cell.results_in.add(rank)
-                cell.result_seen_at[rank] = now
-                cell.values[rank] = None
-                cell.has_value[rank] = False
-                cell.check_rank(rank)
-        for rank, duration in zip(ranks, durations, strict=True):
-            state.events.emit("rank_result", rank=rank, cell_id=cell_id, status="ok", error=None, duration=duration,
-                              ename="", evalue="")
+                state.events.emit("rank_result", rank=rank, cell_id=cell_id, status="ok", error=None,
+                                  duration=duration, ename="", evalue="")
 
     def on_sync(self, rank: int, stream: str, cell_id: int) -> None:
         """Under the lock: ``rank``'s ``stream`` reached the end of cell ``cell_id`` (a sync marker)."""

@@ -98,13 +98,16 @@ class Dispatcher:
             state.cells[handle.cell_id] = handle
             state.last_cell = handle
             launcher = state.launcher
+            work_pipe = launcher.work_pipe if launcher is not None and launcher.has_work_pipes else None
+            infos = state.ranks
+            running = RankState.RUNNING
             for group_ranks, msg, payload, buffers in groups:
                 identities, pipes = [], []
                 for r in group_ranks:
-                    info = state.ranks[r]
+                    info = infos[r]
                     info.cells.append(handle)
-                    info.state = RankState.RUNNING
-                    pipe = launcher.work_pipe(r) if launcher is not None else None
+                    info.state = running
+                    pipe = work_pipe(r) if work_pipe is not None else None
                     if pipe is not None:
                         pipes.append(pipe)
                     else:
@@ -120,7 +123,8 @@ class Dispatcher:
         if dead:
             raise MeshError({r: RankDiedError(r, infos[r].returncode, "\n".join(infos[r].last_lines))
                              for r in dead}, what=what + " (not run)", hint=restart_hint(dead))
-        busy = [r for r in ranks if any(c.abandoned and r not in c.finished for c in infos[r].cells)]
+        busy = [r for r in ranks if infos[r].cells and any(c.abandoned and r not in c.finished
+                                                            for c in infos[r].cells)]
         if busy:
             spec = format_ranks(busy)
             raise RankBusyError(

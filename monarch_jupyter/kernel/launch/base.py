@@ -37,6 +37,8 @@ class Launcher:
 
     #: True when the launcher relays rank output itself (ranks then need not send Stream messages).
     relays_output = False
+    #: True when ``work_pipe`` can return a pipe (the kernel writes work into local ranks' pipes).
+    has_work_pipes = False
 
     def start(self, rank: int, env: dict[str, str], config: dict, sink: LauncherEvents) -> None:
         raise NotImplementedError

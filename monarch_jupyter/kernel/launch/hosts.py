@@ -204,16 +204,20 @@ class HostLinks:
         """Split recipients into peers reached directly and, per agent, the ranks it gives the message to."""
         direct: list[bytes] = []
         via: dict[bytes, list[int]] = {}
+        pseudo, rank_agent = self._pseudo, self._rank_agent
         for identity in identities:
-            if identity is None:
-                continue
-            rank = self._pseudo.get(identity)
+            rank = pseudo.get(identity)
             if rank is None:
-                direct.append(identity)
+                if identity is not None:
+                    direct.append(identity)
                 continue
-            agent = self._rank_agent.get(rank)
-            if agent is not None and agent.alive:
-                via.setdefault(agent.identity, []).append(rank)
+            agent = rank_agent[rank]
+            if agent.alive:
+                ranks = via.get(agent.identity)
+                if ranks is None:
+                    via[agent.identity] = [rank]
+                else:
+                    ranks.append(rank)
         return direct, via
 
     def agent_identities(self) -> list[bytes]:
