@@ -67,9 +67,9 @@ def agent(address: str, secret_hex: str, nproc: int) -> None:
             while (frames := recv_frames(up.sock)) is not None:
                 msg, _, bufs = up.signer.unpack(frames)
                 if isinstance(msg, P.AgentWelcome):
-                    ranks = list(msg.ranks)
-                    ev, fr = up.relay(ranks, lambda r: P.Hello(rank=r, pid=os.getpid(), host="sim",
-                                                               world_size=msg.world_size))
+                    ranks, world = list(msg.ranks), msg.world_size
+                    ev, fr = up.relay(ranks, lambda r, w=world: P.Hello(rank=r, pid=os.getpid(), host="sim",
+                                                                        world_size=w))
                     up.events(ev, fr)
                 elif isinstance(msg, P.Forward):
                     if msg.kind == "welcome":
