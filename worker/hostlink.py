@@ -293,8 +293,8 @@ def read_output(rank: LocalRank, stream: str, batch: EventBatch, on_record: Call
             if kind == "line":
                 _line(rank, stream, str(value), batch, tee)
             elif kind == "msg":
-                flags, body = value  # type: ignore[misc]
-                on_record(rank, flags, body)
+                record: tuple[int, bytes] = value  # type: ignore[assignment]
+                on_record(rank, record[0], record[1])
             # sync markers need nothing here: output and results reach the controller in order
     return True
 

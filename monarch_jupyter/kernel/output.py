@@ -12,6 +12,7 @@ import contextvars
 import heapq
 import sys
 from collections import Counter, deque
+from collections.abc import Sequence
 
 from monarch_worker.streams import StreamSplitter
 
@@ -84,7 +85,7 @@ def fold_lines(lines: list[tuple[int, str, str]]) -> list[tuple[Who, str, str]]:
     return out
 
 
-def write_lines(lines: list[tuple[Who, str, str]], ctx: contextvars.Context | None = None) -> None:
+def write_lines(lines: Sequence[tuple[Who, str, str]], ctx: contextvars.Context | None = None) -> None:
     """Write (rank, stream, text) lines to sys.stdout / sys.stderr, labelled, inside ``ctx`` if given (``rank`` a
     tuple: a folded line, see ``fold_lines``)."""
     if not lines:

@@ -368,8 +368,8 @@ class HostLinks:
 
     def spawn(self, ranks: list[int]) -> None:
         """Fresh processes for ``ranks`` (each agent forks its own)."""
-        for agent, its in self._by_agent(ranks).items():
-            self._post(agent, P.Spawn(its))
+        for identity, its in self._by_agent(ranks).items():
+            self._post(identity, P.Spawn(its))
 
     def signal(self, ranks: list[int], sig: int) -> None:
         """Send ``sig`` to ``ranks`` (-1 in the list: every rank of every agent)."""
@@ -378,8 +378,8 @@ class HostLinks:
                 if agent.alive:
                     self._post(agent.identity, P.Signal([-1], int(sig)))
             return
-        for agent, its in self._by_agent(ranks).items():
-            self._post(agent, P.Signal(its, int(sig)))
+        for identity, its in self._by_agent(ranks).items():
+            self._post(identity, P.Signal(its, int(sig)))
 
     def stop_agents(self) -> None:
         """Tell every agent to end its ranks and exit (0: the launcher sees a clean end)."""
