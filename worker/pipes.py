@@ -44,6 +44,12 @@ class WorkPipe:
         with self._lock:
             if self.closed:
                 return True  # the rank is gone; its death is reported by whoever reaps it
+            if len(parts) == 1 and not self._pending:  # the common case: one small message, the pipe has room
+                rest = self._write(memoryview(parts[0]).cast("B"))
+                if rest is None:
+                    return True
+                self._pending.append(rest)
+                return False
             views = [memoryview(p).cast("B") for p in parts]
             if not self._pending:
                 while views:

@@ -307,6 +307,9 @@ def work_message(frames: list) -> list:
     """Frame signed ``frames`` for the work pipe: the pieces to write in order (a message of ``WORK_COPY_MAX``
     bytes or less is one bytes object; a larger one keeps its large frames as they are, so tensor memory goes
     into the pipe without a copy)."""
+    if all(type(f) is bytes for f in frames):  # no out-of-band buffers: one string (the common, small case)
+        body = pack_frames(frames)
+        return [WORK_HEADER.pack(len(body)) + body]
     parts = frame_parts(frames)
     size = sum(memoryview(p).nbytes for p in parts)
     if size <= WORK_COPY_MAX:
