@@ -398,13 +398,6 @@ class HostLinks:
     def _post(self, identity: bytes, msg: P.Message) -> None:
         self.dispatcher.outbox.put(([identity], msg, b"", []))
 
-    def hosts_of(self, ranks: list[int]) -> dict[str, list[int]]:
-        out: dict[str, list[int]] = {}
-        for r in ranks:
-            agent = self._rank_agent.get(r)
-            out.setdefault(agent.host if agent else "?", []).append(r)
-        return out
-
     # ------------------------------------------------------------------ loss
 
     def _agent_gone(self, agent: Agent, reason: str) -> None:
