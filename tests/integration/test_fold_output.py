@@ -9,10 +9,10 @@ import pytest
 from monarch_jupyter import Mesh
 
 
-def test_identical_lines_fold_past_the_threshold(mesh: Mesh, capsys: pytest.CaptureFixture[str]) -> None:
-    before = mesh.output_fold
+def test_identical_lines_fold_past_the_threshold(capsys: pytest.CaptureFixture[str]) -> None:
+    # A mesh of its own: the session's (tests/conftest.py) is stopped by tests that unload the extension.
+    mesh = Mesh(4, output_fold=2, start_timeout=120)  # a 4-rank cell is "many ranks" here
     try:
-        mesh.output_fold = 2  # a 4-rank cell is "many ranks" now
         mesh.run("print('epoch 1 done'); print('loss', rank); print('epoch 2 done')")
         out = capsys.readouterr().out
         assert out.count("[rank0-3]: epoch 1 done") == 1 and out.count("[rank0-3]: epoch 2 done") == 1
@@ -26,4 +26,4 @@ def test_identical_lines_fold_past_the_threshold(mesh: Mesh, capsys: pytest.Capt
         mesh.run("print('epoch 3 done')")
         assert capsys.readouterr().out.count("epoch 3 done") == 4
     finally:
-        mesh.output_fold = before
+        mesh.stop()
