@@ -1,6 +1,6 @@
 """Cost of the live per-rank dashboard, measured through a real Jupyter kernel (what a notebook user feels).
 
-    python bench/bench_widget.py [--n 4] [--cells 60] [--lines 10000] [--no-peers]
+    python bench/bench_widget.py [--n 4] [--cells 60] [--lines 10000] [--no-peers] [--reference DIR] [--trivial-only]
 
 For a mesh of N ranks in one ipykernel, driven by jupyter_client:
 - trivial cell (`x = 1`) round trip, execute request to idle, median of interleaved runs:
@@ -11,6 +11,9 @@ For a mesh of N ranks in one ipykernel, driven by jupyter_client:
   responsiveness during the flood (max and median round trip of kernel_info on the control channel, sampled
   every 100 ms). Then the same lines paced over ~2 s, where the dashboard ticks (at most 4 updates a second).
 - peer, same kernel, same run: ipyparallel's `%%px` with N engines for the trivial cell and the flood.
+- reference (``--reference DIR``, e.g. a checkout of main): the trivial-cell measurements again, in the same run,
+  in a second kernel that imports monarch_jupyter from DIR; cells alternate between the two kernels so that load
+  from elsewhere hits both alike. Prints before (DIR) and after (this checkout) and their ratio.
 Wall-clock numbers on a shared 2-core machine are noisy; compare ratios measured in the same run.
 """
 
@@ -32,10 +35,14 @@ BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 class Kernel:
     """A python3 kernel (inheriting this environment, PYTHONPATH included) and a client of it."""
 
-    def __init__(self) -> None:
+    def __init__(self, pythonpath: str | None = None) -> None:
         from jupyter_client.manager import start_new_kernel
 
-        self.km, self.kc = start_new_kernel(kernel_name="python3", startup_timeout=120)
+        env = dict(os.environ)
+        if pythonpath:  # this package imported from another checkout (monarch_worker through its .typecheck link)
+            extra = [pythonpath, os.path.join(pythonpath, ".typecheck")]
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (*extra, env.get("PYTHONPATH", "")) if p)
+        self.km, self.kc = start_new_kernel(kernel_name="python3", startup_timeout=120, env=env)
 
     def execute(self, code: str, timeout: float = 300.0) -> tuple[float, list[dict]]:
         """Run ``code``; (seconds from request to idle, IOPub messages of it). Raises on a cell error."""
@@ -112,9 +119,10 @@ def count_lines(msgs: list[dict], n: int, lines: int) -> tuple[int, bool]:
 
 
 def widget_updates(msgs: list[dict]) -> tuple[int, int]:
-    """(dashboard updates, bytes of their HTML) among ``msgs``."""
+    """(dashboard updates, bytes of their HTML) among ``msgs``: the table, the charts and the per-rank outputs."""
     values = [m["content"]["data"].get("state", {}).get("value", "") for m in msgs if m["msg_type"] == "comm_msg"]
-    values = [v for v in values if isinstance(v, str) and "mj-dashboard" in v]
+    values = [v for v in values if isinstance(v, str) and ("mj-dashboard" in v or "mj-rank-output" in v
+                                                           or "mj-charts" in v)]
     return len(values), sum(len(v) for v in values)
 
 
@@ -136,15 +144,19 @@ def flood(kernel: Kernel, magic: str, n: int, lines: int, body: str = FLOOD) -> 
             "control_median_s": statistics.median(samples) if samples else float("nan")}
 
 
-def trivial(kernel: Kernel, magics: dict[str, str], cells: int) -> dict[str, float]:
-    """Median round trip of ``x = 1`` per magic line, the magics interleaved so drift hits them alike."""
-    for line in magics.values():
-        for _ in range(5):
-            kernel.execute(f"{line}\nx = 1")
-    times: dict[str, list[float]] = {k: [] for k in magics}
+def trivial(kernel: Kernel, magics: dict[str, str], cells: int, other: Kernel | None = None) -> dict[str, float]:
+    """Median round trip of ``x = 1`` per magic line, the magics interleaved so drift hits them alike; with
+    ``other``, the same in that kernel too, alternating (keys "ref:on", "ref:off")."""
+    kernels = [("", kernel)] + ([("ref:", other)] if other is not None else [])
+    for _, k in kernels:
+        for line in magics.values():
+            for _ in range(5):
+                k.execute(f"{line}\nx = 1")
+    times: dict[str, list[float]] = {p + k: [] for p, _ in kernels for k in magics}
     for _ in range(cells):
-        for key, line in magics.items():
-            times[key].append(kernel.execute(f"{line}\nx = 1")[0])
+        for prefix, k in kernels:
+            for key, line in magics.items():
+                times[prefix + key].append(k.execute(f"{line}\nx = 1")[0])
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -191,14 +203,26 @@ def main() -> None:
     ap.add_argument("--cells", type=int, default=60, help="trivial cells timed per variant")
     ap.add_argument("--lines", type=int, default=10000, help="lines each rank prints in the flood")
     ap.add_argument("--no-peers", action="store_true", help="skip ipyparallel")
+    ap.add_argument("--reference", default=None, help="a checkout (folder) of monarch_jupyter to compare with")
+    ap.add_argument("--trivial-only", action="store_true", help="only the trivial-cell measurements")
     args = ap.parse_args()
     n, lines = args.n, args.lines
 
     kernel = Kernel()
+    ref = Kernel(os.path.abspath(args.reference)) if args.reference else None
     peer_up = False
     try:
-        kernel.execute("%load_ext monarch\n%config MeshMagics.stream_order = 'rank'")
-        kernel.execute(f"_m = %mesh start -n {n}")
+        for k in (kernel, ref):
+            if k is not None:
+                k.execute("%load_ext monarch_jupyter\n%config MeshMagics.stream_order = 'rank'")
+                k.execute(f"_m = %mesh start -n {n}")
+        if ref is not None:
+            _, msgs = ref.execute("import monarch_jupyter, monarch_worker; print(monarch_jupyter.__file__, "
+                                  "monarch_worker.__file__)")
+            where = "".join(m["content"]["text"] for m in msgs if m["msg_type"] == "stream").strip()
+            print(f"reference kernel imports {where}")
+        if args.trivial_only:
+            args.no_peers = True
         magics = {"on": "%%mesh", "off": "%%mesh --no-widget"}
         if not args.no_peers:
             try:
@@ -207,20 +231,32 @@ def main() -> None:
                 magics["ipyparallel"] = "%%px"
             except RuntimeError as e:
                 print(f"ipyparallel: skipped ({str(e).splitlines()[-1][:200]})")
-        lat = trivial(kernel, magics, args.cells)
+        lat = trivial(kernel, magics, args.cells, ref)
         inner = trivial_in_kernel(kernel, args.cells)
-        floods = {"on": flood(kernel, "%%mesh", n, lines), "off": flood(kernel, "%%mesh --no-widget", n, lines)}
-        if peer_up:
-            floods["ipyparallel"] = flood(kernel, "%%px", n, lines)
-        paced = {"on": flood(kernel, "%%mesh", n, lines, PACED),
-                 "off": flood(kernel, "%%mesh --no-widget", n, lines, PACED)}
+        ref_inner = trivial_in_kernel(ref, args.cells) if ref is not None else None
+        floods: dict[str, dict[str, Any]] = {}
+        paced: dict[str, dict[str, Any]] = {}
+        if not args.trivial_only:
+            floods = {"on": flood(kernel, "%%mesh", n, lines), "off": flood(kernel, "%%mesh --no-widget", n, lines)}
+            if peer_up:
+                floods["ipyparallel"] = flood(kernel, "%%px", n, lines)
+            if ref is not None:
+                floods["before:on"] = flood(ref, "%%mesh", n, lines)
+            paced = {"on": flood(kernel, "%%mesh", n, lines, PACED),
+                     "off": flood(kernel, "%%mesh --no-widget", n, lines, PACED)}
+            if ref is not None:
+                paced["before:on"] = flood(ref, "%%mesh", n, lines, PACED)
     finally:
         try:
             if peer_up:
                 kernel.execute("peers._ipp_stop(cluster, rc)")
             kernel.execute("%mesh stop")
+            if ref is not None:
+                ref.execute("%mesh stop")
         finally:
             kernel.close()
+            if ref is not None:
+                ref.close()
 
     print(f"live dashboard cost: {n} ranks, {os.cpu_count()} CPUs, python {sys.version.split()[0]}, "
           f"through a real kernel (execute request -> idle)")
@@ -229,21 +265,35 @@ def main() -> None:
           f"on/off = {lat['on'] / lat['off']:.2f}x  (+{(lat['on'] - lat['off']) * 1e3:.2f} ms)")
     print(f"  same, time spent in the kernel's magic    on {inner['on'] * 1e3:.2f} ms, off {inner['off'] * 1e3:.2f} ms"
           f"   on/off = {inner['on'] / inner['off']:.2f}x  (+{(inner['on'] - inner['off']) * 1e3:.2f} ms)")
+    if ref_inner is not None:
+        before, after = lat["ref:on"] - lat["ref:off"], lat["on"] - lat["off"]
+        print(f"  before ({args.reference}): %%mesh {lat['ref:on'] * 1e3:.2f} ms, --no-widget "
+              f"{lat['ref:off'] * 1e3:.2f} ms: dashboard +{before * 1e3:.2f} ms; in the kernel's magic "
+              f"+{(ref_inner['on'] - ref_inner['off']) * 1e3:.2f} ms")
+        through = f"{after / before:.2f}x" if before > 2e-4 else "n/a (before's own on-off is within the noise)"
+        print(f"  after (this checkout): dashboard +{after * 1e3:.2f} ms through the kernel, "
+              f"+{(inner['on'] - inner['off']) * 1e3:.2f} ms in the magic; after/before = {through} (through the "
+              f"kernel), {(inner['on'] - inner['off']) / (ref_inner['on'] - ref_inner['off']):.2f}x (in the magic)")
     if "ipyparallel" in lat:
         print(f"  trivial cell, ipyparallel %%px           {lat['ipyparallel'] * 1e3:8.2f} ms   "
               f"ours (on) / ipyparallel = {lat['on'] / lat['ipyparallel']:.2f}x")
     want = n * lines
+    if args.trivial_only:
+        return
     for title, runs in ((f"flood: {lines} lines per rank ({want} lines) as fast as they come", floods),
                         ("paced flood: the same lines in 20 bursts over ~2 s", paced)):
         print(f"  {title}")
         for key, f in runs.items():
             lost = "none lost, in order" if f["lines"] == want and f["in_order"] else f"LOST {want - f['lines']}"
-            extra = f"; {f['updates']} dashboard updates, {f['bytes'] / 1024:.0f} KiB" if key == "on" else ""
+            extra = (f"; {f['updates']} dashboard updates, {f['bytes'] / 1024:.0f} KiB" if key.endswith("on")
+                     else "")
             print(f"    {key:<12} {f['s']:7.2f} s  lines {f['lines']} ({lost}); control channel round trip "
                   f"median {f['control_median_s'] * 1e3:.1f} ms, max {f['control_max_s'] * 1e3:.1f} ms{extra}")
         print(f"    on/off time = {runs['on']['s'] / runs['off']['s']:.2f}x"
               + (f"; ours (on) / ipyparallel time = {runs['on']['s'] / runs['ipyparallel']['s']:.2f}x"
-                 if "ipyparallel" in runs else ""))
+                 if "ipyparallel" in runs else "")
+              + (f"; on: after/before = {runs['on']['s'] / runs['before:on']['s']:.2f}x"
+                 if "before:on" in runs else ""))
 
 
 if __name__ == "__main__":

@@ -93,7 +93,7 @@ def agent(address: str, secret_hex: str, nproc: int) -> None:
         now = time.monotonic()
         if now >= next_beat and ranks:
             next_beat = now + BEAT
-            up.events([("beat", [(r, 0, 0, 0) for r in ranks])], [])
+            up.events([("beat", [(r, 0, 0, 0, "sim") for r in ranks])], [])
 
 
 def relay(address: str, secret_hex: str, children: int, nproc: int) -> None:

@@ -61,6 +61,9 @@ def load_ipython_extension(ipython: Any) -> None:
     from .magics import load
 
     load(ipython)
+    from .lightning import register  # strategy "mesh" for Lightning: now if imported, else when it is (cheap)
+
+    register()
 
 
 def unload_ipython_extension(ipython: Any) -> None:

@@ -83,7 +83,9 @@ def ranks_text(ranks: Iterable[int]) -> str:
 class RankMap(dict):
     """Per-rank values: a dict keyed by rank, in rank order (the ValueMesh idea of torchmonarch).
 
-    Printed like a dict, ranks in increasing order.
+    Printed like a dict, ranks in increasing order (``text/plain``, stable for saved notebooks). In Jupyter, values
+    with a rich repr (DataFrames, images, figures from ranks) also get an HTML view: each rank's rich repr, or one
+    of them under "all N ranks equal" when every value is equal. Indexing gives the raw values.
     """
 
     def __init__(self, items: Iterable[tuple[int, Any]] | dict = ()) -> None:
@@ -108,3 +110,8 @@ class RankMap(dict):
                 p.pretty(k)
                 p.text(": ")
                 p.pretty(v)
+
+    def _repr_html_(self) -> str | None:
+        from .richrepr import rankmap_html
+
+        return rankmap_html(self, ranks_text(self.keys()))

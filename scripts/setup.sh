@@ -8,4 +8,4 @@ PY=${PYTHON:-python3}
 if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q "torch==2.13.0"
 fi
-"$PY" -m pip install -q -e ".[test,notebooks,lint]"
+"$PY" -m pip install -q -e ".[test,notebooks,lint,lightning,frameworks,plots]"

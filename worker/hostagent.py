@@ -26,7 +26,7 @@ from . import shm
 from .addresses import address_toward
 from .agentconfig import AgentConfig, rank_environment
 from .channel import recv_frames, send_frames
-from .hostlink import EventBatch, ForkServerClient, LocalRank, drain, read_output, take_record
+from .hostlink import EventBatch, ForkServerClient, LocalRank, drain, read_output, read_segment, take_record
 from .pipes import WorkPipe
 
 log = logging.getLogger(__name__)
@@ -389,7 +389,7 @@ class HostAgent:
         if r is None:
             return
         if isinstance(msg, P.Heartbeat):
-            r.beat = (msg.rss, msg.cuda_allocated, msg.cuda_reserved)
+            r.beat = (msg.rss, msg.cuda_allocated, msg.cuda_reserved, msg.group)
             return
         if isinstance(msg, P.ShmRelease) and self.pool is not None:
             own = [i for i in msg.ids if int(i) >> 32 == os.getpid()]
@@ -402,13 +402,31 @@ class HostAgent:
         drain(r, self.batch, self._on_record, self._tee_fn())  # its output before what it says
         if isinstance(msg, (P.Result, P.PullReply)):
             self.batch.answered(msg.cell_id, r.rank)
+        if isinstance(msg, P.Display) and msg.shm:
+            frames = self._display_without_shm(r, msg)
         self.batch.relay(r.rank, frames)
+
+    def _display_without_shm(self, r: LocalRank, msg: P.Display) -> list:
+        """A rank put a large display's bytes in shared memory, as for a kernel on its host: the controller may be
+        on another host, so the bytes travel in the message (read once here); the rank gets its segment back."""
+        desc = msg.shm or {}
+        try:
+            buffers = read_segment(desc)
+        except OSError as e:
+            log.warning("host agent could not read rank %d's display: %s", r.rank, e)
+            buffers = []
+        if r.ident:
+            send_frames(self.down, [r.ident, *self.signer.pack(P.ShmRelease(ids=[desc.get("id")]))])
+        return self.signer.pack(P.Display(msg.cell_id, msg.kind, msg.data, msg.json, msg.binary, msg.metadata,
+                                          msg.display_id, msg.wait, None), b"", buffers)
 
     def _on_record(self, r: LocalRank, flags: int, body: bytes) -> None:
         got = take_record(r, flags, body, self.signer)
         if got is None:
             return
         msg, payload, bufs, frames = got
+        if isinstance(msg, P.Display) and msg.shm:
+            frames = self._display_without_shm(r, msg)
         if isinstance(msg, P.Result):
             if flags & P.RECORD_SYNC:  # the cell ended: a partial last line on stderr belongs to it
                 for _kind, value in r.splitters["stderr"].end_line():

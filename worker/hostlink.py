@@ -14,6 +14,7 @@ its control socket or dies (the socket's end of file), so no rank outlives its a
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import socket
 import subprocess
@@ -28,7 +29,7 @@ from . import protocol as P
 from .pipes import WorkPipe
 from .streams import StreamSplitter
 
-__all__ = ["ForkServerClient", "LocalRank", "EventBatch", "FORK_SERVER_LOG_LINES"]
+__all__ = ["ForkServerClient", "LocalRank", "EventBatch", "FORK_SERVER_LOG_LINES", "read_segment"]
 
 FORK_SERVER_LOG_LINES = 30  # lines of the fork server's own stderr kept for a failure report
 READ_SIZE = 1 << 16
@@ -330,3 +331,21 @@ def take_record(rank: LocalRank, flags: int, body: bytes, signer: P.Signer) -> t
         except (P.ProtocolError, ValueError, TypeError, KeyError):
             continue
     return None
+
+
+def read_segment(desc: dict) -> list[bytes]:
+    """The buffers of a shared memory segment of a rank of this host (monarch_worker.shm's descriptor), copied
+    out: without torch, which the agent never imports.
+
+    Raises OSError when the segment cannot be opened or is not the one described."""
+    fd = os.open(desc["path"], os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if st.st_ino != desc["ino"] or st.st_size < desc["length"] or st.st_uid != os.getuid():
+            raise OSError(f"{desc['path']} is not the segment the message describes")
+        if desc["length"] == 0:
+            return [b"" for _ in desc["layout"]]
+        with mmap.mmap(fd, desc["length"], prot=mmap.PROT_READ) as mm:
+            return [mm[offset:offset + nbytes] for offset, nbytes in desc["layout"]]
+    finally:
+        os.close(fd)

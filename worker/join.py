@@ -228,8 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.pop(ENV_SECRET, None)  # user code and its subprocesses need not see it
     if os.environ.get(ENV_PDEATHSIG) == "1":
         exit_with_parent()
-    if config.local_world_size != 1:
-        os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: N ranks on a host do not oversubscribe it
+    if config.local_world_size > 1:  # as torchrun: N ranks on a host do not oversubscribe it (set before any
+        os.environ.setdefault("OMP_NUM_THREADS", "1")  # library reads it; unknown here: set when admitted)
     default_gloo_interface(config.controller)
     from .startup import run_rank
 

@@ -14,10 +14,10 @@ __all__ = [
     "Exec", "Call", "Interrupt", "StacksRequest", "Abort", "Regroup", "Ping", "Rejected", "Shutdown", "Result",
     "Stream", "Stacks", "Progress", "Heartbeat", "Push", "Pull", "PullReply", "ShmRelease", "DebugOutput",
     "DebugPrompt", "DebugResumed", "DebugInput", "DebugPostMortem", "Inspect", "DebugClear", "DebugReply",
-    "Goodbye", "AgentHello", "AgentWelcome", "Forward", "HostEvents", "Spawn", "Signal",
+    "Goodbye", "Display", "Complete", "CompleteReply", "register",
 ]
 
-PROTOCOL_VERSION = 3  # checked at the handshake (Hello, AgentHello); raise it when a message changes
+PROTOCOL_VERSION = 5  # checked at the handshake (Hello, AgentHello); raise it when a message changes
 
 # ``payload`` fields carry user values and travel pickled outside the header.
 
@@ -67,7 +67,9 @@ class Welcome(Message):
     ``master_addr``, or, when ``master_addr`` is empty, on its own address toward the controller, and to answer
     ``StoreReady``; -1 means the launcher's own rendezvous (MASTER_ADDR/MASTER_PORT in the rank's environment,
     torch's ``env://``). ``settings`` are RankConfig fields a joined rank takes from the controller (backend,
-    timeouts, env).
+    timeouts, env). ``elastic``: what torchrun's agent would export that only the controller knows
+    (``group_rank``, ``group_world_size``: this rank's host among the mesh's hosts; ``run_id``), see
+    monarch_worker.elastic_env.
     """
 
     TYPE: ClassVar[str] = "welcome"
@@ -78,6 +80,7 @@ class Welcome(Message):
     master_addr: str
     master_port: int
     settings: dict = field(default_factory=dict)
+    elastic: dict = field(default_factory=dict)
 
 
 @_register
@@ -291,12 +294,14 @@ class Progress(Message):
 @dataclass(frozen=True)
 class Heartbeat(Message):
     """Rank -> controller: alive. Memory in bytes: ``rss`` (resident set size of the process) and, once the rank
-    uses CUDA, ``cuda_allocated`` / ``cuda_reserved`` (torch's caching allocator on the rank's device)."""
+    uses CUDA, ``cuda_allocated`` / ``cuda_reserved`` (torch's caching allocator on the rank's device). ``group``:
+    the backend of the rank's default process group ("" when it has none)."""
 
     TYPE: ClassVar[str] = "heartbeat"
     rss: int = 0
     cuda_allocated: int = 0
     cuda_reserved: int = 0
+    group: str = ""
 
 
 # ---- transfers of values between the notebook and the ranks (see monarch_worker.transfer)
@@ -462,6 +467,8 @@ class DebugReply(Message):
     state: str = ""
     where: str = ""
     cell_id: int = -1
+
+
 @_register
 @dataclass(frozen=True)
 class Goodbye(Message):
@@ -472,87 +479,62 @@ class Goodbye(Message):
     returncode: int = 0
 
 
-# ---- host agents (monarch_worker.agent): one per host, speaking for the ranks it forks
+# ---- rich output and completion (see monarch_worker.display, monarch_jupyter.kernel.display)
 
 
 @_register
 @dataclass(frozen=True)
-class AgentHello(Message):
-    """Agent -> controller: a host agent for ``nproc`` ranks. ``group_rank`` / ``group_world_size``: the host's
-    number and the number of hosts as its launcher gave them (-1: unknown; the controller numbers hosts then);
-    ``addr``: its address toward the controller (where its rank 0 may host the c10d store)."""
+class Display(Message):
+    """Rank -> controller: rich output of cell ``cell_id`` (``display()``, ``update_display()``,
+    ``clear_output()``, matplotlib figures), republished in the notebook as display_data, update_display_data or
+    clear_output.
 
-    TYPE: ClassVar[str] = "agent_hello"
-    host: str
-    pid: int
-    nproc: int
-    addr: str
-    version: int = PROTOCOL_VERSION
-    group_rank: int = -1
-    group_world_size: int = -1
-    launcher_env: dict = field(default_factory=dict)
+    ``kind`` is "display", "update" or "clear" (``wait``: clear when the next output comes). ``data`` maps text
+    MIME types to their text (JSON-valued types, named in ``json``, as JSON text); each MIME type named in
+    ``binary`` (image/png, ...) has its raw bytes, not base64, in one out-of-band buffer, in order, or, for
+    large ones from a local rank, at ``layout`` offsets of the shared memory segment ``shm``
+    (monarch_worker.shm). ``metadata`` is JSON text.
+    """
 
-
-@_register
-@dataclass(frozen=True)
-class AgentWelcome(Message):
-    """Controller -> agent: admitted; local rank i is global rank ``ranks[i]`` of ``world_size``. ``settings``:
-    the RankConfig fields of the mesh's options. The agent forks its ranks now."""
-
-    TYPE: ClassVar[str] = "agent_welcome"
-    ranks: list
-    world_size: int
-    group_rank: int
-    group_world_size: int
-    settings: dict = field(default_factory=dict)
+    TYPE: ClassVar[str] = "display"
+    cell_id: int
+    kind: str = "display"
+    data: dict = field(default_factory=dict)
+    json: list = field(default_factory=list)
+    binary: list = field(default_factory=list)
+    metadata: str = "{}"
+    display_id: str = ""
+    wait: bool = False
+    shm: dict | None = None
 
 
 @_register
 @dataclass(frozen=True)
-class Spawn(Message):
-    """Controller -> agent: fork fresh processes for these global ``ranks`` (of this host)."""
+class Complete(Message):
+    """Controller -> rank (I/O thread, answered while the main thread is busy): complete, or (``inspect``)
+    describe, the name at ``cursor_pos`` of ``code`` in the rank's namespace."""
 
-    TYPE: ClassVar[str] = "spawn"
-    ranks: list
-
-
-@_register
-@dataclass(frozen=True)
-class Signal(Message):
-    """Controller -> agent: send ``signal`` to these global ``ranks`` of this host (``[-1]``: all of them)."""
-
-    TYPE: ClassVar[str] = "signal"
-    ranks: list
-    signal: int
+    TYPE: ClassVar[str] = "complete"
+    request_id: int
+    code: str
+    cursor_pos: int
+    inspect: bool = False
 
 
 @_register
 @dataclass(frozen=True)
-class Forward(Message):
-    """Controller -> agent: give one signed message (its frames are this message's buffers) to each of ``ranks``:
-    into the work pipe when ``kind`` (the inner message's TYPE) is work, else over the rank's socket. ``cell_id``
-    (-1: none): the cell whose results the agent collects from those ranks before it answers."""
+class CompleteReply(Message):
+    """Rank -> controller: ``matches`` replace ``code[cursor_start:cursor_end]``; for an inspection, ``text`` is
+    the object's signature and docstring ("" when the name is not found)."""
 
-    TYPE: ClassVar[str] = "forward"
-    ranks: list
-    kind: str
-    cell_id: int = -1
+    TYPE: ClassVar[str] = "complete_reply"
+    request_id: int
+    matches: list = field(default_factory=list)
+    cursor_start: int = 0
+    cursor_end: int = 0
+    text: str = ""
 
 
-@_register
-@dataclass(frozen=True)
-class HostEvents(Message):
-    """Agent -> controller: what the ranks of a host did, in order, since the last batch.
-
-    ``events`` is a list of tuples, by their first item: ``("out", rank, stream, text)`` a line of output;
-    ``("done", cell_id, ranks, durations)`` ranks that finished a cell with no value and no error;
-    ``("res", rank, cell_id, status, has_value, error, duration, pickle_bytes, nbufs)`` any other result (its pickle
-    in the payload, its out-of-band buffers next in the buffers); ``("msg", rank, nframes)`` a signed message of the
-    rank, relayed (its frames next in the buffers); ``("up", rank, pid)`` forked; ``("exit", rank, returncode)``
-    exited (negative: killed by that signal); ``("beat", [(rank, rss, cuda_allocated, cuda_reserved), ...])`` the
-    ranks' heartbeats (bytes). ``payload`` holds the results' pickles, concatenated."""
-
-    TYPE: ClassVar[str] = "host_events"
-    events: list
-    payload: Any = None
-
+register = _register
+"""Add a message class to ``MESSAGE_TYPES`` (a decorator): for the modules that define more messages
+(monarch_worker.hostmessages: the host agents')."""

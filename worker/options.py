@@ -105,6 +105,12 @@ class NotebookOptions:
                                   trait="dashboard_fold")
     listen_timeout: float = _option(300.0, "Seconds `%mesh listen` waits for every rank to join before it reports "
                                     "who is missing.", unit="s", trait="listen_timeout")
+    completion_timeout: float = _option(0.5, "Seconds Tab completion and Shift-Tab inspection in a %%mesh cell (or "
+                                        "in auto mode) wait for the rank's answer before the kernel's own are "
+                                        "shown.", unit="s", trait="completion_timeout")
+    completion_rank: int = _option(0, "The rank whose namespace completes names in %%mesh cells (the first rank "
+                                   "of the cell's --ranks when it does not run there).", unit="rank",
+                                   trait="completion_rank")
     prewarm: bool = _option(True, "Start the local fork server (which imports torch once) when the extension "
                             "loads, so the first `%mesh start` does not wait for `import torch`.", trait="prewarm")
 

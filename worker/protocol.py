@@ -38,14 +38,15 @@ import marshal
 import os
 import struct
 
-# The message classes are part of the protocol: protocol.Exec, protocol.Result, ...
+# The message classes are part of the protocol: protocol.Exec, protocol.Result, protocol.Forward, ...
+from .hostmessages import AgentHello, AgentWelcome, Forward, HostEvents, Signal, Spawn
 from .messages import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
     Abort,
-    AgentHello,
-    AgentWelcome,
     Call,
+    Complete,
+    CompleteReply,
     DebugClear,
     DebugInput,
     DebugOutput,
@@ -53,12 +54,11 @@ from .messages import (
     DebugPrompt,
     DebugReply,
     DebugResumed,
+    Display,
     Exec,
-    Forward,
     Goodbye,
     Heartbeat,
     Hello,
-    HostEvents,
     Inspect,
     Interrupt,
     Message,
@@ -73,8 +73,6 @@ from .messages import (
     Result,
     ShmRelease,
     Shutdown,
-    Signal,
-    Spawn,
     Stacks,
     StacksRequest,
     StartFailed,
@@ -89,7 +87,8 @@ __all__ = [
     "Ready", "StartFailed", "Exec", "Call", "Interrupt", "StacksRequest", "Abort", "Regroup", "Ping", "Rejected",
     "Shutdown", "Result", "Stream", "Stacks", "Progress", "Heartbeat", "Push", "Pull", "PullReply", "ShmRelease",
     "DebugOutput", "DebugPrompt", "DebugResumed", "DebugInput", "DebugPostMortem", "Inspect", "DebugClear",
-    "DebugReply", "Goodbye", "AgentHello", "AgentWelcome", "Forward", "HostEvents", "Spawn", "Signal",
+    "DebugReply", "Goodbye", "Display", "Complete", "CompleteReply", "AgentHello", "AgentWelcome", "Forward",
+    "HostEvents", "Spawn", "Signal",
 ]
 
 MAGIC = b"MJ\x01"
@@ -234,7 +233,7 @@ RECORD_BODY_START = _FRAME_LEN.pack(len(MAGIC)) + MAGIC
 
 def record_types() -> tuple[type[Message], ...]:
     """The messages a rank's main thread sends as records (their kernel handlers may run on any thread)."""
-    return (Result, Progress, DebugOutput, DebugPrompt, DebugResumed)
+    return (Result, Progress, DebugOutput, DebugPrompt, DebugResumed, Display)
 
 
 def pack_frames(frames: list) -> bytes:

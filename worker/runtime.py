@@ -27,13 +27,13 @@ from typing import Any
 
 import zmq
 
-from . import live, recovery
+from . import completion, elastic_env, live, recovery
 from . import protocol as P
-from .addresses import address_toward
 from .channel import Mailbox, Outbox, recv_frames, send_frames
 from .config import RankConfig
 from .debugger import RankDebugger
 from .executor import Namespace, format_error, main_thread_stack, register_source
+from .group import MeshGroup
 from .options import RANK_SETTINGS
 from .serialize import SerializationError, dumps, loads
 from .transfer import RankTransfers
@@ -83,6 +83,8 @@ class Rank:
         self.device: Any = None  # this rank's torch.device (cuda:LOCAL_RANK or cpu), set by join()
         self.transfers = RankTransfers(self)
         self.group_sockets = recovery.GroupSockets()  # what Abort shuts down to release gloo collectives
+        self.group = MeshGroup(lambda: self._in_cell, self.send)  # the mesh's process group (group.py)
+        self.group.sockets = self.group_sockets
         self.debugger = RankDebugger(self)  # breakpoint(), post-mortem, inspect (debugger.py)
         # Records (protocol.RECORD_PREFIX): once the rank serves cells, its main thread writes what it reports
         # into its stdout pipe, through a copy of fd 1 that user code redirecting fd 1 does not affect.
@@ -91,13 +93,20 @@ class Rank:
         self._pid = os.getpid()  # a process forked by user code (multiprocessing) must not write records
         self._record_types = P.record_types()
         self._main_signer = P.Signer(bytes.fromhex(config.secret))  # the main thread's own sender session
+        self.rich: Any = None  # the display publisher (display.Publisher), set at start-up
 
-    def send(self, msg: P.Message, value: Any = None, *, with_value: bool = False) -> None:
-        """Queue ``msg`` for the I/O thread (any thread); ``value`` is pickled here as its payload.
+    @property
+    def writes_records(self) -> bool:
+        """What this thread sends now goes as records into the stdout pipe (a local rank's main thread)."""
+        return self._record_fd >= 0 and threading.get_ident() == self.main_ident and os.getpid() == self._pid
+
+    def send(self, msg: P.Message, value: Any = None, *, with_value: bool = False, buffers: list | None = None) -> None:
+        """Queue ``msg`` for the I/O thread (any thread); ``value`` is pickled here as its payload, or ``buffers``
+        (raw bytes) go with it as they are.
 
         Raises SerializationError when ``value`` cannot be pickled (nothing is queued then).
         """
-        payload, buffers = dumps(value) if with_value else (b"", [])
+        payload, buffers = dumps(value) if with_value else (b"", buffers or [])
         if (self._record_fd >= 0 and isinstance(msg, self._record_types)
                 and threading.get_ident() == self.main_ident and os.getpid() == self._pid):
             self._write_records(msg, payload, buffers)
@@ -123,7 +132,8 @@ class Rank:
     # ---- I/O thread ------------------------------------------------------------------------------------------
 
     def _send_now(self, msg: P.Message, payload: bytes = b"", buffers: list | tuple = ()) -> None:
-        """Send from the I/O thread (the only thread that touches the socket)."""
+        """Send from the I/O thread (the only thread that touches the socket; asserted)."""
+        assert threading.current_thread() is self._io, "the rank's DEALER socket is the I/O thread's"
         send_frames(self._sock, self._signer.pack(msg, payload, buffers))
 
     def _io_loop(self) -> None:
@@ -141,6 +151,8 @@ class Rank:
             P.DebugInput: self.debugger.on_input,
             P.Inspect: self.debugger.on_inspect,
             P.DebugClear: self.debugger.on_clear,
+            P.Complete: lambda msg, payload, bufs: self._send_now(
+                completion.answer(self.ns.ns if self.ns is not None else None, msg)),
         }
         while not self._stop.is_set():
             events = dict(poller.poll(interval_ms))
@@ -164,7 +176,8 @@ class Rank:
                         self._send_now(*item)
             if now >= next_beat and self._said_hello:
                 next_beat = now + self.config.heartbeat_interval
-                self._send_now(P.Heartbeat(rss=_rss_bytes(), **_cuda_memory(self.device)))
+                self._send_now(P.Heartbeat(rss=_rss_bytes(), group=self.group.current_backend(),
+                                           **_cuda_memory(self.device)))
                 if self._joined and now - self._last_heard > self.config.heartbeat_timeout:
                     sys.stderr.write(
                         f"monarch_worker rank {self.rank}: no word from the controller for "
@@ -273,13 +286,9 @@ class Rank:
             self.config = cfg = dataclasses.replace(cfg, **settings)
         if self.relay is not None:
             self.relay.release()  # output held while waiting to be admitted goes out now
-        env = {
-            "RANK": str(welcome.rank),
-            "WORLD_SIZE": str(welcome.world_size),
-            "LOCAL_RANK": str(welcome.local_rank),
-            "LOCAL_WORLD_SIZE": str(welcome.local_world_size),
-        }
-        os.environ.update(env)
+        elastic_env.apply(rank=welcome.rank, world_size=welcome.world_size, local_rank=welcome.local_rank,
+                          local_world_size=welcome.local_world_size, elastic=welcome.elastic,
+                          launched_by_torchrun="TORCHELASTIC_RUN_ID" in cfg.launcher_env)
         device, backend = self.init_group(welcome.rank, welcome.world_size, welcome.local_rank,
                                           welcome.local_world_size, welcome.master_addr, welcome.master_port,
                                           cfg.backend)
@@ -292,59 +301,21 @@ class Rank:
             "dist": dist,
             "torch": torch,
         })
+        self.group.install()  # user code's own init/destroy_process_group (group.py)
         self.send(P.Ready(device=str(device), backend=backend, host=socket.gethostname(), pid=os.getpid()))
 
     def init_group(self, rank: int, world_size: int, local_rank: int, local_world_size: int, master_addr: str,
                    master_port: int, backend: str) -> tuple[Any, str]:
-        """Join the default process group (at start, and again on Regroup); returns (device, backend).
-
-        ``master_port`` < 0: the launcher's rendezvous (env://: torchrun's store, or MASTER_ADDR/PORT); 0: host
-        a TCPStore here (on ``master_addr``, or our address toward the controller when it is empty) and report
-        it with StoreReady; > 0: the TCPStore at ``master_addr:master_port``.
-        """
-        from datetime import timedelta
-
-        import torch
-        import torch.distributed as dist
-
+        """Join the default process group (at start, and again on Regroup); returns (device, backend). See
+        ``MeshGroup.join`` (group.py) for ``master_addr`` and ``master_port``."""
         cfg = self.config
-        if backend == "auto":
-            cuda = torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size
-            backend = "nccl" if cuda else "gloo"
-        timeout = timedelta(seconds=cfg.pg_timeout)
-        store: Any = None
-        if master_port < 0:  # the launcher's rendezvous (torchrun's store, or MASTER_ADDR/PORT): env://
-            addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-        elif master_port == 0:
-            if master_addr:
-                addr = master_addr
-            else:  # an address the other ranks can reach: ours toward the controller
-                addr = address_toward(cfg.controller)
-            store = dist.TCPStore(addr, 0, world_size, is_master=True,
-                                  timeout=timedelta(seconds=cfg.join_timeout), wait_for_workers=False)
-            port = store.port
-            self.send(P.StoreReady(port=port, addr=addr))
-        else:
-            addr, port = master_addr, master_port
-            store = dist.TCPStore(addr, port, world_size, is_master=False,
-                                  timeout=timedelta(seconds=cfg.join_timeout))
-        os.environ["MASTER_ADDR"] = addr
-        os.environ["MASTER_PORT"] = str(port)
-        if backend == "nccl":
-            torch.cuda.set_device(local_rank)
-            device = torch.device("cuda", local_rank)
-        else:
-            device = torch.device("cpu")
-        kwargs: dict[str, Any] = {}
-        if backend == "nccl":
-            kwargs["device_id"] = device
-        if store is None:
-            kwargs["init_method"] = "env://"
-        else:
-            kwargs["store"] = store
-        with self.group_sockets:  # the connections this group opens (see recovery.GroupSockets)
-            dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
-        return device, backend
+        return self.group.join(rank, world_size, local_rank, local_world_size, master_addr, master_port, backend,
+                               cfg.controller, cfg.join_timeout, cfg.pg_timeout)
+
+    @property
+    def in_cell(self) -> bool:
+        """The main thread runs user code now (a cell, a call, a script)."""
+        return self._in_cell
 
     def serve(self) -> None:
         """Main loop: take work and run it until Shutdown."""
@@ -451,6 +422,9 @@ class Rank:
                 self.debugger.cell_finished()
         except BaseException as e:  # noqa: BLE001 - report everything, KeyboardInterrupt included
             error, value, has_value = format_error(e), None, False
+        if self.rich is not None:  # figures left open are shown; a figure value comes back as its image
+            value = self.rich.cell_value(value) if has_value and reply is None else value
+            self.rich.end_cell(cell_id)
         live.flush()  # the last progress report of the cell, held back by throttling
         result = P.Result(cell_id, "error" if error else "ok", has_value, error, time.perf_counter() - start)
         if reply is not None:

@@ -9,9 +9,10 @@ import os
 import signal
 import sys
 
-from . import live, recovery
+from . import display, elastic_env, live, recovery
 from . import protocol as P
 from .config import RankConfig
+from .elastic_env import apply_thread_settings
 from .executor import format_error
 from .runtime import JoinRejected, Rank
 
@@ -28,29 +29,6 @@ def _unbuffered_std_streams() -> None:
                                   line_buffering=False)
         setattr(sys, name, stream)
         setattr(sys, f"__{name}__", stream)
-
-
-def apply_thread_settings() -> None:
-    """Give torch the intra-op thread count a fresh interpreter with this environment would have.
-
-    A rank forked from the fork server inherits the OpenMP and MKL settings torch read when the fork server imported
-    it, so the OMP_NUM_THREADS / MKL_NUM_THREADS of the rank's own environment (torchrun sets OMP_NUM_THREADS=1
-    when several ranks share a host) would have no effect. torch's own rule (ATen's
-    ``intraop_default_num_threads``) applies: MKL_NUM_THREADS wins over OMP_NUM_THREADS; with neither set, the
-    fork server's default (the same machine, the same default) stands. Inter-op threads need nothing: the fork
-    server never started its pool, so each rank sizes it on first use, as a fresh process does.
-    """
-    value = os.environ.get("MKL_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS")
-    if not value:
-        return
-    try:
-        n = int(value)
-    except ValueError:
-        return  # torch ignores a value it cannot parse; so do we
-    if n > 0:
-        import torch
-
-        torch.set_num_threads(n)
 
 
 def run_rank(config: RankConfig) -> int:
@@ -84,6 +62,9 @@ def run_rank(config: RankConfig) -> int:
         code = 1
     else:
         rank.debugger.install()
+        rank.rich = display.Publisher(lambda msg, bufs: rank.send(msg, buffers=bufs), lambda: rank.current_cell,
+                                      lambda: rank.transfers.pool, lambda: rank.writes_records)
+        display.install(rank.rich, rank.ns.ns if rank.ns is not None else None)
         rank.serve()
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -94,4 +75,5 @@ def run_rank(config: RankConfig) -> int:
         relay.flush(1.0)
     rank.send(P.Goodbye(returncode=code))
     rank.close(2.0)
+    elastic_env.cleanup()
     return code

@@ -79,7 +79,7 @@ class CellHandle:
         self.keep_outcome = False  # a handle the caller holds (block=False): result() may be asked again
         self.tracks_failures = True  # its failures are the ones post-mortem opens (not a post-mortem's own)
         self.final: tuple[Any, BaseException | None] | None = None  # the outcome, once computed
-        self._lines: list[tuple[int, str, str]] = []
+        self._lines: list[tuple[int, str, Any]] = []
         self._lines_since = 0.0  # when the oldest line in _lines came
         # Many ranks: identical lines of several ranks show once (output.fold_lines), gathered for FOLD_WINDOW s.
         self.fold = 0 < state.options.output_fold < len(ranks)
@@ -94,7 +94,7 @@ class CellHandle:
         """Every rank finished it (under the lock, or as a snapshot)."""
         return len(self.finished) == len(self.ranks)
 
-    def emit(self, rank: int, stream: str, text: str) -> None:
+    def emit(self, rank: int, stream: str, text: Any) -> None:
         """Under the lock: a line the cell's ``rank`` wrote; written now unless someone waits for the cell."""
         if self.order == "rank" and not self._released(rank):
             self._held[rank].append((rank, stream, text))
@@ -197,7 +197,7 @@ class CellHandle:
             if left > 0:
                 self._wake.wait(min(timeout, left))
 
-    def pop_lines(self) -> list[tuple[Who, str, str]]:
+    def pop_lines(self) -> list[tuple[Who, str, Any]]:
         """Under the lock: the lines collected for the waiter, now taken (folded where the cell folds; the lines of
         a folding cell are held until they are ``FOLD_WINDOW`` seconds old or the cell is done)."""
         if (self.fold and self._lines and not self.all_done
@@ -219,7 +219,7 @@ class CellHandle:
         """A thread waits for the cell now (it writes the cell's lines; a snapshot)."""
         return self._waiting
 
-    def take_lines(self) -> list[tuple[Who, str, str]]:
+    def take_lines(self) -> list[tuple[Who, str, Any]]:
         """The lines collected for the waiter, now taken (takes the lock)."""
         with self._state.lock:
             return self.pop_lines()
@@ -266,6 +266,10 @@ class CellTable:
     def get(self, cell_id: int) -> CellHandle | None:
         """Under the lock: the cell, while some rank has not finished it."""
         return self.state.cells.get(cell_id)
+
+    def lookup(self, cell_id: int) -> CellHandle | None:
+        """Under the lock: the cell, also after it ended (one of the last cells submitted), else None."""
+        return self.state.cells.get(cell_id) or self.state.recent_cells.get(cell_id)
 
     def on_result(self, rank: int, msg: P.Result, payload: bytes, bufs: list) -> None:
         """A rank's Result (I/O thread or output reader): its value is unpickled here, outside the lock."""

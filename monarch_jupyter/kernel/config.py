@@ -19,6 +19,8 @@ from traitlets import Bool, CaselessStrEnum, Float, Int, TraitType, Unicode
 
 from monarch_worker.options import MeshOptions, NotebookOptions, check_value, option_fields
 
+from ..errors import MeshStartError
+
 __all__ = ["MeshOptions", "NotebookOptions", "traits", "make_options", "OptionAttribute", "options_table",
            "mesh_signature", "trait_value"]
 
@@ -173,3 +175,16 @@ def options_markdown() -> str:
         lines.append(f"| `{row['trait']}` | `{row['default']!r}` | {row['unit']} | {row['help']}{choices} |")
     lines += ["", "Ranks that join from other hosts read the environment variables listed in docs/multihost.md.", ""]
     return "\n".join(lines)
+
+
+def check_gpus(nproc: int) -> None:
+    """Raise MeshStartError when the nccl backend cannot have one CUDA device per rank."""
+    try:
+        import torch
+    except ImportError:
+        raise MeshStartError("backend 'nccl' needs torch with CUDA; torch is not importable here") from None
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n < nproc:
+        raise MeshStartError(
+            f"backend 'nccl' needs one GPU per rank: {nproc} ranks but {n} CUDA device(s) visible; "
+            "use --backend gloo or fewer ranks")

@@ -36,6 +36,7 @@ __all__ = ["Dispatcher", "Group", "restart_hint", "sigint_held"]
 Group = tuple[list[int], P.Message, bytes, list]  # ranks that get one message (signed once), its payload, buffers
 
 WORK_TYPES = P.work_types()
+RECENT_CELLS = 64  # cells whose late rich output still reaches them (MeshState.recent_cells)
 
 
 def restart_hint(dead: list[int]) -> str:
@@ -97,6 +98,9 @@ class Dispatcher:
                                  "%mesh restart --rank R  (or  %mesh restart)\n")
             state.cells[handle.cell_id] = handle
             state.last_cell = handle
+            state.recent_cells[handle.cell_id] = handle  # late rich output still finds its cell (rich.py)
+            while len(state.recent_cells) > RECENT_CELLS:
+                state.recent_cells.pop(next(iter(state.recent_cells)))
             launcher = state.launcher
             work_pipe = launcher.work_pipe if launcher is not None and launcher.has_work_pipes else None
             infos = state.ranks

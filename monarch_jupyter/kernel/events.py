@@ -14,7 +14,8 @@ Events and their data: ``started`` (ready_seconds), ``stopped``, ``cell_started`
 ``rank_state`` (rank, state: idle/dead/stopped, or breakpoint/running from the debugger; returncode, host, device,
 pid where known), ``rank_joined`` (host, pid, rank, joined, world_size), ``rank_died`` (rank, returncode, reason),
 ``regrouped`` (fresh), ``output`` (rank, stream, text, cell_id), ``progress`` (rank, cell_id, n, total, desc,
-postfix), ``heartbeat`` (rank, rss, cuda_allocated, cuda_reserved; bytes).
+postfix), ``heartbeat`` (rank, rss, cuda_allocated, cuda_reserved; bytes), ``display`` (rank, cell_id, display_kind:
+display/update/clear, display_id, data: the MIME bundle as published, metadata; kernel/rich.py).
 """
 
 from __future__ import annotations

@@ -241,7 +241,8 @@ class IOThread:
         assert info.identity is not None
         n = self.state.nproc
         self.send_to(info.identity, P.Welcome(rank=info.rank, world_size=n, local_rank=info.rank,
-                                              local_world_size=n, master_addr="127.0.0.1", master_port=port))
+                                              local_world_size=n, master_addr="127.0.0.1", master_port=port,
+                                              elastic=self.state.elastic(0, 1)))
 
     def _on_hello(self, identity: bytes, msg: P.Hello, by_identity: dict[bytes, int]) -> None:
         if self.links is not None and self.links.on_rank_hello(identity, msg, by_identity):
@@ -300,6 +301,7 @@ class IOThread:
             info = state.ranks[rank]
             info.state = RankState.IDLE
             info.device, info.backend, info.host = msg.device, msg.backend, msg.host
+            info.group = msg.backend
             state.cond.notify_all()
         state.events.emit("rank_state", rank=rank, state="idle", host=msg.host, device=msg.device, pid=msg.pid)
 
@@ -314,6 +316,7 @@ class IOThread:
             info = state.ranks[rank]
             info.rss = msg.rss
             info.cuda_allocated, info.cuda_reserved = msg.cuda_allocated, msg.cuda_reserved
+            info.group = msg.group
             info.last_heard = time.monotonic()
         state.events.emit("heartbeat", rank=rank, rss=msg.rss, cuda_allocated=msg.cuda_allocated,
                           cuda_reserved=msg.cuda_reserved)

@@ -94,6 +94,8 @@ class Lifecycle:
         deadline = t0 + state.options.start_timeout
         try:
             if self.listener is not None:  # ranks that join (launch/listener.py)
+                assert self.sink is not None
+                self.listener.use_sink(GenerationEvents(self.sink, state, state.generation))
                 state.address = self.listener.open(router, secret)
                 state.launcher = self.listener.launch(self.launch_env())
                 if wait is None:
@@ -146,6 +148,7 @@ class Lifecycle:
         """Start processes for ``ranks`` with the current launcher (a local one; joined ranks start elsewhere)."""
         launcher, sink = self.state.launcher, self.sink
         assert launcher is not None and sink is not None
+        sink = GenerationEvents(sink, self.state, self.state.generation)
         env = self.rank_env()
         for r in ranks:
             launcher.start(r, env, self.rank_config(r), sink)
@@ -260,3 +263,27 @@ def _loopback_ifname() -> str:
     except OSError:
         pass
     return "lo"
+
+
+class GenerationEvents:
+    """A launcher sink for the processes of one generation: their events are dropped once a newer generation has
+    started, so the late exit (or last output) of a rank that was stopped never lands on the rank that replaced it.
+    (A launcher's ``wait`` can return before its reader thread has delivered the last exit.)"""
+
+    def __init__(self, sink: LauncherEvents, state: MeshState, generation: int) -> None:
+        self.sink = sink
+        self.state = state
+        self.generation = generation
+
+    def on_spawned(self, rank: int, pid: int) -> None:
+        if self.state.generation == self.generation:
+            self.sink.on_spawned(rank, pid)
+
+    def on_output(self, rank: int, stream: str, data: bytes) -> None:
+        if self.state.generation == self.generation:
+            self.sink.on_output(rank, stream, data)
+
+    def on_exit(self, rank: int, returncode: int) -> None:
+        if self.state.generation == self.generation:
+            self.sink.on_exit(rank, returncode)
+

@@ -15,9 +15,9 @@ from typing import Any
 from monarch_worker import protocol as P
 from monarch_worker.serialize import dumps
 
-from ..errors import MeshNotRunningError, MeshStartError
+from ..errors import MeshError, MeshNotRunningError
 from ..ranks import RankMap, format_ranks, parse_ranks
-from . import config, registry
+from . import config, hints, registry, scripts
 from .cells import CellHandle
 from .compiling import compile_cell, notebook_refs, sources_of
 from .launch import JoinCommands, launcher_for
@@ -66,7 +66,7 @@ class Mesh:
             raise ValueError(f"nproc must be a positive number of ranks, got {nproc!r}")
         self.options = config.make_options(**options)
         if self.options.backend == "nccl":
-            _check_gpus(nproc)
+            config.check_gpus(nproc)
         join_launcher = launcher_for(launcher, nproc)
         if join_launcher is None and (self.options.address not in (None, "", "127.0.0.1", "localhost")
                                       or self.options.encrypt):
@@ -95,6 +95,11 @@ class Mesh:
     @property
     def running(self) -> bool:
         return self.state.running
+
+    @property
+    def generation(self) -> int:
+        """Counts the starts and full restarts of this mesh (what ranks keep is gone when it changes)."""
+        return self.state.generation
 
     @property
     def address(self) -> str:
@@ -267,7 +272,11 @@ class Mesh:
         payload, buffers = dumps(refs) if refs else (b"", [])
         handle = self.waiter.submit(cell_id, [(chosen, P.Exec(cell_id, code, filename, sources), payload, buffers)],
                                     "the cell", order)
-        return self._finish(handle, timeout, block)
+        try:
+            return self._finish(handle, timeout, block)
+        except MeshError as e:  # a NameError for a notebook name: how to send it (hints.py)
+            hints.name_hints(e, namespace or {})
+            raise
 
     def call(self, fn: Callable[..., Any], *args: Any, ranks: str | int | Iterable[int] | None = None,
              timeout: float | None = None, block: bool = True, **kwargs: Any) -> RankMap | None | CellHandle:
@@ -283,6 +292,15 @@ class Mesh:
         handle = self.waiter.submit(cell_id, [(chosen, P.Call(cell_id, sources_of([fn])), payload, buffers)],
                                     f"call of {getattr(fn, '__qualname__', fn)!s}")
         return self._finish(handle, timeout, block)
+
+    def run_script(self, path: Any, *args: Any, module: bool = False, ranks: str | int | Iterable[int] | None = None,
+                   timeout: float | None = None, order: str = "arrival") -> RankMap:
+        """Run a torchrun script (``module``: ``python -m path``) unchanged on ``ranks`` as torchrun would (docs/
+        torchrun.md); returns rank -> exit status (0). Raises FileNotFoundError (no such script here; nothing runs),
+        and as ``run``: MeshError when it raised or exited with a non-zero status (``ScriptExit``) on some ranks."""
+        self._check_running()
+        return scripts.run_script(self.state, self.waiter, path, args, module=module, local=not self.lifecycle.joined,
+                                  ranks=ranks, timeout=timeout, order=order)
 
     def _finish(self, handle: CellHandle, timeout: float | None, block: bool) -> RankMap | None | CellHandle:
         if not block:
@@ -369,6 +387,13 @@ class Mesh:
         self._check_running()
         return self.parts.stacks.ask(ranks, timeout)
 
+    def complete(self, code: str, cursor_pos: int, rank: int = 0, *, inspect: bool = False,
+                 timeout: float = 0.5) -> Any:
+        """Completions of ``code`` at ``cursor_pos`` in ``rank``'s namespace, asked of its I/O thread (it answers while
+        the rank runs a cell): a ``CompleteReply`` (``matches``, ``cursor_start``, ``cursor_end``; ``text`` for
+        ``inspect``), or None when the rank is dead or did not answer within ``timeout`` seconds."""
+        return self.parts.completions.ask(rank, code, cursor_pos, inspect, timeout)
+
     def interrupt(self, ranks: str | int | Iterable[int] | None = None, *, force: bool = False,
                   grace: float | None = None) -> InterruptReport:
         """Interrupt what the chosen ranks run now: KeyboardInterrupt in their main thread; they keep their state.
@@ -417,15 +442,3 @@ class Mesh:
 
 config.add_option_attributes(Mesh)
 Mesh.__init__.__signature__ = config.mesh_signature(Mesh.__init__)  # type: ignore[attr-defined]
-
-
-def _check_gpus(nproc: int) -> None:
-    try:
-        import torch
-    except ImportError:
-        raise MeshStartError("backend 'nccl' needs torch with CUDA; torch is not importable here") from None
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if n < nproc:
-        raise MeshStartError(
-            f"backend 'nccl' needs one GPU per rank: {nproc} ranks but {n} CUDA device(s) visible; "
-            "use --backend gloo or fewer ranks")

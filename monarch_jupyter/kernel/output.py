@@ -13,6 +13,7 @@ import heapq
 import sys
 from collections import Counter, deque
 from collections.abc import Sequence
+from typing import Any
 
 from monarch_worker.streams import StreamSplitter
 
@@ -35,19 +36,24 @@ def label(rank: Who) -> str:
     return f"[rank{rank}]:"
 
 
-def fold_lines(lines: list[tuple[int, str, str]]) -> list[tuple[Who, str, str]]:
+def fold_lines(lines: list[tuple[int, str, Any]]) -> list[tuple[Who, str, Any]]:
     """Lines (rank, stream, text) with byte-identical lines of several ranks made one line with all their ranks (a
     tuple). Lines that differ never fold, and each rank's own lines keep their order; within that, lines come in
     the order they arrived, and a line is shown as soon as every rank that will print it in this batch is at it
-    (a rank's own different lines, like its loss, go first and the common line then shows once).
+    (a rank's own different lines, like its loss, go first and the common line then shows once). Rich outputs
+    (stream "display") never fold.
     """
-    seqs: dict[int, deque[tuple[int, tuple[str, str]]]] = {}
+    seqs: dict[int, deque[tuple[int, tuple[str, Any]]]] = {}
+    items: dict[tuple[str, Any], Any] = {}  # the display items, by their own key
     for i, (rank, stream, text) in enumerate(lines):
-        seqs.setdefault(rank, deque()).append((i, (stream, text)))
+        own: tuple[str, Any] = (stream, text) if stream != "display" else ("display", i)
+        if stream == "display":
+            items[own] = text
+        seqs.setdefault(rank, deque()).append((i, own))
     left = Counter(key for seq in seqs.values() for _, key in seq)  # occurrences not shown yet
-    heads: dict[tuple[str, str], set[int]] = {}  # ranks whose next line is this
-    first: dict[tuple[str, str], int] = {}  # the earliest arrival among those next lines
-    ready: list[tuple[int, tuple[str, str]]] = []  # (first, key) of lines every rank that prints them is at
+    heads: dict[tuple[str, Any], set[int]] = {}  # ranks whose next line is this
+    first: dict[tuple[str, Any], int] = {}  # the earliest arrival among those next lines
+    ready: list[tuple[int, int, tuple[str, Any]]] = []  # (first, arrival, key) of lines all their ranks are at
     waiting: list[tuple[int, int]] = []  # (arrival, rank) of every rank's next line (stale entries skipped)
 
     def advance(rank: int) -> None:
@@ -58,15 +64,15 @@ def fold_lines(lines: list[tuple[int, str, str]]) -> list[tuple[Who, str, str]]:
         first[key] = min(first.get(key, i), i)
         heapq.heappush(waiting, (i, rank))
         if len(heads[key]) == left[key]:
-            heapq.heappush(ready, (first[key], key))
+            heapq.heappush(ready, (first[key], i, key))
 
     for rank in seqs:
         advance(rank)
     out: list[tuple[Who, str, str]] = []
     while waiting or ready:
-        key = None
+        key: tuple[str, Any] | None = None
         while ready and key is None:
-            _, cand = heapq.heappop(ready)
+            _, _, cand = heapq.heappop(ready)
             if cand in heads and len(heads[cand]) == left[cand]:
                 key = cand
         while key is None and waiting:  # nothing is ready everywhere: the earliest line goes first
@@ -77,7 +83,7 @@ def fold_lines(lines: list[tuple[int, str, str]]) -> list[tuple[Who, str, str]]:
             break
         group = sorted(heads.pop(key))
         first.pop(key, None)
-        out.append((tuple(group) if len(group) > 1 else group[0], key[0], key[1]))
+        out.append((tuple(group) if len(group) > 1 else group[0], key[0], items.get(key, key[1])))
         for rank in group:
             seqs[rank].popleft()
             left[key] -= 1
@@ -85,10 +91,29 @@ def fold_lines(lines: list[tuple[int, str, str]]) -> list[tuple[Who, str, str]]:
     return out
 
 
-def write_lines(lines: Sequence[tuple[Who, str, str]], ctx: contextvars.Context | None = None) -> None:
+def write_lines(lines: Sequence[tuple[Who, str, Any]], ctx: contextvars.Context | None = None) -> None:
     """Write (rank, stream, text) lines to sys.stdout / sys.stderr, labelled, inside ``ctx`` if given (``rank`` a
-    tuple: a folded line, see ``fold_lines``)."""
+    tuple: a folded line, see ``fold_lines``).
+
+    An item whose stream is "display" carries a rich output (``kernel.rich.RichOutput``) in place of the text: it
+    is published there, in order with the lines around it.
+    """
     if not lines:
+        return
+    if any(stream == "display" for _, stream, _ in lines):
+        def write_all() -> None:
+            start = 0
+            for i, (_, stream, item) in enumerate(lines):
+                if stream == "display":
+                    write_lines(lines[start:i])
+                    item.publish()
+                    start = i + 1
+            write_lines(lines[start:])
+
+        if ctx is None:
+            write_all()
+        else:
+            ctx.run(write_all)
         return
 
     def write() -> None:

@@ -13,6 +13,7 @@ from monarch_worker import protocol as P
 from monarch_worker.options import MeshOptions
 
 from .cells import CellTable
+from .completion import Completions
 from .debugger import MeshDebugger
 from .dispatch import Dispatcher
 from .events import EventBus
@@ -22,6 +23,7 @@ from .launch.join import JoinLauncher
 from .launch.listener import Listener
 from .lifecycle import Lifecycle
 from .recovery import RankEvents, Recovery
+from .rich import RichRouter
 from .routing import OutputRouter
 from .stacks import StackRequests
 from .state import MeshState
@@ -48,6 +50,8 @@ class Parts:
     recovery: Recovery
     waiter: Waiter
     debugger: MeshDebugger
+    rich: RichRouter
+    completions: Completions
 
 
 def build(nproc: int, options: MeshOptions, join_launcher: JoinLauncher | None) -> Parts:
@@ -72,16 +76,19 @@ def build(nproc: int, options: MeshOptions, join_launcher: JoinLauncher | None) 
     transfers.waiter = waiter
     debugger = MeshDebugger(state, dispatcher, waiter)  # breakpoint(), post-mortem, inspect
     waiter.prompts = debugger
+    rich = RichRouter(state, cells, dispatcher)  # ranks' display(), figures
+    completions = Completions(state, dispatcher)  # Tab and Shift-Tab in %%mesh cells
     # What ranks send over the socket (I/O thread) ...
     for kind, handler in ((P.Result, cells.on_result), (P.Stacks, stacks.on_reply), (P.Stream, router.on_stream),
                           (P.PullReply, transfers.on_pull_reply), (P.ShmRelease, transfers.on_release),
                           (P.DebugOutput, debugger.on_message), (P.DebugPrompt, debugger.on_message),
-                          (P.DebugResumed, debugger.on_message), (P.DebugReply, debugger.on_message)):
+                          (P.DebugResumed, debugger.on_message), (P.DebugReply, debugger.on_message),
+                          (P.Display, rich.on_display), (P.CompleteReply, completions.on_reply)):
         io.handle(kind, handler)
     # ... and as records in a local rank's stdout pipe (protocol.record_types; the output reader thread).
     router.record_handlers.update({P.Result: cells.on_result, P.Progress: io.on_progress,
                                    P.DebugOutput: debugger.on_message, P.DebugPrompt: debugger.on_message,
-                                   P.DebugResumed: debugger.on_message})
+                                   P.DebugResumed: debugger.on_message, P.Display: rich.on_display})
     io.every_interval(recovery.check_heartbeats)
     if listener is not None and hosts is not None:
         io.every_interval(listener.check)
@@ -90,4 +97,4 @@ def build(nproc: int, options: MeshOptions, join_launcher: JoinLauncher | None) 
         hosts.attach(io.send_to, sink, recovery.ranks_lost)
         transfers.agent_held = hosts.holds
     return Parts(events, state, dispatcher, cells, stacks, transfers, listener, io, router, lifecycle, recovery,
-                 waiter, debugger)
+                 waiter, debugger, rich, completions)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import itertools
 import threading
+import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from monarch_worker.options import MeshOptions
 
 from ..errors import MeshNotRunningError
+from ..ranks import ranks_text
 from .events import EventBus
 from .output import StreamSplitter
 
@@ -57,6 +59,7 @@ class RankInfo:
     returncode: int | None = None
     start_error: str = ""
     rss: int = 0  # bytes
+    group: str = ""  # backend of the rank's default process group as it last reported it ("" for none)
     cuda_allocated: int = 0  # bytes
     cuda_reserved: int = 0  # bytes
     last_heard: float = 0.0  # time.monotonic() of its last message
@@ -86,6 +89,7 @@ class MeshState:
         self.ranks: dict[int, RankInfo] = {}
         self.cells: dict[int, CellHandle] = {}  # cells some rank has not finished (and blocking ones not yet read)
         self.last_cell: CellHandle | None = None  # output that belongs to no cell goes there
+        self.recent_cells: dict[int, CellHandle] = {}  # the last cells submitted, ended or not (late displays)
         self.running = False
         self.stopping = False  # exits now are expected (stop, restart): not reported as deaths
         self.launcher: Launcher | None = None
@@ -96,6 +100,7 @@ class MeshState:
         self.regrouping: set[int] = set()  # surviving ranks that get Regroup once the new store is up
         self.killing: dict[int, str] = {}  # rank -> why the controller killed it on purpose
         self.generation = 0  # counts starts and restarts
+        self.run_id = str(uuid.uuid4())  # torchrun's TORCHELASTIC_RUN_ID of ranks it did not start (one per mesh)
         # rank -> (cell id, order) of its last failed cell, for post-mortem (CellTable.on_result keeps it)
         self.failures: dict[int, tuple[int, int]] = {}
 
@@ -113,14 +118,35 @@ class MeshState:
 
     def status(self) -> dict[int, dict[str, Any]]:
         """rank -> {"state", "pid", "host", "device", "rss", "cuda_allocated", "cuda_reserved" (bytes),
-        "returncode", "backend"}."""
+        "returncode", "backend", "group"}; "group" is the backend of the rank's default process group as the rank
+        last reported it (at most ``heartbeat_interval`` seconds ago), "" when it has none."""
         with self.lock:
             return {
                 r: {"state": i.state.value, "pid": i.pid, "host": i.host, "device": i.device, "rss": i.rss,
                     "cuda_allocated": i.cuda_allocated, "cuda_reserved": i.cuda_reserved,
-                    "returncode": i.returncode, "backend": i.backend}
+                    "returncode": i.returncode, "backend": i.backend, "group": i.group}
                 for r, i in self.ranks.items()
             }
+
+    def group_status(self) -> str:
+        """The process group as it is: "up (gloo, 4 ranks)", "down: rank 1 died; ..." (the controller tore it
+        down, or ranks report having none), or "none: the mesh is not running"."""
+        with self.lock:
+            if not self.running:
+                return "none: the mesh is not running"
+            if self.group_down:
+                return f"down: {self.group_down}"
+            joined = [i for i in self.ranks.values() if i.state in (RankState.IDLE, RankState.RUNNING)]
+            missing = [i.rank for i in joined if not i.group]
+            if missing:
+                return (f"down on {ranks_text(missing)}: no default process group there (collectives fail); "
+                        "%mesh restart  makes a fresh mesh")
+            backends = sorted({i.group for i in joined})
+            return f"up ({', '.join(backends) or '?'}, {len(joined)} of {self.nproc} ranks)"
+
+    def elastic(self, group_rank: int, group_world_size: int) -> dict[str, Any]:
+        """Welcome's ``elastic`` field: the torchrun values only the controller knows (monarch_worker.elastic_env)."""
+        return {"group_rank": group_rank, "group_world_size": group_world_size, "run_id": self.run_id}
 
     def check_running(self) -> None:
         """Raise MeshNotRunningError unless the ranks are up."""

@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic import Magics, cell_magic, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from .. import errors
@@ -21,14 +21,16 @@ from ..kernel.launch import launcher_for
 from ..kernel.mesh import Mesh
 from ..ranks import parse_ranks
 from . import debug as debug_magics
-from . import transfer
+from . import scripts, transfer
+from .auto import AutoMode
+from .complete import MeshCompletion
 
 log = logging.getLogger(__name__)
 
 __all__ = ["MeshMagics", "load", "unload"]
 
-SUBCOMMANDS = ("start", "listen", "status", "stop", "restart", "stacks", *transfer.SUBCOMMANDS, "debug",
-               "inspect", "interrupt")
+SUBCOMMANDS = ("start", "listen", "status", "stop", "restart", "stacks", *scripts.SUBCOMMANDS,
+               *transfer.SUBCOMMANDS, "debug", "inspect", "interrupt", "auto")
 
 
 def _rest(line: str) -> tuple[str, str]:
@@ -51,6 +53,8 @@ class MeshMagics(Magics):
     def __init__(self, shell: Any = None, **kwargs: Any) -> None:
         super().__init__(shell=shell, **kwargs)
         self.meshes: list[Mesh] = []
+        self.auto = AutoMode(shell)  # %mesh auto, %%local (auto.py)
+        self.completion = MeshCompletion(self)  # Tab and Shift-Tab from a rank (complete.py)
 
     def option(self, name: str) -> Any:
         """The value of mesh option ``name`` (a MeshOptions field) as configured here (``cell_timeout`` 0 -> None)."""
@@ -70,7 +74,7 @@ class MeshMagics(Magics):
 
     @line_cell_magic
     def mesh(self, line: str, cell: str | None = None) -> Any:
-        """%mesh start|listen|status|stop|restart|stacks|interrupt|push|pull|scatter|gather|debug|inspect ...,
+        """%mesh start|listen|status|stop|restart|stacks|run|interrupt|push|pull|scatter|gather|debug|inspect ...,
         and %%mesh ...
 
         Run `%mesh SUBCOMMAND --help` for each subcommand's options, `%%mesh --help` for the cell magic.
@@ -89,6 +93,7 @@ class MeshMagics(Magics):
             "stop": self._stop,
             "restart": self._restart,
             "stacks": self._stacks,
+            "run": lambda rest: scripts.run(self, rest),
             "push": lambda rest: transfer.push(self, rest),
             "pull": lambda rest: transfer.pull(self, rest),
             "scatter": lambda rest: transfer.scatter(self, rest),
@@ -96,6 +101,7 @@ class MeshMagics(Magics):
             "debug": lambda rest: debug_magics.debug(self, rest),
             "inspect": lambda rest: debug_magics.inspect(self, rest),
             "interrupt": self._interrupt,
+            "auto": self.auto.command,
         }.get(sub)
         if handler is None:
             raise UsageError(
@@ -208,7 +214,8 @@ class MeshMagics(Magics):
         m = self.current()
         from ..widgets import status_view
 
-        return status_view(m, mode=self.setting("live_view"), fold_threshold=self.setting("dashboard_fold"))
+        return status_view(m, mode=self.setting("live_view"), fold_threshold=self.setting("dashboard_fold"),
+                           note=self.auto.status() if self.auto.on else "")
 
     @magic_arguments()
     def _stop(self, rest: str) -> None:
@@ -295,7 +302,9 @@ class MeshMagics(Magics):
                 chosen = parse_ranks(args.ranks, m.nproc)
             except ValueError as e:
                 raise UsageError(str(e)) from None
-            view = cell_view(m, chosen, mode=self.setting("live_view"), fold_threshold=self.setting("dashboard_fold"))
+            view = cell_view(m, chosen, mode=self.setting("live_view"), fold_threshold=self.setting("dashboard_fold"),
+                             title="mesh cell (auto mode)" if self.auto.on else "mesh cell",
+                             defer=0.0 if args.async_ else None)  # an --async cell returns at once: show it now
         try:
             with m.debugger.options(debug_magics.unquote(args.pdb_commands),
                                     args.on_interrupt or self.setting("debug_on_interrupt")):
@@ -326,6 +335,11 @@ class MeshMagics(Magics):
             self.user_ns[args.out] = result if result is not None else {}
             return None
         return result
+
+    @cell_magic
+    def local(self, line: str, cell: str) -> None:
+        """%%local: run this cell in the kernel (in auto mode, where other cells run on the mesh)."""
+        self.auto.run_local(cell)
 
     # ------------------------------------------------------------------ helpers
 
@@ -388,6 +402,8 @@ def load(ipython: Any) -> None:
         return
     magics = MeshMagics(shell=ipython, parent=ipython)
     ipython.register_magics(magics)
+    magics.auto.install()
+    magics.completion.install()
     _MAGICS[id(ipython)] = magics
     note = _check_ipykernel()
     if note:
@@ -418,7 +434,10 @@ def unload(ipython: Any) -> None:
         loaded.discard("monarch")
         loaded.discard("monarch_jupyter")
     mm = ipython.magics_manager
+    magics.auto.uninstall()
+    magics.completion.uninstall()
     for kind in ("line", "cell"):
         mm.magics[kind].pop("mesh", None)
+    mm.magics["cell"].pop("local", None)
     if magics in mm.registry.values():
         mm.registry = {k: v for k, v in mm.registry.items() if v is not magics}

@@ -73,7 +73,20 @@ def _display(widget: Any) -> None:
         display(bundle, raw=True)  # the bundle as is: no formatter pass
 
 
-def _publish_unflushed(bundle: dict) -> bool:
+def publish_bundle(bundle: dict, display_id: str, update: bool) -> None:
+    """Publish ``bundle`` as display_data (``update``: update_display_data) under ``display_id``, in the calling
+    context (a view calls it inside the context of the cell it belongs to)."""
+    if _publish_unflushed(bundle, display_id, update):
+        return
+    from IPython.display import display, update_display
+
+    if update:
+        update_display(bundle, display_id=display_id, raw=True)
+    else:
+        display(bundle, display_id=display_id, raw=True)
+
+
+def _publish_unflushed(bundle: dict, display_id: str = "", update: bool = False) -> bool:
     """Publish ``bundle`` as display_data the way ipykernel's ZMQDisplayPublisher.publish does, minus its flush of
     sys.stdout and sys.stderr when neither holds anything: each flush is a round trip to ipykernel's IOPub thread
     (about 0.3 ms apiece on a busy 2-core machine, half of what a cell's dashboard used to cost), and a cell's
@@ -88,8 +101,9 @@ def _publish_unflushed(bundle: dict) -> bool:
         session, socket, hooks = pub.session, pub.pub_socket, pub._hooks
         if any(pending) or session is None or socket is None or getattr(pub, "store_display_history", False):
             return False
-        msg = session.msg("display_data", {"data": bundle, "metadata": {}, "transient": {}},
-                          parent=pub.parent_header)
+        transient = {"display_id": display_id} if display_id else {}
+        msg = session.msg("update_display_data" if update else "display_data",
+                          {"data": bundle, "metadata": {}, "transient": transient}, parent=pub.parent_header)
         for hook in list(hooks):  # e.g. an ipywidgets Output capturing this display
             msg = hook(msg)
             if msg is None:
@@ -101,7 +115,7 @@ def _publish_unflushed(bundle: dict) -> bool:
 
 
 def cell_view(mesh: Any, ranks: list[int] | None = None, *, mode: str = "auto",
-              fold_threshold: int = 16) -> LiveView | None:
+              fold_threshold: int = 16, title: str = "mesh cell", defer: float | None = None) -> LiveView | None:
     """Show a live view of the next cell submitted to ``mesh`` (call it just before ``Mesh.run``).
 
     Parameters
@@ -112,6 +126,11 @@ def cell_view(mesh: Any, ranks: list[int] | None = None, *, mode: str = "auto",
         See ``choose_mode``; "off" returns None.
     fold_threshold:
         Past this many ranks the dashboard folds into a per-state summary plus stragglers and failed ranks.
+    title:
+        The dashboard's title ("mesh cell (auto mode)" for cells that auto mode sent to the mesh).
+    defer:
+        Seconds the cell runs before the live widget replaces the view's text (None: ``celldash.DEFER``; 0: the
+        widget at once). A cell that ends sooner shows its final state as static HTML, without a widget.
 
     Returns
     -------
@@ -125,28 +144,39 @@ def cell_view(mesh: Any, ranks: list[int] | None = None, *, mode: str = "auto",
     chosen = list(ranks) if ranks is not None else list(range(mesh.nproc))
     if mode == "text":
         return TextLiveView(monitor, chosen, follow_cell=True).start()
-    from .dashboard import DashboardView
+    import contextvars
 
-    view = DashboardView(monitor, chosen, follow_cell=True, title="mesh cell", fold_threshold=fold_threshold,
-                         plain=f"mesh cell on {ranks_text(chosen)} (live per-rank view)")
+    from .celldash import DEFER, CellDashboardView
+
+    ctx = contextvars.copy_context()  # the cell's: later updates come from other threads
+
+    def publish(bundle: dict, display_id: str, update: bool) -> None:
+        ctx.run(publish_bundle, bundle, display_id, update)
+
+    view = CellDashboardView(monitor, chosen, title=title, fold_threshold=fold_threshold,
+                             plain=f"{title} on {ranks_text(chosen)} (live per-rank view)", publish=publish,
+                             defer=DEFER if defer is None else defer)
+    view.show()
     view.start()
-    _display(view.widget)
     return view
 
 
-def status_view(mesh: Any, *, mode: str = "auto", fold_threshold: int = 16) -> Any:
+def status_view(mesh: Any, *, mode: str = "auto", fold_threshold: int = 16, note: str = "") -> Any:
     """What ``%mesh status`` shows: a live dashboard of every rank (until the mesh stops), or ``StatusText``.
+    ``note`` (e.g. "auto mode: on") is shown under the header.
 
     Returns the object to display (the magic returns it, so it becomes the cell's output).
     """
     mode = choose_mode(mode)
     monitor = monitor_for(mesh)
     if mode != "widget":
-        return StatusText(mesh, monitor)
+        return StatusText(mesh, monitor, note=note)
     from .dashboard import DashboardView
 
-    view = DashboardView(monitor, None, follow_cell=False, title="mesh", fold_threshold=fold_threshold)
+    view = DashboardView(monitor, None, follow_cell=False, title=f"mesh · {note}" if note else "mesh",
+                         fold_threshold=fold_threshold)
     view.start()
+    assert view.widget is not None
     # A notebook may ask for the status many times; the latest few stay live, older ones keep their last state.
     live = [v for v in monitor.status_views if not v.final]
     for old in live[: max(0, len(live) - LIVE_STATUS_VIEWS + 1)]:

@@ -25,7 +25,8 @@ from .model import ATTENTION_STATES, MeshMonitor, RowView, Summary, stragglers
 from .text import fmt_memory, fmt_progress, fmt_seconds, stable_text
 from .view import LiveView
 
-__all__ = ["MeshDashboard", "FoldedDashboard", "DashboardView", "render_table", "render_header", "render_folded"]
+__all__ = ["MeshDashboard", "FoldedDashboard", "DashboardView", "render_table", "render_header", "render_folded",
+           "render_body", "html_page", "shared"]
 
 STATE_COLORS = {
     "starting": "#8a8a8a", "queued": "#8a8a8a", "idle": "#8a8a8a", "stopped": "#8a8a8a",
@@ -47,6 +48,9 @@ _STYLE = """<style>
 .mj-dashboard .mj-error{color:#c62828}
 .mj-dashboard .mj-header{margin:2px 0 4px 0}
 .mj-dashboard .mj-note{margin-top:4px}
+.mj-out{margin:0;white-space:pre-wrap;font-size:var(--jp-code-font-size,12px)}
+.mj-err{color:#c62828}
+.mj-rank-details summary{cursor:pointer}
 </style>"""
 
 
@@ -78,6 +82,8 @@ def render_header(summary: Summary, title: str) -> str:
         parts.append(f"slowest: rank {summary.slowest}")
     if summary.elapsed is not None:
         parts.append(_e(fmt_seconds(summary.elapsed)))
+    if summary.group:
+        parts.append(f"process group {_e(summary.group)}")
     return f'<div class="mj-header">{" · ".join(parts)}</div>'
 
 
@@ -118,7 +124,7 @@ def render_folded(rows: list[RowView], summary: Summary, limit: int = 8) -> str:
     return "".join(out)
 
 
-def _shared(name: str, factory: Any) -> Any:
+def shared(name: str, factory: Any) -> Any:
     """A Layout/Style widget shared by every dashboard (one comm for all of them, not one per cell)."""
     widget = _SHARED.get(name)
     if widget is None or getattr(widget, "comm", None) is None:  # first use, or closed (Widget.close_all)
@@ -129,8 +135,14 @@ def _shared(name: str, factory: Any) -> Any:
 _SHARED: dict[str, Any] = {}
 
 
-def _page(body: str, final: bool) -> str:
+def html_page(body: str, final: bool) -> str:
+    """The dashboard's HTML around ``body`` (its style, and ``data-final`` for tests)."""
     return f'{_STYLE}<div class="mj-dashboard" data-final="{str(final).lower()}">{body}</div>'
+
+
+def render_body(rows: list[RowView], summary: Summary, title: str, folded: bool) -> str:
+    """The header and the table (or, folded, the summary and the ranks that need a look)."""
+    return render_header(summary, title) + (render_folded(rows, summary) if folded else render_table(rows))
 
 
 class MeshDashboard(widgets.HTML):
@@ -142,8 +154,8 @@ class MeshDashboard(widgets.HTML):
     """
 
     def __init__(self, value: str = "", plain: str = "mesh", **kwargs: Any) -> None:
-        super().__init__(value=value, layout=_shared("layout", widgets.Layout),
-                         style=_shared("style", HTMLStyle), _dom_classes=("monarch-dashboard",), **kwargs)
+        super().__init__(value=value, layout=shared("layout", widgets.Layout),
+                         style=shared("style", HTMLStyle), _dom_classes=("monarch-dashboard",), **kwargs)
         self.plain = plain
         self.full: widgets.HTML | None = None  # set on folded dashboards (FoldedDashboard)
 
@@ -163,10 +175,10 @@ class FoldedDashboard(widgets.VBox):
 
     def __init__(self, value: str = "", plain: str = "mesh", ranks: int = 0) -> None:
         self.html = MeshDashboard(value, plain)
-        self.full = widgets.HTML(value="", layout=_shared("layout", widgets.Layout),
-                                 style=_shared("style", HTMLStyle))
+        self.full = widgets.HTML(value="", layout=shared("layout", widgets.Layout),
+                                 style=shared("style", HTMLStyle))
         self.more = widgets.Accordion(children=[self.full], titles=(f"all {ranks} ranks",), selected_index=None)
-        super().__init__(children=[self.html, self.more], layout=_shared("layout", widgets.Layout))
+        super().__init__(children=[self.html, self.more], layout=shared("layout", widgets.Layout))
 
     @property
     def plain(self) -> str:
@@ -195,30 +207,39 @@ class DashboardView(LiveView):
     """
 
     def __init__(self, monitor: MeshMonitor, ranks: list[int] | None = None, *, follow_cell: bool = False,
-                 title: str = "mesh", fold_threshold: int = 16, plain: str | None = None) -> None:
+                 title: str = "mesh", fold_threshold: int = 16, plain: str | None = None, lazy: bool = False) -> None:
         super().__init__(monitor, ranks, follow_cell=follow_cell)
         self.title = title
         self.fixed_plain = plain
         self._seen = monitor.version  # the widget starts with this state; start() renders only what changed
         rows, summary = self.snapshot()
         self.folded = len(rows) > fold_threshold
-        value, text = self._html(rows, summary, False), plain or stable_text(rows, summary, title=title)
-        self.widget: MeshDashboard | FoldedDashboard = (
-            FoldedDashboard(value, text, len(rows)) if self.folded else MeshDashboard(value, text))
+        self.widget: MeshDashboard | FoldedDashboard | None = None  # the dashboard widget, once made
+        self.widget_made: Any = None  # what is displayed (the dashboard, or a box around it); None: not yet
+        if not lazy:
+            self.widget_made = self.make_widget(rows, summary)
+
+    def make_widget(self, rows: list[RowView], summary: Summary) -> MeshDashboard | FoldedDashboard:
+        """Make the dashboard widget showing ``rows`` (a lazy view makes it when it first needs it)."""
+        value = self._html(rows, summary, False)
+        text = self.fixed_plain or stable_text(rows, summary, title=self.title)
+        self.widget = FoldedDashboard(value, text, len(rows)) if self.folded else MeshDashboard(value, text)
+        return self.widget
 
     def _html(self, rows: list[RowView], summary: Summary, final: bool) -> str:
-        body = render_header(summary, self.title)
-        body += render_folded(rows, summary) if self.folded else render_table(rows)
-        return _page(body, final)
+        return html_page(render_body(rows, summary, self.title, self.folded), final)
 
     def render(self, rows: list[RowView], summary: Summary, final: bool) -> None:
         widget = self.widget
+        if widget is None:
+            return
         with widget.hold_sync():
             widget.html.value = self._html(rows, summary, final)
             if widget.full is not None:
-                widget.full.value = _page(render_table(rows), final)
+                widget.full.value = html_page(render_table(rows), final)
         if self.fixed_plain is None:
             widget.plain = stable_text(rows, summary, title=self.title)
 
     def close(self) -> None:
-        self.widget.close()
+        if self.widget is not None:
+            self.widget.close()

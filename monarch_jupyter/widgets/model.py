@@ -16,12 +16,14 @@ stopped (the mesh was stopped). Mesh-level states: starting, idle, running, brea
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import re
 import statistics
 import threading
 import time
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +42,12 @@ STATE_ORDER = ("starting", "queued", "running", "breakpoint", "error", "dead", "
 CELLS_KEPT = 32  # cells remembered per rank
 BEHIND_BY = 0.02  # a running rank is "the slowest" when this fraction of the total behind the rank ahead
 SLOWER_BY = 0.1  # a finished rank is "the slowest" when it took this fraction longer than the fastest
+LOG_KEPT = 2000  # output items (lines and rich outputs) kept per rank and cell for the per-rank output view
+POINTS_KEPT = 400  # points kept per metric and rank; past that every other point is dropped (the curve stays whole)
+METRICS_KEPT = 8  # metrics charted per cell (the first reported)
+LOG_CELLS = 4  # a rank's last cells whose output the monitor keeps (older cells keep their state, not output)
+LOG_DISPLAY_MAX = 512 * 1024  # characters of a rich output kept for the per-rank view; larger ones kept as a note
+_METRIC = re.compile(r"([A-Za-z_][\w./-]*)=([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)(?![\w.])")
 
 
 @dataclass
@@ -58,6 +66,9 @@ class _CellRank:
     last_line: str = ""
     error: str = ""
     duration: float | None = None  # seconds the rank itself measured
+    log: deque = field(default_factory=lambda: deque(maxlen=LOG_KEPT))  # ("stdout"|"stderr"|"display", item)
+    logged: int = 0  # items appended to log so far (views re-render a rank's output when it moved)
+    metrics: dict = field(default_factory=dict)  # name -> [(x, y)]: numbers from progress postfixes
 
 
 @dataclass
@@ -112,6 +123,7 @@ class Summary:
     slowest: int | None
     elapsed: float | None
     finished: bool
+    group: str = ""  # the process group as MeshState.group_status says (views of the mesh, not of a cell)
 
     @property
     def failed(self) -> tuple[int, ...]:
@@ -141,7 +153,9 @@ class MeshMonitor:
             "output": self._on_output,
             "progress": self._on_progress,
             "heartbeat": self._on_heartbeat,
+            "display": self._on_display,
         }
+        self.metrics_version = 0  # moves when a cell's metrics get a point
         mesh.add_listener(self.on_event)
 
     @property
@@ -207,6 +221,8 @@ class MeshMonitor:
             info.cells[cell_id] = cell
             while len(info.cells) > CELLS_KEPT:
                 info.cells.popitem(last=False)
+            for old in list(info.cells.values())[:-LOG_CELLS]:
+                old.log.clear()
             if info.state != "dead":
                 info.state = "running"
 
@@ -264,6 +280,20 @@ class MeshMonitor:
         cell = info.cells.get(data.get("cell_id", -1))
         if cell is not None:
             cell.last_line = data["text"]
+            cell.log.append((data["stream"], data["text"]))
+            cell.logged += 1
+
+    def _on_display(self, data: dict, now: float) -> None:
+        cell = self._rank(data["rank"]).cells.get(data.get("cell_id", -1))
+        if cell is not None:
+            bundle = data.get("data") or {}
+            size = sum(len(v) for v in bundle.values() if isinstance(v, str))
+            if size > LOG_DISPLAY_MAX:  # shown in the cell itself; the per-rank view names it only
+                kinds = ", ".join(k for k in bundle if k != "text/plain")
+                note = f"{bundle.get('text/plain', '')} ({kinds}, {size:,} characters: shown in the cell's output)"
+                data = {**data, "data": {"text/plain": note}}
+            cell.log.append(("display", data))
+            cell.logged += 1
 
     def _on_progress(self, data: dict, now: float) -> None:
         info = self._rank(data["rank"])
@@ -272,6 +302,18 @@ class MeshMonitor:
             return
         cell.n, cell.total = data.get("n"), data.get("total")
         cell.desc, cell.postfix = data.get("desc") or "", data.get("postfix") or ""
+        if "=" in cell.postfix:
+            x = cell.n if cell.n is not None else now - (cell.started or now)
+            for name, value in _METRIC.findall(cell.postfix):
+                series = cell.metrics.get(name)
+                if series is None:
+                    if len(cell.metrics) >= METRICS_KEPT:
+                        continue
+                    series = cell.metrics[name] = []
+                series.append((float(x), float(value)))
+                if len(series) > POINTS_KEPT:
+                    del series[1:-1:2]  # keep the first and last, every other point between
+            self.metrics_version += 1
 
     def _on_heartbeat(self, data: dict, now: float) -> None:
         info = self._rank(data["rank"])
@@ -285,6 +327,38 @@ class MeshMonitor:
         with self._lock:
             return sorted(self._ranks)
 
+    def rank_log(self, cell_id: int, rank: int) -> tuple[int, list]:
+        """(items logged so far, the kept items) of ``rank``'s output in cell ``cell_id``: ("stdout"|"stderr",
+        text) lines and ("display", event data) rich outputs, oldest first (at most ``LOG_KEPT``)."""
+        with self._lock:
+            info = self._ranks.get(rank)
+            cell = info.cells.get(cell_id) if info is not None else None
+            return (0, []) if cell is None else (cell.logged, list(cell.log))
+
+    def logged(self, cell_id: int, ranks: Iterable[int]) -> dict[int, int]:
+        """rank -> items logged so far in cell ``cell_id`` (cheap: views check what moved)."""
+        with self._lock:
+            out = {}
+            for r in ranks:
+                info = self._ranks.get(r)
+                cell = info.cells.get(cell_id) if info is not None else None
+                out[r] = 0 if cell is None else cell.logged
+            return out
+
+    def metrics(self, cell_id: int, ranks: Iterable[int]) -> dict[str, dict[int, list[tuple[float, float]]]]:
+        """name -> rank -> [(step, value)] of the numbers ranks reported in cell ``cell_id`` (``progress(...,
+        loss=...)``, tqdm postfixes): x is the step count (seconds into the cell where none was given)."""
+        out: dict[str, dict[int, list[tuple[float, float]]]] = {}
+        with self._lock:
+            for r in ranks:
+                info = self._ranks.get(r)
+                cell = info.cells.get(cell_id) if info is not None else None
+                if cell is None:
+                    continue
+                for name, series in cell.metrics.items():
+                    out.setdefault(name, {})[r] = list(series)
+        return out
+
     def snapshot(self, ranks: Iterable[int] | None = None, cell_id: int | None = None,
                  now: float | None = None) -> tuple[list[RowView], Summary]:
         """Rows for ``ranks`` (default: all) and the header summary.
@@ -297,7 +371,11 @@ class MeshMonitor:
             chosen = sorted(self._ranks) if ranks is None else list(ranks)
             rows = [self._row(self._rank(r), cell_id, now) for r in chosen]
             world = self.world_size
-        return rows, summarize(rows, world, cell_id is not None)
+        summary = summarize(rows, world, cell_id is not None)
+        mesh = self._mesh()
+        if cell_id is None and mesh is not None:
+            summary = dataclasses.replace(summary, group=mesh.state.group_status())
+        return rows, summary
 
     def _row(self, info: _Rank, cell_id: int | None, now: float) -> RowView:
         if cell_id is not None:

@@ -111,17 +111,19 @@ class StatusText:
     """``%mesh status`` as text: a header and one line per rank. Its repr is the full table (with times and
     memory); ``stable_text()`` is the part that does not change between runs."""
 
-    def __init__(self, mesh: Any, monitor: MeshMonitor | None = None) -> None:
+    def __init__(self, mesh: Any, monitor: MeshMonitor | None = None, note: str = "") -> None:
         self.mesh = mesh
         self.monitor = monitor or monitor_for(mesh)
         self.rows, self.summary = self.monitor.snapshot()
+        self.note = note  # a line under the header ("auto mode: on")
 
     def text(self) -> str:
-        return "\n".join([f"mesh: world size {self.summary.world_size}; {header_text(self.summary)}",
-                          *table_text(self.rows)])
+        group = f"\nprocess group: {self.summary.group}" if self.summary.group else ""
+        return "\n".join([f"mesh: world size {self.summary.world_size}; {header_text(self.summary)}{group}",
+                          *([self.note] if self.note else []), *table_text(self.rows)])
 
     def stable_text(self) -> str:
-        return stable_text(self.rows, self.summary)
+        return stable_text(self.rows, self.summary) + (f"\n{self.note}" if self.note else "")
 
     def __repr__(self) -> str:
         return self.text()

@@ -35,6 +35,7 @@ __all__ = ["LiveView", "TICKER", "TICK"]
 
 TICK = 0.25  # seconds between renders of a live view (at most 4 a second)
 CLOCK_TICK = 1.0  # seconds between renders when only the clocks moved
+TICKER_LINGER = 5.0  # seconds the ticker thread stays without live views before it ends
 
 
 class _Ticker:
@@ -63,13 +64,19 @@ class _Ticker:
             return list(self._views)
 
     def _run(self) -> None:
+        idle_since = None
         while True:
             time.sleep(TICK)
             with self._lock:
                 views = list(self._views)
                 if not views:
-                    self._thread = None
-                    return
+                    # Linger a while: a notebook runs cells in bursts, and a thread start per cell costs.
+                    idle_since = idle_since or time.monotonic()
+                    if time.monotonic() - idle_since >= TICKER_LINGER:
+                        self._thread = None
+                        return
+                    continue
+                idle_since = None
             for view in views:
                 try:
                     keep = view.tick()
@@ -199,7 +206,7 @@ class LiveView:
                 return False
             moved = self.monitor.version != self._seen
             clocks = self._active and time.monotonic() - self._last_render >= CLOCK_TICK
-            if moved or clocks or finished:
+            if moved or clocks or finished or self.wants_render():
                 self._render(final=finished)
         if finished:
             self._stop_listening()
@@ -259,6 +266,10 @@ class LiveView:
     def render(self, rows: list[RowView], summary: Summary, final: bool) -> None:
         """Show ``rows`` (called under the view's lock)."""
         raise NotImplementedError
+
+    def wants_render(self) -> bool:
+        """True when the view must render at the next tick although nothing changed (a deferred widget)."""
+        return False
 
     def close(self) -> None:
         """Release what the view holds (widgets)."""

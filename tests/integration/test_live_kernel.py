@@ -73,7 +73,27 @@ def test_dashboard_streams_progress_and_ends_done(kernel):
     assert 'data-final="true"' in final  # the final state is sent before the cell ends
     assert re.findall(r'data-rank="(\d)" data-state="(\w+)" data-n="(\d+)"', final) == [("0", "done", "8"),
                                                                                       ("1", "done", "8")]
-    assert not [m for m in msgs if m["msg_type"] in ("clear_output", "update_display_data")]
+    assert not [m for m in msgs if m["msg_type"] == "clear_output"]
+    # One update, of the same display, at the end: its static form for frontends without widgets, final.
+    (update,) = [m for m in msgs if m["msg_type"] == "update_display_data"]
+    assert update["content"]["transient"] == shown[0]["content"]["transient"]
+    assert 'data-final="true"' in update["content"]["data"]["text/html"]
+
+
+def test_fast_cell_gets_one_static_display_and_no_widget(kernel):
+    """A cell that ends before the widget is due: one display_data at its end (final table as HTML, each rank's
+    output in a <details>), no comm at all; its text/plain is the same stable text as a live dashboard's."""
+    msgs = execute(kernel, "%%mesh\nprint('hello from', rank)")
+    assert not [m for m in msgs if m["msg_type"].startswith("comm")]
+    (shown,) = [m for m in msgs if m["msg_type"] in ("display_data", "update_display_data")]
+    data = shown["content"]["data"]
+    assert shown["msg_type"] == "display_data"
+    assert data["text/plain"] == "mesh cell on ranks 0,1 (live per-rank view)"
+    page = data["text/html"]
+    assert 'data-final="true"' in page and page.startswith("<style>\n.mj-dashboard ")
+    assert re.findall(r'data-rank="(\d)" data-state="(\w+)"', page) == [("0", "done"), ("1", "done")]
+    for r in (0, 1):
+        assert re.search(rf'<details class="mj-rank-details" data-rank="{r}">.*hello from {r}', page, re.S)
 
 
 def test_no_output_line_lost_with_the_dashboard_on(kernel):

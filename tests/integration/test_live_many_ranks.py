@@ -27,7 +27,7 @@ if rank == 9:
 def test_32_ranks_fold_to_summary_stragglers_and_failures():
     mesh = Mesh(32, start_timeout=180)
     try:
-        view = cell_view(mesh, mode="widget", fold_threshold=16)
+        view = cell_view(mesh, mode="widget", fold_threshold=16, defer=0)
         handle = mesh.run(CODE, block=False)
         # While rank 7 lags: the folded view names it and the failed rank 9, not the 30 healthy ranks.
         deadline = time.monotonic() + 60

@@ -135,7 +135,7 @@ def test_heartbeat_memory(mesh):
 
 
 def test_dashboard_widget_updates_live_and_keeps_final_state(mesh):
-    view = cell_view(mesh, [0, 1], mode="widget")
+    view = cell_view(mesh, [0, 1], mode="widget", defer=0)
     try:
         handle = mesh.run(LOOP.format(steps=8, pause=0.2), block=False)
         assert view.handle is handle

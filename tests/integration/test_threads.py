@@ -59,3 +59,25 @@ def test_joined_ranks_use_one_thread_as_under_torchrun() -> None:
         for r, (seen, env) in on_ranks(m).items():
             assert env["OMP_NUM_THREADS"] == "1" and seen[0] == 1
             assert seen == fresh(env), f"rank {r}: threads differ from a fresh interpreter with its environment"
+
+
+def test_ranks_started_by_hand_use_one_thread_per_rank_on_a_shared_host() -> None:
+    """``python -m monarch_worker`` without LOCAL_WORLD_SIZE: the controller finds two ranks on this host, so each
+    gets OMP_NUM_THREADS=1 when admitted (torchrun's rule), applied after torch was imported."""
+    m = Mesh.listen(2, show=False, timeout=120)
+    env = {k: v for k, v in {**os.environ, **m.join_commands().env}.items() if k != "OMP_NUM_THREADS"}
+    procs = [subprocess.Popen([sys.executable, "-m", "monarch_worker"], env={**env, "MONARCH_RELAY_TEE": "0"})
+             for _ in range(2)]
+    try:
+        assert m.wait_ready(120)
+        for r, (seen, rank_env) in on_ranks(m).items():
+            assert rank_env["OMP_NUM_THREADS"] == "1" and seen[0] == 1, f"rank {r}: {seen}"
+            assert seen == fresh(rank_env), f"rank {r}: threads differ from a fresh interpreter with its environment"
+    finally:
+        m.stop()
+        for p in procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()

@@ -89,7 +89,7 @@ def test_sdist_holds_the_sources_and_the_whole_test_suite(dists: Dists) -> None:
     expected = (tests | {f"monarch_jupyter/{f}" for f in source_files("monarch_jupyter")}
                 | {f"worker/{f}" for f in source_files("worker")} | {f"shim/{f}" for f in source_files("shim")}
                 | {"LICENSE", "README.md", "pyproject.toml", "setup.py", "setup.cfg", "MANIFEST.in", "PKG-INFO",
-                   "scripts/floors.py"})
+                   "scripts/floors.py", "docs/configuration.md"})
     extra = {n for n in names - expected if not n.startswith("shim/monarch_jupyter.egg-info/")}
     assert extra == set(), "in the sdist but not expected"
     assert expected - names == set(), "missing from the sdist"

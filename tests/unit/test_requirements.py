@@ -26,7 +26,7 @@ _spec.loader.exec_module(floors)
 OWN = {"monarch", "monarch_jupyter", "monarch_worker", "_monarch_jupyter_hook"}
 DISTRIBUTION = {"zmq": "pyzmq", "IPython": "ipython"}
 # Extras for working on the project, not for using it: an import of the package is never declared by these alone.
-DEVELOPMENT_EXTRAS = {"test", "notebooks", "bench"}
+DEVELOPMENT_EXTRAS = {"test", "notebooks", "bench", "frameworks", "lint", "docs"}
 
 
 def project() -> dict:

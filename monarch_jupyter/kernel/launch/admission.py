@@ -27,6 +27,7 @@ class Joiner:
     count: int = 1
     agent: bool = False
     srcfd: int = -1
+    group_rank: int = 0  # torchrun's GROUP_RANK of its host (a rank that joined alone)
 
 
 def slots(pending: dict[bytes, Joiner]) -> int:

@@ -67,6 +67,7 @@ class Agent:
     srcfd: int = -1  # the controller's end of its TCP connection (for the disconnect monitor)
     alive: bool = True
     last_heard: float = 0.0
+    group_rank: int = 0  # its host's place among the mesh's hosts (torchrun's GROUP_RANK)
     lost: str = ""  # why it is gone, once it is
     failed: str = ""  # why it could not start its ranks
     pending_welcome: set[int] = field(default_factory=set)  # ranks that said hello before the store was up
@@ -149,7 +150,7 @@ class HostLinks:
               srcfd: int) -> None:
         """Welcome an agent for global ``ranks`` (its local ranks, in order)."""
         agent = Agent(identity, hello.host, hello.pid, hello.addr, list(ranks), dict(hello.launcher_env), srcfd,
-                      last_heard=time.monotonic())
+                      last_heard=time.monotonic(), group_rank=group_rank)
         with self._lock:
             self.agents[identity] = agent
             for r in ranks:
@@ -294,12 +295,13 @@ class HostLinks:
         state = self.state
         now = time.monotonic()
         with state.lock:
-            for rank, rss, cuda_allocated, cuda_reserved in beats:
+            for rank, rss, cuda_allocated, cuda_reserved, group in beats:
                 info = state.ranks.get(rank)
                 if info is not None:
                     info.rss, info.cuda_allocated, info.cuda_reserved = rss, cuda_allocated, cuda_reserved
+                    info.group = group
                     info.last_heard = now
-        for rank, rss, cuda_allocated, cuda_reserved in beats:
+        for rank, rss, cuda_allocated, cuda_reserved, _group in beats:
             state.events.emit("heartbeat", rank=rank, rss=rss, cuda_allocated=cuda_allocated,
                               cuda_reserved=cuda_reserved)
 
@@ -348,7 +350,8 @@ class HostLinks:
         assert info.identity is not None
         self._send(info.identity, P.Welcome(rank=rank, world_size=self.state.nproc,
                                             local_rank=agent.ranks.index(rank), local_world_size=len(agent.ranks),
-                                            master_addr=addr, master_port=port))
+                                            master_addr=addr, master_port=port,
+                                            elastic=self.state.elastic(agent.group_rank, len(self.agents))))
 
     def _send(self, identity: bytes, msg: P.Message) -> None:
         assert self._send_to is not None

@@ -108,6 +108,7 @@ class Listener:
         self.deadline = 0.0
         self.failed = ""
         self._pending: dict[bytes, Joiner] = {}
+        self._hosts = 1  # hosts of the admitted ranks (torchrun's GROUP_WORLD_SIZE)
         self._placement: dict[int, Joiner] = {}
         self._arrivals = 0
         self._complete = False
@@ -129,6 +130,10 @@ class Listener:
         """Give the listener the I/O thread's ``send_to``, the mesh's dispatcher (its outbox) and the sink of rank
         events (pids, output, exits)."""
         self._send_to, self._dispatcher, self._sink = send_to, dispatcher, sink
+
+    def use_sink(self, sink: LauncherEvents) -> None:
+        """Report the ranks of the generation about to open to ``sink``."""
+        self._sink = sink
 
     @property
     def loopback(self) -> bool:
@@ -257,10 +262,12 @@ class Listener:
         hosts: dict[str, list[Joiner]] = {}
         for j in sorted(joiners, key=lambda j: j.rank):
             hosts.setdefault(j.hello.host, []).append(j)
-        for group in hosts.values():
+        for index, group in enumerate(hosts.values()):
             for i, j in enumerate(group):
                 j.local_rank = j.hello.local_rank if j.hello.local_rank >= 0 else i
                 j.local_world_size = j.hello.local_world_size if j.hello.local_world_size > 0 else len(group)
+                j.group_rank = index  # torchrun's GROUP_RANK: the host's place, hosts ordered by their lowest rank
+        self._hosts = len(hosts)
         masters = {(j.hello.launcher_env.get("MASTER_ADDR"), j.hello.launcher_env.get("MASTER_PORT"))
                    for j in joiners}
         use_env = len(masters) == 1 and None not in next(iter(masters)) and all(j.hello.rank >= 0 for j in joiners)
@@ -324,7 +331,7 @@ class Listener:
         settings["env"] = dict(settings["env"])
         self._send(j.identity, P.Welcome(rank=j.rank, world_size=self.state.nproc, local_rank=j.local_rank,
                                          local_world_size=j.local_world_size, master_addr=addr, master_port=port,
-                                         settings=settings))
+                                         settings=settings, elastic=self.state.elastic(j.group_rank, self._hosts)))
 
     def _send(self, identity: bytes, msg: P.Message) -> None:
         assert self._send_to is not None

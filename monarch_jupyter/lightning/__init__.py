@@ -1,0 +1,239 @@
+"""Lightning on the mesh: ``Trainer(strategy="mesh")`` and ``Fabric(strategy="mesh")`` from ordinary notebook cells.
+
+::
+
+    %load_ext monarch
+    %mesh start -n 2
+    trainer = Trainer(strategy="mesh", accelerator="cpu", devices=2, max_epochs=3)
+    trainer.fit(model, datamodule=dm)      # DDP on the mesh's ranks; `model` holds the trained weights after
+
+Loading the extension, or importing this module, registers the name ``"mesh"`` with Lightning's Trainer
+strategy registry and with Fabric's, for ``lightning`` and for the standalone ``pytorch_lightning`` /
+``lightning_fabric``: at once for those already imported, otherwise when they are imported (an import hook, so
+that loading the extension never pays for importing Lightning). The classes (``MeshStrategy``,
+``MeshFabricStrategy``, ``MeshEnvironment``, ``MeshLauncher``, ``MeshFabricLauncher``) come from ``lightning`` when
+it is installed, else from ``pytorch_lightning``; ``monarch_jupyter.lightning.standalone`` has the latter's.
+
+See docs/lightning.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import sys
+import threading
+from types import ModuleType
+from typing import Any
+
+from .errors import LightningVersionError, MeshLightningError, TrainingInterrupted, UnpicklableJobError
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "MeshStrategy",
+    "MeshFabricStrategy",
+    "MeshEnvironment",
+    "MeshLauncher",
+    "MeshFabricLauncher",
+    "register",
+    "check_version",
+    "TESTED_VERSIONS",
+    "MeshLightningError",
+    "LightningVersionError",
+    "UnpicklableJobError",
+    "TrainingInterrupted",
+]
+
+TESTED_VERSIONS = ((2, 5), (2, 7))
+"""Lightning releases ``strategy="mesh"`` was tested with: at least the first, below the second."""
+
+_TOP = {"lightning": "lightning", "standalone": "pytorch_lightning"}
+_PYTORCH = {"lightning": "lightning.pytorch", "standalone": "pytorch_lightning"}
+_FABRIC = {"lightning": "lightning.fabric", "standalone": "lightning_fabric"}
+_MODULES = {"lightning": "monarch_jupyter.lightning.unified", "standalone": "monarch_jupyter.lightning.standalone"}
+_WATCHED = {_PYTORCH["lightning"]: ("lightning", "trainer"), _FABRIC["lightning"]: ("lightning", "fabric"),
+            _PYTORCH["standalone"]: ("standalone", "trainer"), _FABRIC["standalone"]: ("standalone", "fabric")}
+_registered: set[tuple[str, str]] = set()
+_lock = threading.RLock()
+
+
+def _version_of(family: str) -> str:
+    top = sys.modules.get(_TOP[family]) or sys.modules.get(_FABRIC[family])
+    version = getattr(top, "__version__", None)
+    if version is None:
+        from importlib import metadata
+
+        for dist in (("lightning",) if family == "lightning" else ("pytorch-lightning", "lightning-fabric")):
+            try:
+                return metadata.version(dist)
+            except metadata.PackageNotFoundError:
+                continue
+        return "0"
+    return str(version)
+
+
+def _parse(version: str) -> tuple[int, int]:
+    parts = []
+    for piece in version.split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    return ([*parts, 0, 0])[0], ([*parts, 0, 0])[1]
+
+
+def check_version(family: str = "lightning") -> None:
+    """Raise LightningVersionError when the installed Lightning of ``family`` is outside ``TESTED_VERSIONS``
+    (``MONARCH_LIGHTNING_ANY_VERSION=1`` skips the check)."""
+    if os.environ.get("MONARCH_LIGHTNING_ANY_VERSION") == "1":
+        return
+    version = _version_of(family)
+    low, high = TESTED_VERSIONS
+    if not low <= _parse(version) < high:
+        package = "lightning" if family == "lightning" else "pytorch-lightning"
+        raise LightningVersionError(
+            f"strategy='mesh' is tested with Lightning {low[0]}.{low[1]} up to (not including) {high[0]}.{high[1]}; "
+            f"this environment has {package} {version}. Install a tested release:  pip install "
+            f"'{package}>={low[0]}.{low[1]},<{high[0]}.{high[1]}'  (or set MONARCH_LIGHTNING_ANY_VERSION=1 to try "
+            "it anyway)")
+
+
+def _classes(family: str) -> ModuleType:
+    return importlib.import_module(_MODULES[family])
+
+
+def _register_one(family: str, kind: str) -> bool:
+    """Register "mesh" with one registry (its package must be imported). Returns True when it did."""
+    with _lock:
+        if (family, kind) in _registered:
+            return False
+        if kind == "trainer":
+            registry = importlib.import_module(f"{_PYTORCH[family]}.strategies").StrategyRegistry
+        else:
+            registry = importlib.import_module(f"{_FABRIC[family]}.strategies").STRATEGY_REGISTRY
+        try:
+            check_version(family)
+            cls = getattr(_classes(family), "MeshStrategy" if kind == "trainer" else "MeshFabricStrategy")
+            cls.register_strategies(registry)
+        except Exception as e:  # noqa: BLE001 - an unsupported Lightning: "mesh" explains itself when used
+            log.debug("strategy 'mesh' unavailable for %s %s: %s", family, kind, e)
+            registry.register("mesh", _Unavailable(family, e), description="(unavailable: see its error)",
+                              override=True)
+        _registered.add((family, kind))
+    if kind == "trainer":
+        try:
+            from .launch import warm_up
+
+            warm_up(family)  # a mesh already runs: its ranks import Lightning now, not at the first fit
+        except Exception:  # noqa: BLE001
+            log.debug("no warm-up", exc_info=True)
+    return True
+
+
+class _Unavailable:
+    """Stands in the registry for a Lightning that strategy='mesh' does not support: raises why when used."""
+
+    def __init__(self, family: str, error: BaseException) -> None:
+        self.family = family
+        self.error = error
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(self.error, MeshLightningError):
+            raise self.error
+        check_version(self.family)
+        raise MeshLightningError(f"strategy='mesh' cannot be built with this Lightning: {self.error}")
+
+
+def register() -> list[str]:
+    """Register ``"mesh"`` with the registries of the Lightning packages imported now, and install the import hook
+    that registers it with the others when they are imported. Idempotent; cheap (imports no Lightning).
+
+    Returns the packages registered by this call (e.g. ``["lightning.pytorch", "lightning.fabric"]``).
+    """
+    done = []
+    for module, (family, kind) in _WATCHED.items():
+        if module in sys.modules and getattr(sys.modules[module], "__spec__", None) is not None:
+            if not _initializing(sys.modules[module]) and _register_one(family, kind):
+                done.append(module)
+    _install_hook()
+    return done
+
+
+def _initializing(module: ModuleType) -> bool:
+    spec = getattr(module, "__spec__", None)
+    return bool(getattr(spec, "_initializing", False))
+
+
+# ------------------------------------------------------------------------------------------------ import hook
+
+_hook_installed = False
+
+
+class _Loader(importlib.abc.Loader):
+    """Wraps a watched package's loader: run the package, then register "mesh" with its registry."""
+
+    def __init__(self, inner: importlib.abc.Loader, family: str, kind: str) -> None:
+        self.inner = inner
+        self.family = family
+        self.kind = kind
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self.inner.exec_module(module)
+        try:
+            _register_one(self.family, self.kind)
+        except Exception:  # noqa: BLE001 - never break the user's `import lightning`
+            log.warning("could not register strategy 'mesh' with %s", module.__name__, exc_info=True)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        watched = _WATCHED.get(fullname)
+        if watched is None or watched in _registered:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _Loader(spec.loader, *watched)
+                return spec
+        return None
+
+
+def _install_hook() -> None:
+    global _hook_installed
+    with _lock:
+        if _hook_installed:
+            return
+        _hook_installed = True
+        sys.meta_path.insert(0, _Finder())
+
+
+# ------------------------------------------------------------------------------------------------ public classes
+
+_PUBLIC = ("MeshStrategy", "MeshFabricStrategy", "MeshEnvironment", "MeshLauncher", "MeshFabricLauncher")
+
+
+def _default_family() -> str:
+    if "lightning" in sys.modules or importlib.util.find_spec("lightning") is not None:
+        return "lightning"
+    if importlib.util.find_spec("pytorch_lightning") is not None or importlib.util.find_spec("lightning_fabric"):
+        return "standalone"
+    raise ImportError("strategy='mesh' needs Lightning:  pip install 'monarch-jupyter[lightning]'  (or pip install "
+                      "lightning)")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PUBLIC:
+        return getattr(_classes(_default_family()), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+register()

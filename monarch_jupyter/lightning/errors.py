@@ -1,0 +1,55 @@
+"""Errors of ``strategy="mesh"`` (all MonarchErrors: the notebook shows their message, not our frames)."""
+
+from __future__ import annotations
+
+import functools
+
+from ..errors import MonarchError
+
+__all__ = ["MeshLightningError", "LightningVersionError", "UnpicklableJobError", "TrainingInterrupted"]
+
+
+class MeshLightningError(MonarchError):
+    """``strategy="mesh"`` cannot run as configured (world size, devices, accelerator); the message says what to
+    change."""
+
+
+class LightningVersionError(MeshLightningError):
+    """The installed Lightning is outside the range ``strategy="mesh"`` was tested with."""
+
+
+class UnpicklableJobError(MeshLightningError):
+    """Something ``fit`` (or ``Fabric.launch``) was given cannot be sent to the ranks; the message names the
+    attribute. Nothing was sent; the mesh and the notebook's objects are unchanged."""
+
+
+class TrainingInterrupted(MonarchError):
+    """The notebook's interrupt stopped a ``fit`` (``validate``, ``test``, ``predict``) on every rank.
+
+    Not a KeyboardInterrupt on purpose: Lightning answers a KeyboardInterrupt that leaves a launcher by ignoring
+    SIGINT for good and calling ``sys.exit(1)``, which would take the notebook's interrupt button away. The
+    Trainer is marked interrupted (``trainer.interrupted``), its callbacks' ``on_exception`` ran on the ranks, and
+    the ranks keep running for the next ``fit``. ``ranks``: those that were interrupted.
+    """
+
+    def __init__(self, message: str, ranks: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.ranks = list(ranks or [])
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (self.args[0], self.ranks))
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"TrainingInterrupted: {line}" if i == 0 else line
+                for i, line in enumerate(str(self).splitlines())]
+
+
+def render_interrupt(message: str) -> list[str]:
+    return [f"KeyboardInterrupt: {message}"]
+
+
+def fabric_interrupt(message: str) -> KeyboardInterrupt:
+    """The KeyboardInterrupt ``Fabric.launch`` raises when interrupted (Fabric has no handler of its own)."""
+    exc = KeyboardInterrupt(message)
+    exc._render_traceback_ = functools.partial(render_interrupt, message)  # type: ignore[attr-defined]
+    return exc
