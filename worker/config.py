@@ -35,4 +35,5 @@ class RankConfig:
     work_fd: int = -1  # the read end of the kernel's work pipe (protocol.WORK_FD), or -1: work comes by socket
     env: dict = field(default_factory=dict)
     curve_serverkey: str = ""  # the controller's CurveZMQ public key (Z85) when it encrypts; "" for plain TCP
+    connect: str = ""  # where the socket connects instead of ``controller``: the host agent's (ipc://@...)
     launcher_env: dict = field(default_factory=dict)  # what the launcher told this rank (sent in Hello)

@@ -38,7 +38,8 @@ from urllib.parse import urlsplit
 from .addresses import address_toward, interface_of
 from .config import RankConfig
 
-__all__ = ["config_from_env", "address_toward", "interface_of", "launcher_ranks", "main", "JoinConfigError"]
+__all__ = ["config_from_env", "address_toward", "interface_of", "launcher_ranks", "main", "JoinConfigError",
+           "default_gloo_interface", "exit_with_parent", "read_secret"]
 
 ENV_CONTROLLER = "MONARCH_CONTROLLER"
 ENV_SECRET_FILE = "MONARCH_SECRET_FILE"
@@ -176,7 +177,7 @@ def config_from_env(environ: Mapping[str, str]) -> RankConfig:
     )
 
 
-def _default_gloo_interface(controller: str) -> None:
+def default_gloo_interface(controller: str) -> None:
     """gloo binds to the address of this host's name; where that is loopback (Debian's 127.0.1.1) or unknown,
     ranks on other hosts could not reach it: use the interface toward the controller instead."""
     if "GLOO_SOCKET_IFNAME" in os.environ:
@@ -195,7 +196,7 @@ def _default_gloo_interface(controller: str) -> None:
         os.environ["GLOO_SOCKET_IFNAME"] = name
 
 
-def _exit_with_parent() -> None:
+def exit_with_parent() -> None:
     """Linux: SIGKILL this process when its parent (the launcher's agent) dies, so no rank outlives it."""
     parent = os.getppid()
     try:
@@ -226,10 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     os.environ.pop(ENV_SECRET, None)  # user code and its subprocesses need not see it
     if os.environ.get(ENV_PDEATHSIG) == "1":
-        _exit_with_parent()
+        exit_with_parent()
     if config.local_world_size > 1:  # as torchrun: N ranks on a host do not oversubscribe it (set before any
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # library reads it; unknown here: set when admitted)
-    _default_gloo_interface(config.controller)
+    default_gloo_interface(config.controller)
     from .startup import run_rank
 
     return run_rank(config)

@@ -14,10 +14,10 @@ __all__ = [
     "Exec", "Call", "Interrupt", "StacksRequest", "Abort", "Regroup", "Ping", "Rejected", "Shutdown", "Result",
     "Stream", "Stacks", "Progress", "Heartbeat", "Push", "Pull", "PullReply", "ShmRelease", "DebugOutput",
     "DebugPrompt", "DebugResumed", "DebugInput", "DebugPostMortem", "Inspect", "DebugClear", "DebugReply",
-    "Goodbye", "Display", "Complete", "CompleteReply",
+    "Goodbye", "Display", "Complete", "CompleteReply", "register",
 ]
 
-PROTOCOL_VERSION = 4  # checked at the handshake (Hello); raise it when a message changes
+PROTOCOL_VERSION = 5  # checked at the handshake (Hello, AgentHello); raise it when a message changes
 
 # ``payload`` fields carry user values and travel pickled outside the header.
 
@@ -533,3 +533,8 @@ class CompleteReply(Message):
     cursor_start: int = 0
     cursor_end: int = 0
     text: str = ""
+
+
+register = _register
+"""Add a message class to ``MESSAGE_TYPES`` (a decorator): for the modules that define more messages
+(monarch_worker.hostmessages: the host agents')."""

@@ -65,6 +65,10 @@ class MeshOptions:
                             "authenticates both sides).")
     secret_file: str | None = _option(None, "Where to write the per-mesh secret (mode 0600) for joining ranks "
                                       "(None: Jupyter's runtime directory).")
+    output_fold: int = _option(8, "In a cell on more than this many ranks, a line that several ranks print "
+                               "byte for byte alike at about the same time (within 0.1 s) is shown once with their "
+                               "ranks, `[rank0-63]: epoch 1 done`; lines that differ in any character never fold. "
+                               "0: never fold.", unit="ranks", trait="output_fold")
 
     def check(self) -> MeshOptions:
         """Validate every value; returns self.

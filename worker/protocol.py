@@ -38,7 +38,8 @@ import marshal
 import os
 import struct
 
-# The message classes are part of the protocol: protocol.Exec, protocol.Result, ...
+# The message classes are part of the protocol: protocol.Exec, protocol.Result, protocol.Forward, ...
+from .hostmessages import AgentHello, AgentWelcome, Forward, HostEvents, Signal, Spawn
 from .messages import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
@@ -79,13 +80,15 @@ from .messages import (
     Stream,
     Welcome,
 )
+from .pipes import receive_buffers
 
 __all__ = [
     "ProtocolError", "Signer", "PROTOCOL_VERSION", "Message", "MESSAGE_TYPES", "Hello", "Welcome", "StoreReady",
     "Ready", "StartFailed", "Exec", "Call", "Interrupt", "StacksRequest", "Abort", "Regroup", "Ping", "Rejected",
     "Shutdown", "Result", "Stream", "Stacks", "Progress", "Heartbeat", "Push", "Pull", "PullReply", "ShmRelease",
     "DebugOutput", "DebugPrompt", "DebugResumed", "DebugInput", "DebugPostMortem", "Inspect", "DebugClear",
-    "DebugReply", "Goodbye", "Display", "Complete", "CompleteReply",
+    "DebugReply", "Goodbye", "Display", "Complete", "CompleteReply", "AgentHello", "AgentWelcome", "Forward",
+    "HostEvents", "Spawn", "Signal",
 ]
 
 MAGIC = b"MJ\x01"
@@ -235,11 +238,16 @@ def record_types() -> tuple[type[Message], ...]:
 
 def pack_frames(frames: list) -> bytes:
     """One byte string holding ``frames`` (bytes-like), each with its length."""
-    parts = [_FRAME_COUNT.pack(len(frames))]
+    return b"".join(frame_parts(frames))
+
+
+def frame_parts(frames: list) -> list:
+    """The pieces whose concatenation is ``pack_frames(frames)``; large frames are not copied."""
+    parts: list = [_FRAME_COUNT.pack(len(frames))]
     for f in frames:
         parts.append(_FRAME_LEN.pack(memoryview(f).nbytes))
         parts.append(f)
-    return b"".join(parts)
+    return parts
 
 
 def unpack_frames(data: bytes) -> list[bytes]:
@@ -294,25 +302,71 @@ def work_types() -> tuple[type[Message], ...]:
     return (Exec, Call, Push, Pull, DebugPostMortem, Shutdown)
 
 
-def work_message(frames: list) -> bytes:
-    """Frame signed ``frames`` for the work pipe."""
-    body = pack_frames(frames)
-    return WORK_HEADER.pack(len(body)) + body
+def work_message(frames: list) -> list:
+    """Frame signed ``frames`` for the work pipe: the pieces to write in order (a message of ``WORK_COPY_MAX``
+    bytes or less is one bytes object; a larger one keeps its large frames as they are, so tensor memory goes
+    into the pipe without a copy)."""
+    if all(type(f) is bytes for f in frames):  # no out-of-band buffers: one string (the common, small case)
+        body = pack_frames(frames)
+        return [WORK_HEADER.pack(len(body)) + body]
+    parts = frame_parts(frames)
+    size = sum(memoryview(p).nbytes for p in parts)
+    if size <= WORK_COPY_MAX:
+        return [WORK_HEADER.pack(size) + b"".join(parts)]
+    return [WORK_HEADER.pack(size), *parts]
+
+
+WORK_COPY_MAX = 256 * 1024
+"""Largest work message (bytes) joined into one string before it is written (larger ones are written piecewise)."""
+WORK_READ = 64 * 1024
+"""Bytes read from a work pipe at a time while no large message is under way."""
+WORK_DIRECT_MIN = 1 << 20
+"""A message body of at least this many bytes is read straight into a buffer of its own (recycled anonymous
+memory: pipes.receive_buffers), so its tensors are built on the bytes the pipe delivered, uncopied."""
 
 
 class WorkReader:
-    """Splits the bytes read from a work pipe into messages (``pack_frames`` bodies); one thread uses it."""
+    """Splits the bytes of a work pipe into messages (``pack_frames`` bodies); one thread uses it.
+
+    ``read_from`` reads the pipe itself: a large body (``WORK_DIRECT_MIN`` bytes or more) is read into a buffer of
+    its own and returned as a writable memoryview, which ``unpack_frames`` slices without copying.
+    """
 
     def __init__(self) -> None:
         self._buf = bytearray()
+        self._body: memoryview | None = None  # the large body being read, and how much of it has arrived
+        self._filled = 0
 
-    def feed(self, data: bytes) -> list[bytes]:
+    def read_from(self, fd: int) -> list | None:
+        """Read what the pipe has (one read); the messages completed by it, or None at end of file."""
+        if self._body is not None:
+            n = os.readv(fd, [self._body[self._filled:]])
+            if n == 0:
+                return None
+            self._filled += n
+            if self._filled < len(self._body):
+                return []
+            body, self._body = self._body, None
+            return [body]
+        data = os.read(fd, WORK_READ)
+        if not data:
+            return None
+        return self.feed(data)
+
+    def feed(self, data: bytes) -> list:
         self._buf += data
-        out, pos = [], 0
+        out: list = []
+        pos = 0
         hs = WORK_HEADER.size
         while len(self._buf) - pos >= hs:
             (n,) = WORK_HEADER.unpack_from(self._buf, pos)
-            if len(self._buf) - pos - hs < n:
+            have = len(self._buf) - pos - hs
+            if have < n:
+                if n >= WORK_DIRECT_MIN:
+                    self._body = receive_buffers.take(n)
+                    self._body[:have] = self._buf[pos + hs:]
+                    self._filled = have
+                    pos = len(self._buf)
                 break
             out.append(bytes(self._buf[pos + hs:pos + hs + n]))
             pos += hs + n

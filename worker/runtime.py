@@ -68,12 +68,12 @@ class Rank:
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 2000)
         self._sock.setsockopt(zmq.IDENTITY, f"rank-{os.getpid()}-{os.urandom(8).hex()}".encode())
-        if config.curve_serverkey:  # encrypted and the controller authenticated by its key (CurveZMQ)
+        if config.curve_serverkey and not config.connect:  # encrypted, the controller authenticated by its key
             public, secret = zmq.curve_keypair()
             self._sock.curve_serverkey = config.curve_serverkey.encode()
             self._sock.curve_publickey = public
             self._sock.curve_secretkey = secret
-        self._sock.connect(config.controller)
+        self._sock.connect(config.connect or config.controller)  # a host agent's socket, or the controller's
         self.relay: Any = None  # an OutputRelay (relay.py) when this rank sends its own output
         self._joined = False  # the controller admitted this rank (heartbeat timeout applies from then on)
         self._said_hello = False
@@ -385,10 +385,10 @@ class Rank:
                     self.work.clear_wake()
                 if fd not in r:
                     continue
-                data = os.read(fd, 65536)
-                if not data:
+                bodies = reader.read_from(fd)
+                if bodies is None:
                     return None
-                for body in reader.feed(data):
+                for body in bodies:
                     try:
                         ready.append(signer.unpack(P.unpack_frames(body)))
                     except P.ProtocolError as e:

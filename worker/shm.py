@@ -174,7 +174,7 @@ class Segment:
         self.capacity = capacity
         self.map: Any = None  # this process's writable mapping (a NumPy uint8 array), made at first reuse
         self._fresh = True
-        self.id = next(Segment._ids)
+        self.id = (os.getpid() << 32) + next(Segment._ids)  # unique on the host: writers tell theirs apart
         self.holders: set[Hashable] = set()
         self.last_used = time.monotonic()
 

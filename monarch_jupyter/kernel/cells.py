@@ -23,7 +23,7 @@ from monarch_worker.serialize import loads
 
 from ..errors import MonarchError, RankDiedError, RemoteError
 from ..ranks import RankMap, format_ranks
-from .output import write_lines
+from .output import FOLD_WINDOW, Who, fold_lines, write_lines
 from .state import MeshState, RankState
 
 if TYPE_CHECKING:
@@ -80,7 +80,10 @@ class CellHandle:
         self.tracks_failures = True  # its failures are the ones post-mortem opens (not a post-mortem's own)
         self.final: tuple[Any, BaseException | None] | None = None  # the outcome, once computed
         self._lines: list[tuple[int, str, Any]] = []
-        self._held: dict[int, list] = {r: [] for r in ranks}  # order == "rank": lines not yet released
+        self._lines_since = 0.0  # when the oldest line in _lines came
+        # Many ranks: identical lines of several ranks show once (output.fold_lines), gathered for FOLD_WINDOW s.
+        self.fold = 0 < state.options.output_fold < len(ranks)
+        self._held: dict[int, list] = {r: [] for r in ranks} if order == "rank" else {}  # lines not yet released
         self._wake = threading.Condition(state.lock)  # notified when lines arrive for a waiter, or when done
         self._waiting = False
 
@@ -96,6 +99,8 @@ class CellHandle:
         if self.order == "rank" and not self._released(rank):
             self._held[rank].append((rank, stream, text))
         else:
+            if not self._lines:
+                self._lines_since = time.monotonic()
             self._lines.append((rank, stream, text))
         if not self._waiting:
             self.deliver()
@@ -105,7 +110,7 @@ class CellHandle:
     def deliver(self) -> None:
         """Under the lock: write the lines collected so far, in the cell's context."""
         lines, self._lines = self._lines, []
-        write_lines(lines, self.ctx)
+        write_lines(fold_lines(lines) if self.fold else lines, self.ctx)
 
     def _released(self, rank: int) -> bool:
         for r in self.ranks:
@@ -138,6 +143,32 @@ class CellHandle:
         if self.all_done:
             self._state.events.emit("cell_done", cell_id=self.cell_id, handle=self)
 
+    def finish_ranks(self, ranks: list[int]) -> None:
+        """Under the lock: ``finish_rank`` for each of ``ranks`` whose result is in (no output markers to wait for:
+        a host agent's ranks), with one wake-up of the waiter."""
+        launcher = self._state.launcher
+        if launcher is not None and launcher.relays_output or self.order == "rank":
+            for rank in ranks:
+                self.check_rank(rank)
+            return
+        infos = self._state.ranks
+        for rank in ranks:
+            if rank in self.finished:
+                continue
+            self.finished.add(rank)
+            info = infos.get(rank)
+            if info is not None:
+                if info.cells and info.cells[0] is self:
+                    info.cells.popleft()
+                elif self in info.cells:
+                    info.cells.remove(self)
+                if not info.cells and info.state is RankState.RUNNING:
+                    info.state = RankState.IDLE
+        if self.all_done or self._lines:
+            self._wake.notify_all()
+        if self.all_done:
+            self._state.events.emit("cell_done", cell_id=self.cell_id, handle=self)
+
     def check_rank(self, rank: int) -> None:
         """Under the lock: finish ``rank`` once its result is in and, where the launcher reads output pipes, both
         of its streams reached the cell's end."""
@@ -157,13 +188,23 @@ class CellHandle:
 
     def wake_wait(self, timeout: float) -> None:
         """Under the lock: sleep until lines arrive or the cell is done, at most ``timeout`` seconds."""
-        if not self._lines and not self.all_done:
+        if self.all_done:
+            return
+        if not self._lines:
             self._wake.wait(timeout)
+        elif self.fold:  # lines wait for the same line from other ranks
+            left = self._lines_since + FOLD_WINDOW - time.monotonic()
+            if left > 0:
+                self._wake.wait(min(timeout, left))
 
-    def pop_lines(self) -> list[tuple[int, str, Any]]:
-        """Under the lock: the lines collected for the waiter, now taken."""
+    def pop_lines(self) -> list[tuple[Who, str, Any]]:
+        """Under the lock: the lines collected for the waiter, now taken (folded where the cell folds; the lines of
+        a folding cell are held until they are ``FOLD_WINDOW`` seconds old or the cell is done)."""
+        if (self.fold and self._lines and not self.all_done
+                and time.monotonic() - self._lines_since < FOLD_WINDOW):
+            return []
         lines, self._lines = self._lines, []
-        return lines
+        return fold_lines(lines) if self.fold else list(lines)
 
     def set_waiting(self, waiting: bool) -> None:
         """Under the lock: whether a thread waits for the cell (it then writes the lines itself)."""
@@ -178,7 +219,7 @@ class CellHandle:
         """A thread waits for the cell now (it writes the cell's lines; a snapshot)."""
         return self._waiting
 
-    def take_lines(self) -> list[tuple[int, str, Any]]:
+    def take_lines(self) -> list[tuple[Who, str, Any]]:
         """The lines collected for the waiter, now taken (takes the lock)."""
         with self._state.lock:
             return self.pop_lines()
@@ -264,6 +305,29 @@ class CellTable:
         self.state.events.emit("rank_result", rank=rank, cell_id=msg.cell_id, status=msg.status,
                                error=None if error is None else str(error), duration=msg.duration,
                                ename=getattr(error, "ename", ""), evalue=getattr(error, "evalue", ""))
+
+    def on_done(self, cell_id: int, ranks: list[int], durations: list[float]) -> None:
+        """``ranks`` finished cell ``cell_id`` with no value and no error (a host agent's summary of its ranks;
+        ``durations`` in seconds, in the same order): what ``on_result`` does for each, under one lock."""
+        state = self.state
+        with state.lock:
+            cell = state.cells.get(cell_id)
+            if cell is None:
+                return
+            now = time.monotonic()
+            if cell.tracks_failures and state.failures:
+                for rank in ranks:
+                    state.failures.pop(rank, None)
+            cell.durations.update(zip(ranks, durations, strict=True))
+            cell.results_in.update(ranks)
+            cell.result_seen_at.update(dict.fromkeys(ranks, now))
+            cell.values.update(dict.fromkeys(ranks))
+            cell.has_value.update(dict.fromkeys(ranks, False))
+            cell.finish_ranks(ranks)
+        if state.events.listening:
+            for rank, duration in zip(ranks, durations, strict=True):
+                state.events.emit("rank_result", rank=rank, cell_id=cell_id, status="ok", error=None,
+                                  duration=duration, ename="", evalue="")
 
     def on_sync(self, rank: int, stream: str, cell_id: int) -> None:
         """Under the lock: ``rank``'s ``stream`` reached the end of cell ``cell_id`` (a sync marker)."""

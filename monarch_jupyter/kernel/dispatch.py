@@ -104,13 +104,16 @@ class Dispatcher:
             while len(state.recent_cells) > RECENT_CELLS:
                 state.recent_cells.pop(next(iter(state.recent_cells)))
             launcher = state.launcher
+            work_pipe = launcher.work_pipe if launcher is not None and launcher.has_work_pipes else None
+            infos = state.ranks
+            running = RankState.RUNNING
             for group_ranks, msg, payload, buffers in groups:
                 identities, pipes = [], []
                 for r in group_ranks:
-                    info = state.ranks[r]
+                    info = infos[r]
                     info.cells.append(handle)
-                    info.state = RankState.RUNNING
-                    pipe = launcher.work_pipe(r) if launcher is not None else None
+                    info.state = running
+                    pipe = work_pipe(r) if work_pipe is not None else None
                     if pipe is not None:
                         pipes.append(pipe)
                     else:
@@ -126,7 +129,8 @@ class Dispatcher:
         if dead:
             raise MeshError({r: RankDiedError(r, infos[r].returncode, "\n".join(infos[r].last_lines))
                              for r in dead}, what=what + " (not run)", hint=restart_hint(dead))
-        busy = [r for r in ranks if any(c.abandoned and r not in c.finished for c in infos[r].cells)]
+        busy = [r for r in ranks if infos[r].cells and any(c.abandoned and r not in c.finished
+                                                            for c in infos[r].cells)]
         if busy:
             spec = format_ranks(busy)
             raise RankBusyError(
@@ -156,6 +160,11 @@ class Dispatcher:
     def pipes_waiting(self) -> bool:
         """Some work pipe holds bytes its rank could not take yet."""
         return bool(self._pipes_waiting)
+
+    def waiting_fds(self) -> list[int]:
+        """The work pipes (fds) that hold bytes their rank could not take yet: the I/O thread polls them for
+        POLLOUT (I/O thread)."""
+        return [pipe.fd for pipe in list(self._pipes_waiting) if not pipe.closed]
 
     def flush_pipes(self) -> None:
         """Write what waits in work pipes, as far as each pipe takes it (I/O thread)."""

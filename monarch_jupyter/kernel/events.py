@@ -55,6 +55,11 @@ class EventBus:
             if fn in self._listeners:
                 self._listeners.remove(fn)
 
+    @property
+    def listening(self) -> bool:
+        """Someone listens (an emit would be delivered): callers skip building events nobody reads."""
+        return bool(self._listeners)
+
     def emit(self, kind: str, **data: Any) -> None:
         """Queue an event (any thread, any lock held)."""
         if not self._listeners:

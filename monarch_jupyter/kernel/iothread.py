@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import zmq
 
@@ -30,6 +30,9 @@ from monarch_worker.channel import recv_frames, send_frames
 from . import lograte
 from .dispatch import Dispatcher
 from .state import MeshState, RankInfo, RankState, owner_check
+
+if TYPE_CHECKING:
+    from .launch.hosts import HostLinks
 
 log = logging.getLogger(__name__)
 log.addFilter(lograte.REJECTED)  # a stranger's messages are all rejected, but logged at a bounded rate
@@ -45,6 +48,8 @@ class Admission(Protocol):
     """Admission of ranks started elsewhere (launch/listener.py's Listener); called on the I/O thread."""
 
     def on_hello(self, identity: bytes, msg: P.Hello, by_identity: dict[bytes, int]) -> None: ...
+
+    def on_agent_hello(self, identity: bytes, msg: P.AgentHello, srcfd: int) -> None: ...
 
     def on_store_ready(self, rank: int, msg: P.StoreReady) -> None: ...
 
@@ -68,6 +73,8 @@ class IOThread:
         self.state = state
         self.dispatcher = dispatcher
         self.admission = admission
+        self.links: HostLinks | None = None  # host agents (launch/hosts.py): ranks reached through them
+        self._by_identity: dict[bytes, int] = {}
         self._ticks: list[Callable[[float], None]] = []
         self._handlers: dict[type, Handler] = {
             P.StoreReady: self._on_store_ready,
@@ -116,6 +123,8 @@ class IOThread:
             self.dispatcher.outbox.put(None)
             self._thread.join(5.0)
         self._thread = None
+        if self.links is not None:
+            self.links.close(self.router)
         if self._ctx is not None and self.router is not None:
             self.router.close(linger_ms)
             self._ctx.term()
@@ -131,8 +140,23 @@ class IOThread:
     def send_to(self, identity: bytes, msg: P.Message) -> None:
         """Send ``msg`` to one peer now (I/O thread only: it owns the socket)."""
         owner_check(lambda: self._thread, "the controller's ROUTER socket")
-        assert self.router is not None
-        send_frames(self.router, [identity, *self._signer.pack(msg)])
+        self._deliver([identity], self._signer.pack(msg), msg)
+
+    def _deliver(self, identities: list[Any], frames: list, msg: P.Message) -> None:
+        """Send signed ``frames`` to each peer; a host agent gets them once for all its ranks (``Forward``)."""
+        router = self.router
+        assert router is not None
+        if self.links is None:
+            for identity in identities:
+                if identity is not None:
+                    send_frames(router, [identity, *frames])
+            return
+        direct, via = self.links.route(identities)
+        for identity in direct:
+            send_frames(router, [identity, *frames])
+        for agent, ranks in via.items():
+            forward = P.Forward(ranks, msg.TYPE, getattr(msg, "cell_id", -1))
+            send_frames(router, [agent, *self._signer.pack(forward, b"", frames)])
 
     def _loop(self) -> None:
         assert self.router is not None
@@ -141,15 +165,22 @@ class IOThread:
         poller.register(router, zmq.POLLIN)
         poller.register(dispatcher.outbox.wake_fd, zmq.POLLIN)
         by_identity: dict[bytes, int] = {}
+        self._by_identity = by_identity
+        recv = recv_frames if self.links is None else self.links.recv
         next_ping = 0.0
         interval = state.options.heartbeat_interval
         while not self._stop.is_set():
-            # While some work pipe is full, retry it every few milliseconds (a pipe that closes meanwhile must not
-            # sit in the poller).
-            events = dict(poller.poll(5 if dispatcher.pipes_waiting else int(interval * 1000)))
+            # Work pipes that are full are polled until they take more (registered for this poll only: a pipe that
+            # closes meanwhile must not sit in the poller).
+            waiting = dispatcher.waiting_fds()
+            for fd in waiting:
+                poller.register(fd, zmq.POLLOUT)
+            events = dict(poller.poll(int(interval * 1000)))
+            for fd in waiting:
+                poller.unregister(fd)
             dispatcher.flush_pipes()
             if router in events:
-                while (frames := recv_frames(router)) is not None:
+                while (frames := recv(router)) is not None:
                     self._receive(bytes(frames[0]), frames[1:], by_identity)
             if dispatcher.outbox.wake_fd in events:
                 self._send_outbox()
@@ -158,9 +189,9 @@ class IOThread:
                 next_ping = now + interval
                 with state.lock:
                     idents = [i.identity for i in state.ranks.values() if i.identity and i.state is not RankState.DEAD]
-                ping = self._signer.pack(P.Ping())
-                for ident in idents:
-                    send_frames(router, [ident, *ping])
+                if self.links is not None:
+                    idents += self.links.agent_identities()
+                self._deliver(idents, self._signer.pack(P.Ping()), P.Ping())
                 for tick in self._ticks:
                     tick(now)
                 lograte.REJECTED.flush(now)
@@ -171,7 +202,16 @@ class IOThread:
             msg, payload, bufs = self._signer.unpack(frames)
         except (P.ProtocolError, ValueError, TypeError, KeyError) as e:
             log.warning("dropped a message from %r: %s", identity[:32], e, extra=DROPPED)
+            if self.links is not None:
+                self.links.bad_message()
             return
+        links = self.links
+        if links is not None and (links.is_agent(identity) or isinstance(msg, P.AgentHello)):
+            if links.on_agent_message(identity, msg, payload, bufs, self._relayed):
+                return
+            if self.admission is not None and isinstance(msg, P.AgentHello):
+                self.admission.on_agent_hello(identity, msg, links.srcfd())
+                return
         if isinstance(msg, P.Hello):
             self._on_hello(identity, msg, by_identity)
             return
@@ -190,14 +230,14 @@ class IOThread:
         except Exception:  # noqa: BLE001 - keep the I/O thread alive whatever a rank sent
             log.exception("handling %s from rank %d failed", msg.TYPE, rank)
 
+    def _relayed(self, identity: bytes, frames: list) -> None:
+        """A message a host agent relayed for one of its ranks (``identity``: the rank's, launch/hosts.py)."""
+        self._receive(identity, frames, self._by_identity)
+
     def _send_outbox(self) -> None:
-        assert self.router is not None
         for identities, msg, payload, buffers in self.dispatcher.drain():
             # One signature for every recipient: each rank checks replays per sender session.
-            frames = self._signer.pack(msg, payload, buffers)
-            for identity in identities:
-                if identity is not None:
-                    send_frames(self.router, [identity, *frames])
+            self._deliver(identities, self._signer.pack(msg, payload, buffers), msg)
 
     # ------------------------------------------------------------------ handshake (I/O thread)
 
@@ -210,6 +250,8 @@ class IOThread:
                                               elastic=self.state.elastic(0, 1)))
 
     def _on_hello(self, identity: bytes, msg: P.Hello, by_identity: dict[bytes, int]) -> None:
+        if self.links is not None and self.links.on_rank_hello(identity, msg, by_identity):
+            return
         if self.admission is not None:
             self.admission.on_hello(identity, msg, by_identity)
             return
@@ -244,8 +286,10 @@ class IOThread:
                         continue
                     if info.rank in state.regrouping:
                         post_regroup(state, self.dispatcher, info, msg.port, addr)
-                    else:
+                    elif self.links is None or not self.links.holds(info.rank):
                         self.welcome(info, msg.port)
+            if self.links is not None:  # fresh ranks on host agents
+                self.links.on_store_ready(P.StoreReady(msg.port, addr))
             return
         if self.admission is not None:
             self.admission.on_store_ready(rank, msg)

@@ -1,4 +1,5 @@
-"""Rank output: split raw bytes into labelled lines, find the per-cell sync markers, write lines to the notebook.
+"""Rank output: labelled lines written to the notebook (the splitting of raw bytes into lines, sync markers and
+records is monarch_worker.streams.StreamSplitter, shared with host agents).
 
 Output reaches the cell that caused it: each cell captures the caller's ``contextvars`` context when it is
 submitted (ipykernel keeps the cell's parent header in a ContextVar), and lines are written inside that context,
@@ -7,171 +8,92 @@ from whichever thread delivers them (the pattern of ipykernel's IOPubThread and 
 
 from __future__ import annotations
 
-import codecs
 import contextvars
+import heapq
 import sys
-from collections.abc import Callable
+from collections import Counter, deque
+from collections.abc import Sequence
 from typing import Any
 
-from monarch_worker import protocol as P
+from monarch_worker.streams import StreamSplitter
 
-__all__ = ["StreamSplitter", "label", "write_lines"]
+from ..ranks import format_ranks
 
-# Markers and records start alike (protocol.SYNC_PREFIX, protocol.RECORD_PREFIX).
-_ESCAPE = b"\x1b]monarch-"
-_RECORD_MIN = len(P.RECORD_PREFIX) + P.RECORD_HEADER.size
-_PREFIX_MAX = max(len(P.SYNC_PREFIX), len(P.RECORD_PREFIX))
-_FLAGS_MAX = P.RECORD_MORE | P.RECORD_SYNC
-assert P.SYNC_PREFIX.startswith(_ESCAPE) and P.RECORD_PREFIX.startswith(_ESCAPE)
-
-LineSink = Callable[[str, str, bool], None]  # (stream, text, partial)
+__all__ = ["StreamSplitter", "label", "write_lines", "fold_lines", "FOLD_WINDOW"]
 
 
-def label(rank: int) -> str:
-    """The prefix of each output line of ``rank``; the same as torchrun's ``--tee`` line prefix."""
+FOLD_WINDOW = 0.1
+"""Seconds the lines of a folding cell wait for the same line from other ranks before they are shown."""
+
+Who = int | tuple[int, ...]  # a line's rank, or the ranks of a folded line
+
+
+def label(rank: Who) -> str:
+    """The prefix of each output line of ``rank``; the same as torchrun's ``--tee`` line prefix. A folded line
+    (a tuple of ranks) is labelled with all of them: ``[rank0-63]:``."""
+    if isinstance(rank, tuple):
+        return f"[rank{format_ranks(rank)}]:"
     return f"[rank{rank}]:"
 
 
-class StreamSplitter:
-    """Incremental splitter for one rank's stream: bytes in, complete lines and sync markers out.
-
-    Not thread-safe; each (rank, stream) has one, fed from one thread.
+def fold_lines(lines: list[tuple[int, str, Any]]) -> list[tuple[Who, str, Any]]:
+    """Lines (rank, stream, text) with byte-identical lines of several ranks made one line with all their ranks (a
+    tuple). Lines that differ never fold, and each rank's own lines keep their order; within that, lines come in
+    the order they arrived, and a line is shown as soon as every rank that will print it in this batch is at it
+    (a rank's own different lines, like its loss, go first and the common line then shows once). Rich outputs
+    (stream "display") never fold.
     """
+    seqs: dict[int, deque[tuple[int, tuple[str, Any]]]] = {}
+    items: dict[tuple[str, Any], Any] = {}  # the display items, by their own key
+    for i, (rank, stream, text) in enumerate(lines):
+        own: tuple[str, Any] = (stream, text) if stream != "display" else ("display", i)
+        if stream == "display":
+            items[own] = text
+        seqs.setdefault(rank, deque()).append((i, own))
+    left = Counter(key for seq in seqs.values() for _, key in seq)  # occurrences not shown yet
+    heads: dict[tuple[str, Any], set[int]] = {}  # ranks whose next line is this
+    first: dict[tuple[str, Any], int] = {}  # the earliest arrival among those next lines
+    ready: list[tuple[int, int, tuple[str, Any]]] = []  # (first, arrival, key) of lines all their ranks are at
+    waiting: list[tuple[int, int]] = []  # (arrival, rank) of every rank's next line (stale entries skipped)
 
-    def __init__(self, records: bool = True) -> None:
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._raw = b""
-        self._line = ""
-        self._records = records  # only a rank's stdout carries records; on stderr their prefix is text
-        self._more = False  # the last record said more parts of its message follow
-
-    def feed(self, data: bytes) -> list[tuple[str, object]]:
-        """Returns events in order: ("line", text) for a complete line, ("sync", cell_id) for a marker, and
-        ("msg", (flags, body)) for a record (protocol.RECORD_PREFIX: a message the rank wrote into the stream)."""
-        if not self._raw and not self._line and not self._decoder.getstate()[0]:
-            # The common cases: one marker or one record, nothing else.
-            if data.startswith(P.SYNC_PREFIX) and data.endswith(P.SYNC_SUFFIX):
-                body = data[len(P.SYNC_PREFIX):-len(P.SYNC_SUFFIX)]
-                if body.isdigit():
-                    return [("sync", int(body))]
-            elif self._records and data.startswith(P.RECORD_PREFIX) and len(data) >= _RECORD_MIN:
-                n, flags = P.RECORD_HEADER.unpack_from(data, len(P.RECORD_PREFIX))
-                if (len(data) == _RECORD_MIN + n and n <= P.RECORD_BODY_MAX and flags <= _FLAGS_MAX
-                        and (self._more or data.startswith(P.RECORD_BODY_START, _RECORD_MIN + 2))):
-                    self._more = bool(flags & P.RECORD_MORE)
-                    return [("msg", (flags, data[_RECORD_MIN:]))]
-        events: list[tuple[str, object]] = []
-        raw = self._raw + data
-        self._raw = b""
-        while raw:
-            i = raw.find(_ESCAPE)
-            if i < 0:
-                # Keep a tail that may be the start of a marker or record split across reads.
-                keep = 0
-                for k in range(min(len(_ESCAPE) - 1, len(raw)), 0, -1):
-                    if _ESCAPE.startswith(raw[-k:]):
-                        keep = k
-                        break
-                text, self._raw = (raw[:-keep], raw[-keep:]) if keep else (raw, b"")
-                self._text(text, events)
-                break
-            rest = raw[i:]
-            if self._records and rest.startswith(P.RECORD_PREFIX):
-                head = _RECORD_MIN if self._more else _RECORD_MIN + 2 + len(P.RECORD_BODY_START)
-                if len(rest) < head:
-                    self._text(raw[:i], events)
-                    self._raw = rest
-                    break
-                n, flags = P.RECORD_HEADER.unpack_from(rest, len(P.RECORD_PREFIX))
-                if n > P.RECORD_BODY_MAX or flags > _FLAGS_MAX or not (
-                        self._more or rest.startswith(P.RECORD_BODY_START, _RECORD_MIN + 2)):
-                    # Not a record (none is longer, and a message's first record starts so): plain text.
-                    self._text(raw[:i + len(_ESCAPE)], events)
-                    raw = raw[i + len(_ESCAPE):]
-                    continue
-                if len(rest) < _RECORD_MIN + n:
-                    self._text(raw[:i], events)
-                    self._raw = rest
-                    break
-                self._text(raw[:i], events)
-                if flags & P.RECORD_SYNC:
-                    self._flush_partial(events)
-                self._more = bool(flags & P.RECORD_MORE)
-                events.append(("msg", (flags, rest[_RECORD_MIN:_RECORD_MIN + n])))
-                raw = rest[_RECORD_MIN + n:]
-                continue
-            if rest.startswith(P.SYNC_PREFIX):
-                # A marker is the prefix, up to 19 digits, the suffix; anything else is text that looks like one.
-                digits = rest[len(P.SYNC_PREFIX):len(P.SYNC_PREFIX) + 20]
-                k = len(digits) - len(digits.lstrip(b"0123456789"))
-                if k == len(digits) and len(digits) < 20:  # all digits so far: the rest comes with the next read
-                    self._text(raw[:i], events)
-                    self._raw = rest
-                    break
-                j = len(P.SYNC_PREFIX) + k
-                if k == 0 or not rest.startswith(P.SYNC_SUFFIX, j):
-                    self._text(raw[:i + len(_ESCAPE)], events)
-                    raw = raw[i + len(_ESCAPE):]
-                    continue
-                self._text(raw[:i], events)
-                cell_id = int(rest[len(P.SYNC_PREFIX):j])
-                self._flush_partial(events)
-                events.append(("sync", cell_id))
-                raw = rest[j + len(P.SYNC_SUFFIX):]
-                continue
-            if len(rest) < _PREFIX_MAX and (P.SYNC_PREFIX.startswith(rest)
-                                            or self._records and P.RECORD_PREFIX.startswith(rest)):
-                self._text(raw[:i], events)
-                self._raw = rest  # the start of a marker or record; the rest comes with the next read
-                break
-            self._text(raw[:i + len(_ESCAPE)], events)  # text that only looks like ours
-            raw = raw[i + len(_ESCAPE):]
-        return events
-
-    def _text(self, data: bytes, events: list) -> None:
-        if not data:
+    def advance(rank: int) -> None:
+        if not seqs[rank]:
             return
-        text = self._line + self._decoder.decode(data)
-        *lines, self._line = text.split("\n")
-        for line in lines:
-            events.append(("line", _terminal_view(line)))
+        i, key = seqs[rank][0]
+        heads.setdefault(key, set()).add(rank)
+        first[key] = min(first.get(key, i), i)
+        heapq.heappush(waiting, (i, rank))
+        if len(heads[key]) == left[key]:
+            heapq.heappush(ready, (first[key], i, key))
 
-    def _flush_partial(self, events: list) -> None:
-        rest = self._line + self._decoder.decode(b"", final=True)
-        self._line = ""
-        if rest:
-            events.append(("line", _terminal_view(rest)))
-
-    def end_line(self) -> list[tuple[str, object]]:
-        """The line written so far without a newline, as a ("line", text) event (its cell ended): bytes held back
-        because they might have begun a marker are part of it."""
-        if not self._line and not self._raw and not self._decoder.getstate()[0]:
-            return []
-        events: list[tuple[str, object]] = []
-        self._text(self._raw, events)
-        self._raw = b""
-        self._flush_partial(events)
-        return events
-
-    def flush(self) -> list[tuple[str, object]]:
-        """The last line without a newline (at exit or when a cell ends without a marker)."""
-        events: list[tuple[str, object]] = []
-        self._text(self._raw, events)
-        self._raw = b""
-        self._flush_partial(events)
-        return events
-
-
-def _terminal_view(line: str) -> str:
-    """What a terminal would show of a line rewritten with carriage returns (progress bars)."""
-    line = line.rstrip("\r")
-    if "\r" in line:
-        line = line.rsplit("\r", 1)[1]
-    return line
+    for rank in seqs:
+        advance(rank)
+    out: list[tuple[Who, str, str]] = []
+    while waiting or ready:
+        key: tuple[str, Any] | None = None
+        while ready and key is None:
+            _, _, cand = heapq.heappop(ready)
+            if cand in heads and len(heads[cand]) == left[cand]:
+                key = cand
+        while key is None and waiting:  # nothing is ready everywhere: the earliest line goes first
+            i, rank = heapq.heappop(waiting)
+            if seqs[rank] and seqs[rank][0][0] == i:
+                key = seqs[rank][0][1]
+        if key is None:
+            break
+        group = sorted(heads.pop(key))
+        first.pop(key, None)
+        out.append((tuple(group) if len(group) > 1 else group[0], key[0], items.get(key, key[1])))
+        for rank in group:
+            seqs[rank].popleft()
+            left[key] -= 1
+            advance(rank)
+    return out
 
 
-def write_lines(lines: list[tuple[int, str, Any]], ctx: contextvars.Context | None = None) -> None:
-    """Write (rank, stream, text) lines to sys.stdout / sys.stderr, labelled, inside ``ctx`` if given.
+def write_lines(lines: Sequence[tuple[Who, str, Any]], ctx: contextvars.Context | None = None) -> None:
+    """Write (rank, stream, text) lines to sys.stdout / sys.stderr, labelled, inside ``ctx`` if given (``rank`` a
+    tuple: a folded line, see ``fold_lines``).
 
     An item whose stream is "display" carries a rich output (``kernel.rich.RichOutput``) in place of the text: it
     is published there, in order with the lines around it.

@@ -18,6 +18,7 @@ from .debugger import MeshDebugger
 from .dispatch import Dispatcher
 from .events import EventBus
 from .iothread import IOThread
+from .launch.hosts import HostLinks
 from .launch.join import JoinLauncher
 from .launch.listener import Listener
 from .lifecycle import Lifecycle
@@ -66,6 +67,8 @@ def build(nproc: int, options: MeshOptions, join_launcher: JoinLauncher | None) 
                 Listener(state, join_launcher, o.address, o.port, o.encrypt, o.secret_file))
     io = IOThread(state, dispatcher, listener)
     router = OutputRouter(state, cells)
+    hosts = None if listener is None else HostLinks(state, cells, router, dispatcher)  # host agents
+    io.links = hosts
     lifecycle = Lifecycle(state, io, dispatcher, router, cells, transfers, listener)
     recovery = Recovery(state, dispatcher, stacks, lifecycle)
     lifecycle.sink = sink = RankEvents(state, router, recovery, [transfers.on_rank_exit])
@@ -87,8 +90,11 @@ def build(nproc: int, options: MeshOptions, join_launcher: JoinLauncher | None) 
                                    P.DebugOutput: debugger.on_message, P.DebugPrompt: debugger.on_message,
                                    P.DebugResumed: debugger.on_message, P.Display: rich.on_display})
     io.every_interval(recovery.check_heartbeats)
-    if listener is not None:
+    if listener is not None and hosts is not None:
         io.every_interval(listener.check)
         listener.attach(io.send_to, dispatcher, sink)
+        listener.hosts = hosts
+        hosts.attach(io.send_to, sink, recovery.ranks_lost)
+        transfers.agent_held = hosts.holds
     return Parts(events, state, dispatcher, cells, stacks, transfers, listener, io, router, lifecycle, recovery,
                  waiter, debugger, rich, completions)

@@ -165,17 +165,25 @@ class Recovery:
         window = state.options.heartbeat_timeout
         if window <= 0:
             return
+        with state.lock:
+            silent = [info.rank for info in state.ranks.values() if info.identity is not None
+                      and info.last_heard > 0 and info.alive and now - info.last_heard > window]
+        if silent:
+            self.ranks_lost(silent, f"no heartbeat for {window:g} s: stopped, hung with the GIL held, or its host is "
+                                    "unreachable")
+
+    def ranks_lost(self, ranks: list[int], reason: str) -> None:
+        """(any thread) ``ranks`` are gone without an exit status (silent, or their host agent vanished): fail
+        their cells, tell the survivors, and kill them where the launcher can."""
+        state = self.state
         lost: list[tuple[int, str, list]] = []
         with state.lock:
             if state.stopping or not state.running:
                 return
-            for info in state.ranks.values():
-                if info.identity is None or info.last_heard <= 0 or not info.alive:
-                    continue
-                if now - info.last_heard > window:
-                    reason = (f"no heartbeat for {window:g} s: stopped, hung with the GIL held, "
-                              "or its host is unreachable")
-                    lost.append((info.rank, reason, self.rank_failed(info, None, reason)))
+            for r in ranks:
+                info = state.ranks[r]
+                if info.alive:
+                    lost.append((r, reason, self.rank_failed(info, None, reason)))
         for rank, reason, cells in lost:
             log.info("rank %d: %s; declared dead", rank, reason)
             state.events.emit("rank_state", rank=rank, state="dead", returncode=None)
@@ -300,11 +308,11 @@ class Recovery:
         """
         state = self.state
         chosen = parse_ranks(ranks, state.nproc)
-        if joined:
+        why = state.launcher.restartable(chosen) if joined and state.launcher is not None else ""
+        if why:
             raise MonarchError(
-                "these ranks were started elsewhere (torchrun, srun, a command you ran): that launcher owns their "
-                "processes, so they cannot be restarted one by one from here. Run  %mesh restart  (the mesh "
-                "listens again and prints the commands to start the ranks).")
+                f"{why}, so they cannot be restarted one by one from here. Run  %mesh restart  (a fresh mesh: a "
+                "listening one listens again and prints the commands to start it).")
         with state.lock:
             others_dead = [r for r, i in state.ranks.items() if r not in chosen and i.state is RankState.DEAD]
         if others_dead:

@@ -76,6 +76,7 @@ class Transfers:
         self.pool = shm.SegmentPool()
         self.host = socket.gethostname()
         self.no_shm: set[int] = set()  # ranks that could not map our segments: the socket from now on
+        self.agent_held: Callable[[int], bool] = lambda rank: False  # a host agent holds it (launch/hosts.py)
         # Reentrant: _release_to runs from finalizers, which garbage collection may call on a thread holding it.
         self._lock = threading.RLock()
         self._closed = True
@@ -108,7 +109,10 @@ class Transfers:
         if via == "shm" and remote:
             raise ValueError(f"via='shm' needs every chosen rank on this host ({self.host}) with shared memory; "
                              f"not so for {ranks_text(remote)}; use via='auto'")
-        return choose_route(size, len(chosen), not remote, via)
+        # Ranks elsewhere that a host agent holds get one copy per host, which the agent puts in shared memory:
+        # only ranks that joined one process per rank count toward a broadcast.
+        alone = [r for r in remote if not self.agent_held(r)]
+        return choose_route(size, len(alone) + (len(chosen) - len(remote)), not alone, via)
 
     def _segment(self, packed: _Packed, holders: list[int]) -> dict | None:
         """Write ``packed``'s buffers into a segment lent to ``holders``; None (socket) when memory is short."""
@@ -153,11 +157,12 @@ class Transfers:
                     for r in chosen:
                         _add(items[r], frames[r], p, None, bcast, with_buffers=r == src)
                     continue
-                desc = self._segment(p, chosen) if route == "shm" else None
+                here = {r for r in chosen if self._shm_ok(r)}  # the others are held by host agents (frames)
+                desc = self._segment(p, sorted(here)) if route == "shm" and here else None
                 if desc is not None:
-                    lent.append((desc["id"], chosen))
+                    lent.append((desc["id"], sorted(here)))
                 for r in chosen:
-                    _add(items[r], frames[r], p, desc, None)
+                    _add(items[r], frames[r], p, desc if r in here else None, None)
         except BaseException:
             self._give_back(lent)
             raise

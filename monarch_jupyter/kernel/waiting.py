@@ -132,8 +132,8 @@ class Waiter:
         """Under the lock: finish ranks whose result came but whose output marker is late, and end the cell
         promptly when a rank died (recovery.py)."""
         now = time.monotonic()
-        for r, seen in cell.result_seen_at.items():
-            if r not in cell.finished and now - seen > MARKER_GRACE:
+        for r in cell.results_in - cell.finished:  # results in, output markers not yet
+            if now - cell.result_seen_at[r] > MARKER_GRACE:
                 log.debug("rank %d: output marker of cell %d late; finishing without it", r, cell.cell_id)
                 cell.finish_rank(r)
         self.recovery.release_survivors(cell, now)
@@ -236,7 +236,9 @@ class Waiter:
         with state.lock:
             state.cells.pop(cell.cell_id, None)
             errors = dict(cell.errors)
-            results = RankMap((r, cell.values.get(r)) for r in cell.ranks if r in cell.finished and r not in errors)
+            valued = errors or any(cell.has_value.values())
+            results = (RankMap((r, cell.values.get(r)) for r in cell.ranks if r in cell.finished and r not in errors)
+                       if valued else RankMap())
             cell.values = {}  # the handle may live on (late output); the results belong to the caller now
         if errors:
             if all(isinstance(e, RemoteError) and e.interrupted for e in errors.values()):
@@ -244,6 +246,6 @@ class Waiter:
                                      f"{where_interrupted(errors)}")
             errors, hint = self.recovery.fold_errors(cell, errors)
             raise MeshError(errors, results, cell.what, hint)
-        if not any(cell.has_value.get(r) for r in cell.ranks):
+        if not valued:
             return None
         return results

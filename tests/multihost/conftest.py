@@ -42,9 +42,9 @@ class FakeHosts:
     def name(self, k: int) -> str:
         return f"{self.prefix}{k}"
 
-    def popen(self, k: int, argv: list[str], **kw: object) -> subprocess.Popen:
-        """Run ``argv`` on fake host ``k`` (own network, hostname, /etc/hosts), with this environment."""
-        return subprocess.Popen([NETNS, "exec", str(k), *argv], env={**os.environ, **self.env}, **kw)
+    def popen(self, k: int, argv: list[str], env: dict[str, str] | None = None, **kw: object) -> subprocess.Popen:
+        """Run ``argv`` on fake host ``k`` (own network, hostname, /etc/hosts), with this environment and ``env``."""
+        return subprocess.Popen([NETNS, "exec", str(k), *argv], env={**os.environ, **self.env, **(env or {})}, **kw)
 
     def pids(self, k: int) -> list[int]:
         out = subprocess.run(["ip", "netns", "pids", self.name(k)], capture_output=True, text=True).stdout

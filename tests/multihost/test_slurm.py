@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from monarch_jupyter import Mesh, MeshStartError
+from monarch_jupyter import Mesh, MeshError, MeshStartError, RankDiedError
 from monarch_jupyter.kernel import registry
 from monarch_jupyter.kernel.launch.slurm import SlurmLauncher
 from tests.conftest import magic_shell
@@ -128,3 +128,36 @@ def test_unreachable_controller_is_reported_and_the_step_cancelled(slurm: SlurmC
     assert "reach tcp://127.0.0.1:" in text
     assert monarch_steps(slurm) == []
     assert os.environ["SLURM_JOB_ID"] == allocation
+
+
+def test_kill9_of_an_agent_reports_its_ranks_and_restart_brings_the_host_back(slurm: SlurmCluster,
+                                                                               allocation: str) -> None:
+    """srun starts one host agent per node; SIGKILL of one agent: its ranks are reported dead at once (its
+    connection drops), the controller goes on, and a full restart (a fresh job step) brings both hosts back."""
+    host2 = slurm.hosts.name(2)
+    m = Mesh(4, launcher=SlurmLauncher(nodes=2), address=slurm.hosts.bridge, start_timeout=120)
+    try:
+        assert m.hosts() == {slurm.hosts.name(1): [0, 1], host2: [2, 3]}
+        agents = [p for p in slurm.hosts.pids(2) if b"monarch_worker.agent" in _cmdline(p)
+                  and b"srun" not in _cmdline(p)]
+        assert len(agents) == 1, [(_cmdline(p)) for p in slurm.hosts.pids(2)]
+        handle = m.run("import time; time.sleep(60)", block=False)
+        os.kill(agents[0], 9)
+        with pytest.raises(MeshError) as info:
+            handle.result(timeout=60)
+        assert {2, 3} <= {r for r, e in info.value.errors.items() if isinstance(e, RankDiedError)}
+        assert "host agent" in str(info.value.errors[2]) or "died" in str(info.value.errors[2])
+        m.restart()  # srun's step ended (--kill-on-bad-exit); a fresh step starts an agent on each node again
+        assert m.hosts() == {slurm.hosts.name(1): [0, 1], host2: [2, 3]}
+        assert m.run("t = torch.ones(1); dist.all_reduce(t); t.item()") == dict.fromkeys(range(4), 4.0)
+    finally:
+        m.stop()
+    assert monarch_steps(slurm) == []
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ")
+    except OSError:
+        return b""

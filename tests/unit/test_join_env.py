@@ -118,8 +118,15 @@ def test_commands_name_the_secret_file_never_the_secret() -> None:
     c = JoinCommands("tcp://10.0.0.1:5555", "/home/u/.key", 8, 4, curve_serverkey="Z" * 40,
                      rdzv_endpoint="10.0.0.1:4000", rdzv_id="monarch-1", python="python")
     text = str(c)
-    assert "torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint 10.0.0.1:4000" in text
-    assert "-m monarch_worker" in c.torchrun and "#SBATCH --ntasks=8" in c.sbatch
+    # one host agent per host (it forks the host's 4 ranks) ...
+    assert ("torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint 10.0.0.1:4000 --rdzv-id "
+            "monarch-1 --max-restarts 0 -m monarch_worker.agent --nproc-per-node 4") in text
+    assert "#SBATCH --nodes=2" in c.sbatch and "#SBATCH --ntasks-per-node=1" in c.sbatch
+    assert c.sbatch.endswith("srun python -m monarch_worker.agent --nproc-per-node 4")
+    assert c.generic.endswith("python -m monarch_worker.agent --nproc-per-node 4")
+    # ... and the one-process-per-rank form, still offered
+    assert "torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d" in text
+    assert text.count("-m monarch_worker\n") == 1
     assert "MONARCH_SECRET_FILE=/home/u/.key" in c.generic and "MONARCH_CURVE_SERVERKEY=" + "Z" * 40 in c.generic
     assert "MONARCH_SECRET=" not in c.generic.replace("MONARCH_SECRET_FILE", "")
     one = JoinCommands("tcp://127.0.0.1:1", "/k", 2, 2)

@@ -119,7 +119,7 @@ def test_malformed_frames_are_rejected() -> None:
 
 
 def test_work_reader_splits_messages_across_reads() -> None:
-    msgs_in = [P.work_message([b"m", bytes([i]) * i]) for i in range(1, 30)]
+    msgs_in = [b"".join(P.work_message([b"m", bytes([i]) * i])) for i in range(1, 30)]
     data = b"".join(msgs_in)
     r = P.WorkReader()
     out = []

@@ -31,11 +31,13 @@ from monarch_worker import join as wjoin
 from .base import Launcher, LaunchError
 
 if TYPE_CHECKING:
+    from .hosts import HostLinks
     from .listener import Listener
 
 log = logging.getLogger(__name__)
 
-__all__ = ["JoinLauncher", "ProcessLauncher", "JoinCommands", "resolve_address", "default_nproc_per_node"]
+__all__ = ["JoinLauncher", "ProcessLauncher", "JoinCommands", "resolve_address", "default_nproc_per_node",
+           "write_secret_file", "open_rdzv_store"]
 
 LOOPBACK = ("", "127.0.0.1", "localhost", "lo")
 LOG_TAIL = 30  # lines of a launcher's log shown when it fails
@@ -86,16 +88,52 @@ def resolve_address(address: str | None) -> tuple[str, str]:
     return ip, ip
 
 
+def write_secret_file(path: str | None, secret: bytes) -> str:
+    """Write ``secret`` (hex) to a new 0600 file at ``path`` (None: Jupyter's runtime directory); returns its path."""
+    if path is None:
+        try:
+            from jupyter_core.paths import jupyter_runtime_dir
+
+            folder = jupyter_runtime_dir()
+        except ImportError:
+            folder = os.path.join(os.path.expanduser("~"), ".local", "share", "jupyter", "runtime")
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        path = os.path.join(folder, f"monarch-mesh-{os.getpid()}-{os.urandom(4).hex()}.key")
+    path = os.path.abspath(path)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret.hex() + "\n")
+    return path
+
+
+def open_rdzv_store(address: str, timeout: float) -> Any:
+    """A c10d store on ``address`` (a free port) for torchrun's rendezvous, hosted by the controller so that the
+    torchrun command is the same on every host (``timeout`` in seconds). c10d stores listen on every interface
+    and do not authenticate; this one carries only torchrun's rendezvous."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    return dist.TCPStore(address, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout))
+
+
 # ---------------------------------------------------------------------------------------------------- commands
 
 
 @dataclass(frozen=True)
 class JoinCommands:
-    """Ready-to-paste commands that start the ranks of a listening mesh. None of them holds the secret: they
-    name the 0600 file that holds it (on a shared filesystem), or the ranks' environment carries it.
+    """Ready-to-paste commands that start a listening mesh: one host agent per host (``python -m
+    monarch_worker.agent --nproc-per-node N``, which forks that host's ranks) under torchrun, SLURM or by hand, and
+    the one-process-per-rank form (``python -m monarch_worker`` per rank). None of them holds the secret: they name
+    the 0600 file that holds it (on a shared filesystem), or the environment carries it.
 
     ``rdzv_endpoint`` is a c10d store that the controller hosts for torchrun's own rendezvous, so that the
     torchrun command is the same on every host ("" when the mesh fits one host: ``--standalone``).
+    ``join_timeout``: seconds an agent or rank waits to be admitted (the mesh's start timeout, and a little).
     """
 
     controller: str
@@ -107,6 +145,7 @@ class JoinCommands:
     rdzv_id: str = ""
     python: str = "python"
     env_extra: dict = field(default_factory=dict)
+    join_timeout: float = 0.0
 
     @property
     def nnodes(self) -> int:
@@ -114,54 +153,76 @@ class JoinCommands:
 
     @property
     def env(self) -> dict[str, str]:
-        """The environment every rank needs (no secret in it: the secret's file)."""
+        """The environment every agent or rank needs (no secret in it: the secret's file)."""
         env = {wjoin.ENV_CONTROLLER: self.controller, wjoin.ENV_SECRET_FILE: self.secret_file}
         if self.curve_serverkey:
             env[wjoin.ENV_CURVE_SERVERKEY] = self.curve_serverkey
+        if self.join_timeout:
+            env[wjoin.ENV_JOIN_TIMEOUT] = f"{self.join_timeout:g}"
         env.update(self.env_extra)
         return env
 
-    def torchrun_args(self) -> list[str]:
-        """torchrun's arguments (after ``torchrun``), the same on every host."""
+    @property
+    def agent_args(self) -> list[str]:
+        """``-m monarch_worker.agent --nproc-per-node N``: what every launcher runs once per host."""
+        return ["-m", "monarch_worker.agent", "--nproc-per-node", str(self.nproc_per_node)]
+
+    def torchrun_args(self, per_rank: bool = False) -> list[str]:
+        """torchrun's arguments (after ``torchrun``), the same on every host: one host agent per host, or with
+        ``per_rank`` one ``monarch_worker`` process per rank."""
         if self.nnodes == 1:
             rdzv = ["--standalone"]
         else:
             rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", self.rdzv_endpoint, "--rdzv-id", self.rdzv_id]
-        return ["--nnodes", str(self.nnodes), "--nproc-per-node", str(self.nproc_per_node), *rdzv,
-                "--max-restarts", "0", "-m", "monarch_worker"]
+        nproc = self.nproc_per_node if per_rank else 1
+        module = ["-m", "monarch_worker"] if per_rank else self.agent_args
+        return ["--nnodes", str(self.nnodes), "--nproc-per-node", str(nproc), *rdzv, "--max-restarts", "0", *module]
+
+    def _env_prefix(self) -> str:
+        return " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
 
     @property
     def torchrun(self) -> str:
-        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
-        return f"{env} \\\n  torchrun {shlex.join(self.torchrun_args())}"
+        return f"{self._env_prefix()} \\\n  torchrun {shlex.join(self.torchrun_args())}"
+
+    @property
+    def torchrun_per_rank(self) -> str:
+        return f"{self._env_prefix()} \\\n  torchrun {shlex.join(self.torchrun_args(per_rank=True))}"
 
     @property
     def sbatch(self) -> str:
-        lines = ["#!/bin/bash", "#SBATCH --job-name=monarch-mesh", f"#SBATCH --ntasks={self.world_size}",
-                 f"#SBATCH --ntasks-per-node={self.nproc_per_node}"]
+        lines = ["#!/bin/bash", "#SBATCH --job-name=monarch-mesh", f"#SBATCH --nodes={self.nnodes}",
+                 "#SBATCH --ntasks-per-node=1", f"#SBATCH --cpus-per-task={self.nproc_per_node}"]
         lines += [f"export {k}={shlex.quote(v)}" for k, v in self.env.items()]
-        lines.append(f"srun {self.python} -m monarch_worker")
+        lines.append(f"srun {self.python} {shlex.join(self.agent_args)}")
         return "\n".join(lines)
 
     @property
     def generic(self) -> str:
-        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
-        return f"{env} {self.python} -m monarch_worker"
+        return f"{self._env_prefix()} {self.python} {shlex.join(self.agent_args)}"
+
+    @property
+    def generic_per_rank(self) -> str:
+        return f"{self._env_prefix()} {self.python} -m monarch_worker"
 
     def __str__(self) -> str:
         enc = "; encrypted (CurveZMQ)" if self.curve_serverkey else ""
         return "\n".join([
-            f"The mesh listens on {self.controller} for {self.world_size} ranks{enc}. Start them with one of:",
+            f"The mesh listens on {self.controller} for {self.world_size} ranks{enc}: {self.nnodes} host(s) with "
+            f"{self.nproc_per_node} ranks each. Start one host agent per host (it forks the host's ranks) with one of:",
             "",
-            f"# torchrun: on each of {self.nnodes} host(s) ({self.nproc_per_node} ranks per host)",
+            f"# torchrun: on each of the {self.nnodes} host(s)",
             self.torchrun,
             "",
             "# SLURM: sbatch this script (or run its srun line inside salloc)",
             self.sbatch,
             "",
-            "# any launcher, once per rank (RANK/WORLD_SIZE/LOCAL_RANK optional: without them the mesh numbers "
-            "ranks by host)",
+            "# any launcher, once per host",
             self.generic,
+            "",
+            "# or one process per rank, without agents (RANK/WORLD_SIZE/LOCAL_RANK optional: without them the mesh "
+            "numbers ranks by host), e.g.",
+            self.torchrun_per_rank,
             "",
             f"# The secret is in {self.secret_file} (mode 0600); hosts without that file can get it in "
             f"{wjoin.ENV_SECRET} instead (export MONARCH_SECRET=$(cat FILE); never on a command line).",
@@ -212,12 +273,39 @@ class JoinLauncher(Launcher):
         """The controller admitted ``rank`` (I/O thread)."""
         self._ranks[rank] = (pid, host)
 
+    @property
+    def hosts(self) -> HostLinks | None:
+        """The host agents of the mesh (launch/hosts.py), when its ranks came through agents."""
+        hosts = self.listener.hosts if self.listener is not None else None
+        return hosts if hosts is not None and hosts.agents else None
+
+    def start(self, rank: int, env: dict[str, str], config: dict, sink: Any) -> None:
+        """A fresh process for ``rank`` (``restart --rank``): forked by the host agent that holds it."""
+        hosts = self.hosts
+        why = "ranks started one by one elsewhere" if hosts is None else hosts.restartable([rank])
+        if why:
+            raise LaunchError(f"cannot start rank {rank} again from here: {why}")
+        assert hosts is not None
+        hosts.spawn([rank])
+
+    def restartable(self, ranks: list[int]) -> str:
+        """"" when ``ranks`` can get fresh processes from here (their host agents are up), else why not."""
+        hosts = self.hosts
+        if hosts is None:
+            return ("these ranks were started one process per rank elsewhere (torchrun, srun, a command you ran): "
+                    "that launcher owns their processes")
+        return hosts.restartable(ranks)
+
     def note_exit(self, rank: int) -> None:
         """``rank`` exited (it said goodbye, or its engine ended): no signal goes to its pid any more."""
         self._ranks.pop(rank, None)
 
     def signal(self, rank: int, sig: int) -> None:
-        """Signals reach only ranks on this host (by pid); others are told through the protocol."""
+        """Signals reach ranks through their host agent, or by pid the ranks started one by one on this host."""
+        hosts = self.hosts
+        if hosts is not None:
+            hosts.signal([rank], sig)
+            return
         here = socket.gethostname()
         for r, (pid, host) in list(self._ranks.items()):
             if rank in (-1, r) and host == here:
@@ -227,8 +315,11 @@ class JoinLauncher(Launcher):
                     pass
 
     def kill(self) -> None:
-        """SIGKILL the ranks on this host; ranks elsewhere exit when the controller's heartbeats stop."""
+        """SIGKILL the ranks (through their host agents, which then exit; else those on this host: ranks elsewhere
+        exit when the controller's heartbeats stop)."""
         self.signal(-1, signal.SIGKILL)
+        if self.hosts is not None:
+            self.hosts.stop_agents()
         self._killed = True
 
     def wait(self, timeout: float) -> bool:

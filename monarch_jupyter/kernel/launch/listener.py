@@ -26,7 +26,6 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -35,16 +34,26 @@ from monarch_worker import protocol as P
 from monarch_worker.options import rank_settings
 
 from ...errors import MeshStartError, describe_returncode
-from ...ranks import format_ranks, ranks_text
+from ...ranks import format_ranks
 from .. import lograte
 from ..state import MeshState, RankState
+from .admission import Joiner, agent_refusal, rank_refusal, slots, waiting_report
 from .base import LauncherEvents
-from .join import JoinCommands, JoinLauncher, ProcessLauncher, default_nproc_per_node, resolve_address
+from .join import (
+    JoinCommands,
+    JoinLauncher,
+    ProcessLauncher,
+    default_nproc_per_node,
+    open_rdzv_store,
+    resolve_address,
+    write_secret_file,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from ..dispatch import Dispatcher
+    from .hosts import HostLinks
 
 log = logging.getLogger(__name__)
 log.addFilter(lograte.REJECTED)
@@ -57,18 +66,6 @@ RDZV_LINGER = 30.0  # seconds torchrun's rendezvous store stays up after the mes
 
 
 # ---------------------------------------------------------------------------------------------------- listener
-
-
-@dataclass
-class _Joiner:
-    identity: bytes
-    hello: P.Hello
-    arrival: int
-    last_heard: float
-    rank: int = -1
-    local_rank: int = -1
-    local_world_size: int = -1
-    group_rank: int = 0
 
 
 class Listener:
@@ -113,9 +110,9 @@ class Listener:
         self.opened_at = 0.0
         self.deadline = 0.0
         self.failed = ""
-        self._pending: dict[bytes, _Joiner] = {}
+        self._pending: dict[bytes, Joiner] = {}
         self._hosts = 1  # hosts of the admitted ranks (torchrun's GROUP_WORLD_SIZE)
-        self._placement: dict[int, _Joiner] = {}
+        self._placement: dict[int, Joiner] = {}
         self._arrivals = 0
         self._complete = False
         self._launcher_rc: int | None = None
@@ -128,6 +125,8 @@ class Listener:
         self._send_to: Callable[[bytes, P.Message], None] | None = None
         self._dispatcher: Dispatcher | None = None
         self._sink: LauncherEvents | None = None
+        self.hosts: HostLinks | None = None  # the host agents' side (launch/hosts.py), set by parts.py
+        self.rejected: list[str] = []  # "host (pid): reason" of agents and ranks turned away, for the report
 
     def attach(self, send_to: Callable[[bytes, P.Message], None], dispatcher: Dispatcher,
                sink: LauncherEvents) -> None:
@@ -148,7 +147,9 @@ class Listener:
     def open(self, router: zmq.Socket, secret: bytes) -> str:
         """Bind ``router`` and write the secret file; returns the address ranks connect to."""
         self._pending, self._placement, self._arrivals = {}, {}, 0
-        self._complete, self._launcher_rc, self.failed = False, None, ""
+        self._complete, self._launcher_rc, self.failed, self.rejected = False, None, "", []
+        if self.hosts is not None:
+            self.hosts.open(router)  # its connection monitor must see every connection
         router.setsockopt(zmq.ROUTER_HANDOVER, 0)  # a second connection can never take over a rank's identity
         if self.encrypt:
             public, secret_key = zmq.curve_keypair()
@@ -165,7 +166,7 @@ class Listener:
             raise MeshStartError(f"cannot listen on {self.bind_ip}:{self.port or 'any port'}: {e}") from None
         url = f"tcp://{self.advertised}:{port}"
         self._secret = secret
-        self._secret_path = self._write_secret(secret)
+        self._secret_path = write_secret_file(self.secret_file_option, secret)
         atexit.register(self._remove_secret)  # also when the kernel exits without stopping the mesh
         world = self.state.nproc
         per_node = self.launcher.nproc_per_node or default_nproc_per_node(world)
@@ -174,9 +175,11 @@ class Listener:
         rdzv = ""
         gen = os.urandom(4).hex()
         if world // per_node > 1 and not self.launcher.starts_ranks:
-            rdzv = self._open_rdzv_store()
+            self._rdzv_store = open_rdzv_store(self.advertised, max(self.state.options.start_timeout, 60))
+            rdzv = f"{self.advertised}:{self._rdzv_store.port}"
         self.commands = JoinCommands(url, self._secret_path, world, per_node, self._curve_public, rdzv,
-                                     f"monarch-{gen}", sys.executable)
+                                     f"monarch-{gen}", sys.executable,
+                                     join_timeout=self.state.options.start_timeout + 10)
         self.is_open = True
         self.opened_at = time.monotonic()
         self.deadline = self.opened_at + self.state.options.start_timeout
@@ -184,39 +187,6 @@ class Listener:
         if not self.loopback:
             log.info("the mesh listens on %s (bound to %s)", url, self.bind_ip)
         return url
-
-    def _write_secret(self, secret: bytes) -> str:
-        path = self.secret_file_option
-        if path is None:
-            try:
-                from jupyter_core.paths import jupyter_runtime_dir
-
-                folder = jupyter_runtime_dir()
-            except ImportError:
-                folder = os.path.join(os.path.expanduser("~"), ".local", "share", "jupyter", "runtime")
-            os.makedirs(folder, mode=0o700, exist_ok=True)
-            path = os.path.join(folder, f"monarch-mesh-{os.getpid()}-{os.urandom(4).hex()}.key")
-        path = os.path.abspath(path)
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secret.hex() + "\n")
-        return path
-
-    def _open_rdzv_store(self) -> str:
-        """A c10d store for torchrun's rendezvous, hosted here so the torchrun command is the same on every host.
-
-        c10d stores listen on every interface and do not authenticate; they carry only torchrun's rendezvous."""
-        from datetime import timedelta
-
-        import torch.distributed as dist
-
-        self._rdzv_store = dist.TCPStore(self.advertised, 0, is_master=True, wait_for_workers=False,
-                                         timeout=timedelta(seconds=max(self.state.options.start_timeout, 60)))
-        return f"{self.advertised}:{self._rdzv_store.port}"
 
     def launch(self, env: dict[str, str]) -> JoinLauncher:
         assert self.commands is not None
@@ -247,53 +217,52 @@ class Listener:
     # ---- admission (I/O thread)
 
     def on_hello(self, identity: bytes, msg: P.Hello, by_identity: dict[bytes, int]) -> None:
-        reason = self._admission(identity, msg)
+        reason = rank_refusal(identity, msg, self.state.nproc, self._pending, self._complete, self.failed)
         if reason:
             log.warning("rejected a rank from %s (pid %d): %s", msg.host, msg.pid, reason, extra=REFUSED)
             self._send(identity, P.Rejected(reason))
             return
         with self.state.lock:
             self._arrivals += 1
-            self._pending[identity] = _Joiner(identity, msg, self._arrivals, time.monotonic(), msg.rank)
+            self._pending[identity] = Joiner(identity, msg, self._arrivals, time.monotonic(), msg.rank)
             if msg.rank >= 0:  # numbered by its launcher: %mesh status shows where it is while others come
                 info = self.state.ranks[msg.rank]
                 info.host, info.pid = msg.host, msg.pid
             self.state.cond.notify_all()
-        self.state.events.emit("rank_joined", host=msg.host, pid=msg.pid, rank=msg.rank, joined=len(self._pending),
-                         world_size=self.state.nproc)
-        if len(self._pending) == self.state.nproc:
+        self._joined(msg.host, msg.pid, msg.rank, by_identity)
+
+    def _joined(self, host: str, pid: int, rank: int, by_identity: dict[bytes, int]) -> None:
+        joined = slots(self._pending)
+        self.state.events.emit("rank_joined", host=host, pid=pid, rank=rank, joined=joined,
+                               world_size=self.state.nproc)
+        if joined == self.state.nproc:
             self._admit(by_identity)
 
-    def _admission(self, identity: bytes, msg: P.Hello) -> str:
-        world = self.state.nproc
-        if msg.version != P.PROTOCOL_VERSION:
-            return (f"this rank speaks protocol {msg.version}, the controller {P.PROTOCOL_VERSION}: install the "
-                    "same monarch_jupyter version on every host")
-        if self.failed:
-            return f"the mesh stopped waiting for ranks ({self.failed.splitlines()[0]}); %mesh restart listens again"
-        if self._complete or len(self._pending) >= world:
-            return f"the mesh already has its {world} ranks"
-        if identity in self._pending:
-            return "said hello twice"
-        if msg.world_size not in (-1, world):
-            return (f"launched with world size {msg.world_size}, but the mesh listens for {world} ranks: launch "
-                    f"{world} ranks, or listen with --world-size {msg.world_size}")
-        if msg.rank >= world:
-            return f"rank {msg.rank} is outside the mesh's world size {world}"
-        if msg.rank >= 0:
-            for j in self._pending.values():
-                if j.rank == msg.rank:
-                    return (f"rank {msg.rank} already joined from {j.hello.host} (pid {j.hello.pid}); are two launches "
-                            "running at once?")
-        return ""
+    def on_agent_hello(self, identity: bytes, msg: P.AgentHello, srcfd: int) -> None:
+        """(I/O) A host agent asks to join for ``msg.nproc`` ranks."""
+        reason = agent_refusal(identity, msg, self.state.nproc, self._pending, self._complete, self.failed)
+        if reason:
+            log.warning("rejected the host agent of %s (pid %d): %s", msg.host, msg.pid, reason, extra=REFUSED)
+            self.rejected.append(f"{msg.host} (pid {msg.pid}): {reason}")
+            self._send(identity, P.Rejected(reason))
+            return
+        with self.state.lock:
+            self._arrivals += 1
+            self._pending[identity] = Joiner(identity, msg, self._arrivals, time.monotonic(), count=msg.nproc,
+                                              agent=True, srcfd=srcfd)
+            self.state.cond.notify_all()
+        self._joined(msg.host, msg.pid, -1, {})
 
     def _admit(self, by_identity: dict[bytes, int]) -> None:
         """Every rank is here: number the unnumbered ones (grouped by host), then welcome them."""
         joiners = list(self._pending.values())
+        if any(j.agent for j in joiners):
+            self._admit_agents(joiners)
+            return
         free = iter(sorted(set(range(self.state.nproc)) - {j.rank for j in joiners if j.rank >= 0}))
         for j in sorted((j for j in joiners if j.rank < 0), key=lambda j: (j.hello.host, j.arrival)):
             j.rank = next(free)
-        hosts: dict[str, list[_Joiner]] = {}
+        hosts: dict[str, list[Joiner]] = {}
         for j in sorted(joiners, key=lambda j: j.rank):
             hosts.setdefault(j.hello.host, []).append(j)
         for index, group in enumerate(hosts.values()):
@@ -324,13 +293,43 @@ class Listener:
         else:
             self._welcome(self._placement[0], "", 0)
 
+    def _admit_agents(self, agents: list[Joiner]) -> None:
+        """Every host agent is here: number the hosts (the launcher's order, else by host name), give each its
+        ranks, and welcome it; its ranks then say hello through it (launch/hosts.py)."""
+        assert self.hosts is not None
+        order = sorted(agents, key=lambda j: (j.hello.group_rank < 0, j.hello.group_rank, j.hello.host, j.arrival))
+        masters = {(j.hello.launcher_env.get("MASTER_ADDR"), j.hello.launcher_env.get("MASTER_PORT"))
+                   for j in agents}
+        self.hosts.use_env = (len(masters) == 1 and None not in next(iter(masters))
+                              and all(j.hello.group_rank >= 0 for j in agents))
+        now = time.monotonic()
+        first = 0
+        with self.state.lock:
+            for j in order:
+                j.rank = first
+                for local in range(j.count):
+                    r = first + local
+                    self._placement[r] = Joiner(b"", j.hello, j.arrival, now, r, local, j.count, agent=True)
+                    info = self.state.ranks[r]
+                    info.host, info.last_heard = j.hello.host, 0.0
+                first += j.count
+            self._pending = {}
+            self._complete = True
+        for g, j in enumerate(order):
+            self.hosts.admit(j.identity, j.hello, list(range(j.rank, j.rank + j.count)), g, len(order), j.srcfd)
+        log.info("all %d host agents joined (%s); rendezvous %s", len(order), self.hosts_text(),
+                 "env:// (the launcher's)" if self.hosts.use_env else "a store on rank 0")
+
     def on_store_ready(self, rank: int, msg: P.StoreReady) -> None:
         """(I/O) Rank 0 hosts the store: the others can join it."""
+        if self.hosts is not None and self.hosts.agents:
+            self.hosts.on_store_ready(msg)
+            return
         for r, j in self._placement.items():
             if r != 0:
                 self._welcome(j, msg.addr, msg.port)
 
-    def _welcome(self, j: _Joiner, addr: str, port: int) -> None:
+    def _welcome(self, j: Joiner, addr: str, port: int) -> None:
         settings = rank_settings(self.state.options)
         settings["env"] = dict(settings["env"])
         self._send(j.identity, P.Welcome(rank=j.rank, world_size=self.state.nproc, local_rank=j.local_rank,
@@ -347,9 +346,14 @@ class Listener:
         if j is None:
             return False
         j.last_heard = time.monotonic()
+        if j.agent and isinstance(msg, P.StartFailed):
+            with self.state.lock:
+                self.failed = msg.error
+                self.state.cond.notify_all()
         if isinstance(msg, (P.Goodbye, P.StartFailed)):
             self._forget(identity)
-            log.warning("a rank from %s (pid %d) left before the mesh was complete", j.hello.host, j.hello.pid)
+            log.warning("%s from %s (pid %d) left before the mesh was complete", "a host agent" if j.agent
+                        else "a rank", j.hello.host, j.hello.pid)
         return True
 
     def _forget(self, identity: bytes) -> None:
@@ -440,28 +444,9 @@ class Listener:
                     f"{self.state.options.start_timeout:g} s: can the hosts reach each other (rank 0's store, gloo: "
                     "set "
                     "GLOO_SOCKET_IFNAME to the right interface)? See docs/multihost.md")
-        joined = list(self._pending.values())
-        numbered = sorted(j.rank for j in joined if j.rank >= 0)
-        unnumbered = [j for j in joined if j.rank < 0]
-        waited = self.state.options.start_timeout
-        lines = [f"{len(joined)} of {world} ranks joined within {waited:g} s"]
-        by_host: dict[str, list[str]] = {}
-        for j in sorted(joined, key=lambda j: (j.hello.host, j.rank < 0, j.rank, j.arrival)):
-            by_host.setdefault(j.hello.host, []).append(str(j.rank) if j.rank >= 0 else "?")
-        for host, ranks in by_host.items():
-            lines.append(f"  {host}: rank(s) {', '.join(ranks)}")
-        missing = sorted(set(range(world)) - set(numbered))
-        if unnumbered:
-            lines.append(f"  missing: {world - len(joined)} rank(s) (ranks without RANK are numbered once all joined)")
-        elif missing:
-            lines.append(f"  missing: {ranks_text(missing)}")
-        lines.append(f"Check that the launch ran on every host and that those hosts reach {self.state.address} "
-                     "(firewall? an address of the controller that they cannot route to?).")
-        tail = self.launcher.log_tail()
-        if tail:
-            lines.append(f"{self.launcher.name} output ({getattr(self.launcher, 'log_path', '')}):")
-            lines += [f"  {line}" for line in tail.splitlines()]
-        return "\n".join(lines)
+        bad = self.hosts.bad_peers if self.hosts is not None else {}
+        return waiting_report(world, self.state.options.start_timeout, self._pending, self.rejected, bad,
+                              self.state.address, self.launcher)
 
     # ---- waiting (caller thread)
 
@@ -529,4 +514,4 @@ class Listener:
                     "launcher_env": dict(j.hello.launcher_env)} for r, j in sorted(self._placement.items())}
 
     def joined_count(self) -> int:
-        return len(self._placement) if self._complete else len(self._pending)
+        return len(self._placement) if self._complete else slots(self._pending)

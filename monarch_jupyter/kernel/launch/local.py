@@ -301,6 +301,7 @@ class LocalLauncher(Launcher):
     """Ranks on this host, forked by a fresh fork-server interpreter that imported torch once."""
 
     relays_output = True
+    has_work_pipes = True
 
     def __init__(self, start_timeout: float = 60.0) -> None:
         self._fork_server = ForkServer.get(start_timeout)

@@ -1,9 +1,10 @@
 """Ranks placed by SLURM: ``%mesh start --launcher slurm -n N [--nodes K] [--srun-args "..."]``.
 
 Run from a notebook inside an allocation (``salloc``, an ``sbatch`` job, or a Jupyter server started in one),
-this runs ``srun`` for the ranks as one job step; each task is ``python -m monarch_worker`` and joins the
-controller (monarch_jupyter.kernel.launch.listener), taking its rank from SLURM_PROCID. The secret travels in the step's
-environment (srun propagates it), never on srun's command line. Stop and restart cancel the step with
+this runs ``srun`` as one job step with one task per node, the host agent (``python -m monarch_worker.agent``), which
+forks that node's ranks from one import of torch and speaks for them (launch/hosts.py); ranks are numbered by node
+(SLURM_NODEID) and see SLURM's variables as srun would give them with one task per rank. The secret travels in
+the step's environment (srun propagates it), never on srun's command line. Stop and restart cancel the step with
 ``scancel JOB.STEP``, so no task outlives the mesh; outside an allocation srun makes its own job, which is
 cancelled the same way.
 """
@@ -67,14 +68,33 @@ class SlurmLauncher(ProcessLauncher):
                               "notebook inside an allocation: salloc, or a Jupyter server started by sbatch)")
         if "SLURM_JOB_ID" not in os.environ:
             log.warning("not inside a SLURM allocation: srun will request one (and wait for it)")
+        world = commands.world_size
+        nodes = self.node_count(world)
         self._job_name = f"monarch-{commands.rdzv_id.rsplit('-', 1)[-1]}-{os.getpid()}"
-        argv = [srun, f"--ntasks={commands.world_size}", "--kill-on-bad-exit=1", f"--job-name={self._job_name}"]
-        if self.nodes:
-            argv.append(f"--nodes={self.nodes}")
-        if self.nproc_per_node:
-            argv.append(f"--ntasks-per-node={self.nproc_per_node}")
-        argv += shlex.split(self.srun_args)
-        return [*argv, sys.executable, "-m", "monarch_worker"]
+        # One task per node: the host agent, which forks that node's ranks (one import of torch per node).
+        argv = [srun, f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+                f"--job-name={self._job_name}", *shlex.split(self.srun_args)]
+        return [*argv, sys.executable, "-m", "monarch_worker.agent", "--nproc-per-node", str(world // nodes)]
+
+    def node_count(self, world: int) -> int:
+        """Nodes of the step: ``nodes``, else the world over ``ntasks_per_node``, else the allocation's nodes that
+        divide the world evenly, else 1.
+
+        Raises LaunchError when the ranks do not spread evenly over the nodes asked for."""
+        nodes = self.nodes
+        if nodes is None and self.nproc_per_node:
+            nodes = max(1, world // self.nproc_per_node)
+        if nodes is None:
+            try:
+                alloc = int(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)
+            except ValueError:
+                alloc = 1
+            nodes = alloc if alloc >= 1 and world % alloc == 0 else 1
+        if world % nodes or (self.nproc_per_node and self.nproc_per_node * nodes != world):
+            raise LaunchError(f"{world} ranks do not spread evenly over {nodes} node(s)"
+                              + (f" with {self.nproc_per_node} per node" if self.nproc_per_node else "")
+                              + ": choose -n, --nodes and --nproc-per-node so that ranks = nodes x ranks per node")
+        return nodes
 
     def step_id(self) -> str:
         """``JOB.STEP`` of the ranks (from what they reported, else from squeue by name), or "" if unknown."""

@@ -1,8 +1,9 @@
 """Ranks on this host under torchrun's elastic agent: ``%mesh start --launcher torchrun --nproc-per-node N``.
 
-torchrun (``python -m torch.distributed.run --standalone``) places and numbers the ranks and hosts their
-rendezvous; each rank is ``python -m monarch_worker`` and joins the controller on loopback (monarch_jupyter.
-kernel.launch.listener). For ranks on several hosts, run the torchrun command that ``%mesh listen`` prints on each host.
+torchrun (``python -m torch.distributed.run --standalone``) starts one host agent (``python -m monarch_worker.agent``),
+which forks the ranks from one import of torch and speaks for them over one connection (launch/hosts.py); they get
+torchrun's variables as torchrun would give N workers, and its store for their rendezvous. For ranks on several
+hosts, run the torchrun command that ``%mesh listen`` prints on each host.
 """
 
 from __future__ import annotations
@@ -51,9 +52,10 @@ class TorchrunLauncher(ProcessLauncher):
         if self.nproc_per_node not in (None, world):
             raise LaunchError(f"--nproc-per-node {self.nproc_per_node} differs from the world size {world} (-n); "
                               "with one node they are the same number")
+        # One host agent (it forks the ranks from one import of torch), as on every host of a larger mesh.
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-                "--nproc-per-node", str(world), "--max-restarts", "0", *shlex.split(self.torchrun_args),
-                "-m", "monarch_worker"]
+                "--nproc-per-node", "1", "--max-restarts", "0", *shlex.split(self.torchrun_args),
+                "-m", "monarch_worker.agent", "--nproc-per-node", str(world)]
 
     def extra_env(self) -> dict[str, str]:
-        return {wjoin.ENV_PDEATHSIG: "1"}  # ranks go with their agent, even when it is SIGKILLed
+        return {wjoin.ENV_PDEATHSIG: "1"}  # the host agent (and its ranks) go with torchrun, even on SIGKILL

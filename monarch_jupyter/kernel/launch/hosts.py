@@ -1,0 +1,427 @@
+"""Host agents, the controller's side: one connection per host, however many ranks it holds.
+
+A host agent (monarch_worker.agent) is admitted by the Listener (launch/listener.py) like a rank that joins, but
+for ``nproc`` ranks at once. From then on ``HostLinks``
+
+- routes: a message for several ranks goes once to each agent that holds some of them (``Forward``, signed once
+  per agent around the message, itself signed once: ``route``, called by the I/O thread for every send);
+- takes each agent's ``HostEvents`` batch apart, in order: lines to the router, the results of a cell (one compact
+  ``done`` event for the ranks that ended it alike) to the cell table, relayed messages to the I/O thread's own
+  handlers as if the rank had sent them, exits and pids to the launcher's sink, heartbeats to the rank handles;
+- runs the rendezvous of agent ranks (their Hello, relayed: rank 0 hosts the c10d store on its agent's address,
+  or every rank uses the launcher's own store, ``env://``, when the launcher numbered the hosts and set it);
+- starts, signals and stops ranks through their agent (``restart --rank R`` works for a rank on any host);
+- notices an agent whose connection drops (a ZeroMQ socket monitor: milliseconds after a kill -9 of the agent)
+  and reports its ranks dead; a silent one (a link down) is caught by the heartbeat check of recovery.py.
+
+Threads: ``on_agent_message``, ``route``, ``on_rank_hello``, ``recv`` on the I/O thread; ``spawn``/``signal``/
+``stop_agents`` on any thread (they queue on the dispatcher's outbox); the monitor thread (``monarch-hosts``) only
+reads the monitor socket and reports through the recovery part.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from monarch_worker import protocol as P
+from monarch_worker.options import rank_settings
+
+from ...ranks import ranks_text
+from ..state import MeshState
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from ..cells import CellTable
+    from ..dispatch import Dispatcher
+    from ..routing import OutputRouter
+    from .base import LauncherEvents
+
+log = logging.getLogger(__name__)
+
+__all__ = ["HostLinks", "Agent", "pseudo_identity"]
+
+
+def pseudo_identity(rank: int) -> bytes:
+    """The identity the controller files a rank held by an agent under (never a ZeroMQ peer's: those are either
+    set by our peers, which never start with a zero byte, or 5 bytes long)."""
+    return b"\x00host-rank-%d" % rank
+
+
+@dataclass
+class Agent:
+    """One admitted host agent."""
+
+    identity: bytes
+    host: str
+    pid: int
+    addr: str  # its address toward the controller
+    ranks: list[int]
+    launcher_env: dict
+    srcfd: int = -1  # the controller's end of its TCP connection (for the disconnect monitor)
+    alive: bool = True
+    last_heard: float = 0.0
+    group_rank: int = 0  # its host's place among the mesh's hosts (torchrun's GROUP_RANK)
+    lost: str = ""  # why it is gone, once it is
+    failed: str = ""  # why it could not start its ranks
+    pending_welcome: set[int] = field(default_factory=set)  # ranks that said hello before the store was up
+
+
+class HostLinks:
+    """The agents of one mesh (see the module docstring)."""
+
+    def __init__(self, state: MeshState, cells: CellTable, router: OutputRouter, dispatcher: Dispatcher) -> None:
+        self.state = state
+        self.cells = cells
+        self.router = router
+        self.dispatcher = dispatcher
+        self.agents: dict[bytes, Agent] = {}
+        self._rank_agent: dict[int, Agent] = {}
+        self._pseudo: dict[bytes, int] = {}
+        self._by_fd: dict[int, Agent] = {}
+        self._lock = threading.Lock()  # the tables above (the monitor thread reads them)
+        self.use_env = False  # ranks use the launcher's store (env://)
+        self.store: tuple[str, int] | None = None  # the c10d store of this generation, once rank 0 hosts it
+        self.last_srcfd = -1
+        self._last_frame: Any = None
+        self.bad_peers: dict[str, int] = {}  # address -> messages that failed verification
+        self._send_to: Callable[[bytes, P.Message], None] | None = None
+        self._sink: LauncherEvents | None = None
+        self._lost: Callable[[list[int], str], None] | None = None
+        self._monitor: zmq.Socket | None = None
+        self._monitor_thread: threading.Thread | None = None
+
+    def attach(self, send_to: Callable[[bytes, P.Message], None], sink: LauncherEvents,
+               lost: Callable[[list[int], str], None]) -> None:
+        """The I/O thread's ``send_to``, the sink of rank events, and what declares ranks lost (recovery)."""
+        self._send_to, self._sink, self._lost = send_to, sink, lost
+
+    # ------------------------------------------------------------------ generation
+
+    def open(self, router: zmq.Socket) -> None:
+        """A new generation on ``router`` (before it binds): empty tables, a monitor of its connections."""
+        with self._lock:
+            self.agents, self._rank_agent, self._pseudo, self._by_fd = {}, {}, {}, {}
+        self.use_env, self.store, self.bad_peers = False, None, {}
+        self._monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor_thread = threading.Thread(target=self._watch, args=(self._monitor,), name="monarch-hosts",
+                                                daemon=True)
+        self._monitor_thread.start()
+
+    def close(self, router: zmq.Socket | None) -> None:
+        """Before the generation's socket closes: stop the monitor."""
+        if router is not None and self._monitor is not None:
+            try:
+                router.disable_monitor()
+            except zmq.ZMQError:
+                pass
+        if self._monitor_thread is not None:
+            self._monitor_thread.join(2.0)
+        self._monitor_thread = None
+        self._monitor = None
+
+    def _watch(self, monitor: zmq.Socket) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        try:
+            while True:
+                event = recv_monitor_message(monitor)
+                if event["event"] == zmq.EVENT_MONITOR_STOPPED:
+                    break
+                with self._lock:
+                    agent = self._by_fd.pop(int(event["value"]), None)
+                if agent is not None and agent.alive:
+                    self._agent_gone(agent, f"its host agent (pid {agent.pid} on {agent.host}) disconnected: it was "
+                                            "killed, or its host or network went down")
+        except zmq.ZMQError:
+            pass
+        finally:
+            monitor.close(0)
+
+    # ------------------------------------------------------------------ admission (I/O thread, from the Listener)
+
+    def admit(self, identity: bytes, hello: P.AgentHello, ranks: list[int], group_rank: int, group_world: int,
+              srcfd: int) -> None:
+        """Welcome an agent for global ``ranks`` (its local ranks, in order)."""
+        agent = Agent(identity, hello.host, hello.pid, hello.addr, list(ranks), dict(hello.launcher_env), srcfd,
+                      last_heard=time.monotonic(), group_rank=group_rank)
+        with self._lock:
+            self.agents[identity] = agent
+            for r in ranks:
+                self._rank_agent[r] = agent
+                self._pseudo[pseudo_identity(r)] = r
+            if srcfd >= 0:
+                self._by_fd[srcfd] = agent
+        settings = rank_settings(self.state.options)
+        settings["env"] = dict(settings["env"])
+        self._send(identity, P.AgentWelcome(ranks=list(ranks), world_size=self.state.nproc, group_rank=group_rank,
+                                            group_world_size=group_world, settings=settings))
+
+    def recv(self, sock: zmq.Socket) -> list | None:
+        """One message from the ROUTER socket, like channel.recv_frames, noting the connection it came on."""
+        try:
+            frame = sock.recv(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+        self._last_frame = frame
+        frames = [frame.buffer]
+        while frame.more:
+            frame = sock.recv(0, copy=False)
+            frames.append(frame.buffer)
+        self.last_srcfd = -1
+        return frames
+
+    def srcfd(self) -> int:
+        """The file descriptor of the connection the last message came on (-1: unknown)."""
+        try:
+            return int(self._last_frame.get(zmq.SRCFD))
+        except (AttributeError, zmq.ZMQError, TypeError):
+            return -1
+
+    def bad_message(self) -> None:
+        """The last message failed verification: remember where it came from, for the missing-rank report."""
+        try:
+            peer = str(self._last_frame.get("Peer-Address"))
+        except (AttributeError, zmq.ZMQError, TypeError, UnicodeDecodeError):
+            peer = "?"
+        self.bad_peers[peer] = self.bad_peers.get(peer, 0) + 1
+
+    # ------------------------------------------------------------------ routing (I/O thread)
+
+    def is_agent(self, identity: bytes) -> bool:
+        return identity in self.agents
+
+    def holds(self, rank: int) -> bool:
+        """``rank`` belongs to a host agent."""
+        return rank in self._rank_agent
+
+    def route(self, identities: list[Any]) -> tuple[list[bytes], dict[bytes, list[int]]]:
+        """Split recipients into peers reached directly and, per agent, the ranks it gives the message to."""
+        direct: list[bytes] = []
+        via: dict[bytes, list[int]] = {}
+        pseudo, rank_agent = self._pseudo, self._rank_agent
+        for identity in identities:
+            rank = pseudo.get(identity)
+            if rank is None:
+                if identity is not None:
+                    direct.append(identity)
+                continue
+            agent = rank_agent[rank]
+            if agent.alive:
+                ranks = via.get(agent.identity)
+                if ranks is None:
+                    via[agent.identity] = [rank]
+                else:
+                    ranks.append(rank)
+        return direct, via
+
+    def agent_identities(self) -> list[bytes]:
+        """The agents that are alive (pinged by the I/O thread)."""
+        return [a.identity for a in self.agents.values() if a.alive]
+
+    # ------------------------------------------------------------------ agent messages (I/O thread)
+
+    def on_agent_message(self, identity: bytes, msg: P.Message, payload: bytes, bufs: list,
+                         receive: Callable[[bytes, list], None]) -> bool:
+        """A verified message from an admitted agent; False when ``identity`` is not one (the Listener's then)."""
+        agent = self.agents.get(identity)
+        if agent is None:
+            return False
+        agent.last_heard = time.monotonic()
+        if isinstance(msg, P.HostEvents):
+            self._on_events(agent, msg, payload, bufs, receive)
+        elif isinstance(msg, P.StartFailed):
+            agent.failed = msg.error
+            with self.state.lock:
+                for r in agent.ranks:
+                    info = self.state.ranks[r]
+                    info.host = agent.host
+                    info.start_error = info.start_error or msg.error
+                self.state.cond.notify_all()
+        elif isinstance(msg, P.Goodbye):
+            self._agent_gone(agent, f"its host agent (pid {agent.pid} on {agent.host}) exited")
+        return True
+
+    def _on_events(self, agent: Agent, msg: P.HostEvents, payload: bytes, bufs: list,
+                   receive: Callable[[bytes, list], None]) -> None:
+        sink = self._sink
+        assert sink is not None
+        lines: list[tuple[int, str, str]] = []
+        pos = nbuf = 0
+        for event in msg.events:
+            kind = event[0]
+            if kind == "out":
+                lines.append((event[1], event[2], event[3]))
+                continue
+            if lines:
+                self._lines(lines)
+                lines = []
+            if kind == "done":
+                self.cells.on_done(event[1], event[2], event[3])
+            elif kind == "res":
+                _, rank, cell_id, status, has_value, error, duration, nbytes, n = event
+                data, these = payload[pos:pos + nbytes], bufs[nbuf:nbuf + n]
+                pos, nbuf = pos + nbytes, nbuf + n
+                self.cells.on_result(rank, P.Result(cell_id, status, has_value, error, duration), data, these)
+            elif kind == "msg":
+                _, rank, n = event
+                frames = bufs[nbuf:nbuf + n]
+                nbuf += n
+                receive(pseudo_identity(rank), frames)
+            elif kind == "beat":
+                self._beats(event[1])
+            elif kind == "up":
+                sink.on_spawned(event[1], event[2])
+            elif kind == "exit":
+                sink.on_exit(event[1], event[2])
+        if lines:
+            self._lines(lines)
+
+    def _lines(self, lines: list[tuple[int, str, str]]) -> None:
+        state = self.state
+        with state.lock:
+            for rank, stream, text in lines:
+                info = state.ranks.get(rank)
+                if info is not None:
+                    self.router.route_line(info, stream, text)
+
+    def _beats(self, beats: list) -> None:
+        state = self.state
+        now = time.monotonic()
+        with state.lock:
+            for rank, rss, cuda_allocated, cuda_reserved, group in beats:
+                info = state.ranks.get(rank)
+                if info is not None:
+                    info.rss, info.cuda_allocated, info.cuda_reserved = rss, cuda_allocated, cuda_reserved
+                    info.group = group
+                    info.last_heard = now
+        for rank, rss, cuda_allocated, cuda_reserved, _group in beats:
+            state.events.emit("heartbeat", rank=rank, rss=rss, cuda_allocated=cuda_allocated,
+                              cuda_reserved=cuda_reserved)
+
+    # ------------------------------------------------------------------ rendezvous of agent ranks (I/O thread)
+
+    def on_rank_hello(self, identity: bytes, msg: P.Hello, by_identity: dict[bytes, int]) -> bool:
+        """A rank of an agent said hello (relayed); False when ``identity`` is not an agent rank's."""
+        rank = self._pseudo.get(identity)
+        if rank is None:
+            return False
+        if msg.version != P.PROTOCOL_VERSION or msg.rank != rank:
+            log.warning("agent rank %d: unexpected hello (rank %d, protocol %d)", rank, msg.rank, msg.version)
+            return True
+        agent = self._rank_agent[rank]
+        state = self.state
+        with state.lock:
+            info = state.ranks[rank]
+            info.identity, info.host, info.pid = identity, agent.host, msg.pid
+            info.last_heard = time.monotonic()
+            by_identity[identity] = rank
+            regrouping = bool(state.regrouping)
+            # During a regroup the old store is gone until rank 0 reports the new one (state.store_port).
+            store = self.store if not regrouping or state.store_port is not None else None
+        if self.use_env and not regrouping:
+            self.welcome(rank, -1, "")  # the launcher's store (torchrun's), env://
+        elif rank == 0:
+            self.welcome(0, 0, agent.addr)  # it hosts the store, on its agent's address toward us
+        elif store is not None:
+            self.welcome(rank, store[1], store[0])
+        else:
+            agent.pending_welcome.add(rank)
+        return True
+
+    def on_store_ready(self, msg: P.StoreReady) -> None:
+        """Rank 0 hosts the store: welcome the agent ranks that said hello before it was up."""
+        self.store = (msg.addr, msg.port)
+        for agent in self.agents.values():
+            waiting, agent.pending_welcome = agent.pending_welcome, set()
+            for rank in sorted(waiting):
+                self.welcome(rank, msg.port, msg.addr)
+
+    def welcome(self, rank: int, port: int, addr: str) -> None:
+        """Admit agent rank ``rank`` to the store at ``addr:port`` (0: host it; -1: the launcher's, env://)."""
+        agent = self._rank_agent[rank]
+        info = self.state.ranks[rank]
+        assert info.identity is not None
+        self._send(info.identity, P.Welcome(rank=rank, world_size=self.state.nproc,
+                                            local_rank=agent.ranks.index(rank), local_world_size=len(agent.ranks),
+                                            master_addr=addr, master_port=port,
+                                            elastic=self.state.elastic(agent.group_rank, len(self.agents))))
+
+    def _send(self, identity: bytes, msg: P.Message) -> None:
+        assert self._send_to is not None
+        self._send_to(identity, msg)
+
+    # ------------------------------------------------------------------ starting and stopping ranks (any thread)
+
+    def restartable(self, ranks: list[int]) -> str:
+        """"" when every rank of ``ranks`` can get a fresh process through its agent, else why not."""
+        missing = [r for r in ranks if r not in self._rank_agent]
+        if missing:
+            return f"{ranks_text(missing)} {'were' if len(missing) > 1 else 'was'} not started by a host agent"
+        gone = sorted({a.host for r in ranks if not (a := self._rank_agent[r]).alive})
+        if gone:
+            return f"the host agent of {', '.join(gone)} is gone ({self._rank_agent[ranks[0]].lost})"
+        return ""
+
+    def spawn(self, ranks: list[int]) -> None:
+        """Fresh processes for ``ranks`` (each agent forks its own)."""
+        for identity, its in self._by_agent(ranks).items():
+            self._post(identity, P.Spawn(its))
+
+    def signal(self, ranks: list[int], sig: int) -> None:
+        """Send ``sig`` to ``ranks`` (-1 in the list: every rank of every agent)."""
+        if -1 in ranks:
+            for agent in self.agents.values():
+                if agent.alive:
+                    self._post(agent.identity, P.Signal([-1], int(sig)))
+            return
+        for identity, its in self._by_agent(ranks).items():
+            self._post(identity, P.Signal(its, int(sig)))
+
+    def stop_agents(self) -> None:
+        """Tell every agent to end its ranks and exit (0: the launcher sees a clean end)."""
+        for agent in self.agents.values():
+            if agent.alive:
+                self._post(agent.identity, P.Shutdown())
+
+    def _by_agent(self, ranks: list[int]) -> dict[bytes, list[int]]:
+        out: dict[bytes, list[int]] = {}
+        for r in ranks:
+            agent = self._rank_agent.get(r)
+            if agent is not None and agent.alive:
+                out.setdefault(agent.identity, []).append(r)
+        return out
+
+    def _post(self, identity: bytes, msg: P.Message) -> None:
+        self.dispatcher.outbox.put(([identity], msg, b"", []))
+
+    # ------------------------------------------------------------------ loss
+
+    def _agent_gone(self, agent: Agent, reason: str) -> None:
+        """``agent`` disconnected or said goodbye: its ranks that were not reported gone are lost with it."""
+        with self._lock:
+            if not agent.alive:
+                return
+            agent.alive, agent.lost = False, reason
+        state = self.state
+        with state.lock:
+            if state.stopping:
+                return
+            alive = [r for r in agent.ranks if state.ranks[r].alive]
+            starting = not state.running
+            if starting:
+                for r in alive:
+                    info = state.ranks[r]
+                    info.host = info.host or agent.host
+                    info.start_error = info.start_error or f"rank {r}: {reason}"
+                state.cond.notify_all()
+                return
+        if alive and self._lost is not None:
+            log.warning("%s: %s", ranks_text(alive), reason)
+            self._lost(alive, reason)
