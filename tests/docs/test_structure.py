@@ -125,8 +125,9 @@ def test_the_api_page_finds_the_classes_the_lightning_module_builds_at_run_time(
 def test_chinese_line_breaks_between_chinese_characters_do_not_become_spaces() -> None:
     page = ("## 标题 {#title}\n这一段\n被折行了，还有 `code`\n和 words\n继续。\n\n- 第一行，\n  第二行。\n\n"
             "```python\n# 注释，\n# 不动\n```\n")
-    assert cjk.join_lines(page) == ("## 标题 {#title}\n这一段被折行了，还有 `code`\n和 words\n继续。\n\n- 第一行，第二行。\n\n"
-                                    "```python\n# 注释，\n# 不动\n```\n")
+    joined = ("## 标题 {#title}\n这一段被折行了，还有 `code`\n和 words\n继续。\n\n"
+              "- 第一行，第二行。\n\n```python\n# 注释，\n# 不动\n```\n")
+    assert cjk.join_lines(page) == joined
     zh = structure.translation(structure.DOCS / "torchrun.md").read_text(encoding="utf-8")
     assert "用相同的线程数运行 torch" not in zh and "用相同的线程数运行 torch" in hooks.expand(zh, "zh")
 
