@@ -49,6 +49,9 @@ class HostAgent:
         secret = bytes.fromhex(cfg.secret)
         self.signer = P.Signer(secret)  # signs what the agent sends; verifies the controller's and the ranks'
         self.inner = P.Signer(secret)  # verifies forwarded messages the agent rewrites (their own sequence)
+        # Signs the ranks' displays it rewrites (bytes out of shared memory): they travel inside a later HostEvents,
+        # so they need a session of their own, whose sequence follows the batch's order, not the agent's messages'.
+        self.relay_signer = P.Signer(secret)
         env = dict(os.environ)
         self.fork = ForkServerClient(env)  # imports torch while the agent says hello
         self.base_env = env
@@ -417,7 +420,7 @@ class HostAgent:
             buffers = []
         if r.ident:
             send_frames(self.down, [r.ident, *self.signer.pack(P.ShmRelease(ids=[desc.get("id")]))])
-        return self.signer.pack(P.Display(msg.cell_id, msg.kind, msg.data, msg.json, msg.binary, msg.metadata,
+        return self.relay_signer.pack(P.Display(msg.cell_id, msg.kind, msg.data, msg.json, msg.binary, msg.metadata,
                                           msg.display_id, msg.wait, None), b"", buffers)
 
     def _on_record(self, r: LocalRank, flags: int, body: bytes) -> None:

@@ -94,8 +94,9 @@ def test_completion_answers_while_the_rank_waits_at_a_pdb_prompt(mesh):
 
 @pytest.mark.slow
 def test_displays_of_joined_ranks_travel_over_their_socket():
-    """Ranks started by torchrun write no records: their displays, binary parts as raw buffers, come over the
-    socket and reach the cell (and the views' ``display`` event) intact."""
+    """Ranks started by torchrun run under a host agent, which takes a large display's bytes out of shared memory
+    and relays them inside its batch (signed in a session of their own): they reach the cell (and the views'
+    ``display`` event) intact, never dropped as replayed."""
     import base64
 
     m = Mesh(2, launcher="torchrun", start_timeout=120)
