@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +50,14 @@ class FakeHosts:
     def pids(self, k: int) -> list[int]:
         out = subprocess.run(["ip", "netns", "pids", self.name(k)], capture_output=True, text=True).stdout
         return [int(p) for p in out.split()]
+
+    def wait_empty(self, k: int, timeout: float = 20) -> list[int]:
+        """Wait until nothing runs on fake host ``k`` (processes that were told to end take a moment to be gone);
+        returns what is left after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while (left := self.pids(k)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return left
 
 
 def _sh(argv: list[str], env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:

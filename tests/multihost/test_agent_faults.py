@@ -41,13 +41,6 @@ def comm_of(pid: int) -> str:
         return ""
 
 
-def wait_empty(hosts: FakeHosts, k: int, timeout: float = 20) -> list[int]:
-    """Wait until nothing runs on fake host ``k``; returns what is left."""
-    deadline = time.monotonic() + timeout
-    while (left := hosts.pids(k)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return left
-
 
 def start_agents(hosts: FakeHosts, command: str, tmp: Path, env: dict[str, str] | None = None,
                  which: tuple[int, ...] = (1, 2)) -> list[subprocess.Popen]:
@@ -90,13 +83,13 @@ def test_link_down_is_reported_within_the_heartbeat_window(fake_hosts: FakeHosts
         assert isinstance(err, RankDiedError) and "no heartbeat for 4 s" in str(err)
         assert took < 4 + 10  # the heartbeat window, and slack for a loaded machine; never a hang
         assert reap(procs[1:], 30) == [3]  # the agent cut off gave up on the controller, ending its ranks
-        assert not wait_empty(fake_hosts, 2)
+        assert not fake_hosts.wait_empty(2)
         assert m.run("rank", ranks=0) == {0: 0}  # the rest of the mesh goes on
     finally:
         subprocess.run(["ip", "link", "set", link, "up"])
         m.stop()
         reap(procs)
-    assert not wait_empty(fake_hosts, 1)
+    assert not fake_hosts.wait_empty(1)
 
 
 KERNEL = """
@@ -127,7 +120,7 @@ def test_kernel_sigkill_leaves_nothing_on_any_host(fake_hosts: FakeHosts, tmp_pa
         kernel.kill()  # SIGKILL: no atexit, no Shutdown; the agents see their connection drop
         kernel.wait()
         assert reap(procs, 30) == [3, 3]
-        left = {k: [(p, comm_of(p)) for p in wait_empty(fake_hosts, k)] for k in (1, 2)}
+        left = {k: [(p, comm_of(p)) for p in fake_hosts.wait_empty(k)] for k in (1, 2)}
         # the ranks, their fork servers and the agents are gone; a rank's own child (`sleep`) is left to the
         # process-tree cleanup of the fork server (issue 16), so it is not asserted here
         assert not [c for k in left for _, c in left[k] if "monarch_worker" in c], left
@@ -194,7 +187,7 @@ def test_agents_turned_away_name_the_host_and_the_fix(fake_hosts: FakeHosts, tmp
     finally:
         m.stop()
         reap(procs, 5)
-    assert not wait_empty(fake_hosts, 1) and not wait_empty(fake_hosts, 2)
+    assert not fake_hosts.wait_empty(1) and not fake_hosts.wait_empty(2)
 
 
 def fake_host_cmd(hosts: FakeHosts, k: int) -> list[str]:
@@ -237,4 +230,4 @@ def test_late_host_and_host_without_torch(fake_hosts: FakeHosts, tmp_path: Path)
     codes = reap(procs, 30)
     assert codes[1] == 1  # the broken host's agent said why and ended
     assert codes[0] in (0, 2)  # the good one was stopped (admitted: 0) or turned away (still waiting: 2)
-    assert not wait_empty(fake_hosts, 1) and not wait_empty(fake_hosts, 2)
+    assert not fake_hosts.wait_empty(1) and not fake_hosts.wait_empty(2)

@@ -43,13 +43,6 @@ def comm_of(pid: int) -> str:
         return ""
 
 
-def wait_empty(hosts: FakeHosts, k: int, timeout: float = 20) -> list[int]:
-    """Wait until nothing runs on fake host ``k``; returns what is left."""
-    deadline = time.monotonic() + timeout
-    while (left := hosts.pids(k)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return left
-
 
 def start_agents(hosts: FakeHosts, command: str, tmp: Path, env: dict[str, str] | None = None,
                  which: tuple[int, ...] = (1, 2)) -> list[subprocess.Popen]:
@@ -72,7 +65,7 @@ def agents(fake_hosts: FakeHosts, tmp_path_factory: pytest.TempPathFactory) -> I
     finally:
         m.stop()
         assert reap(procs) == [0, 0]  # each torchrun ends cleanly: its agent exited 0
-        assert not wait_empty(fake_hosts, 1) and not wait_empty(fake_hosts, 2)
+        assert not fake_hosts.wait_empty(1) and not fake_hosts.wait_empty(2)
 
 
 def test_one_agent_per_host_forks_ranks_with_torchruns_variables(agents: Mesh, fake_hosts: FakeHosts) -> None:

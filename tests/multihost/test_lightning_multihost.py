@@ -75,7 +75,7 @@ def test_fit_on_two_hosts_joined_by_torchrun(fake_hosts: FakeHosts, tmp_path: ob
 
 def test_fit_on_ranks_started_by_srun(slurm: SlurmCluster, allocation: str) -> None:  # noqa: F811
     pytest.importorskip("lightning")
-    from monarch_jupyter.kernel.slurm import SlurmLauncher
+    from monarch_jupyter.kernel.launch.slurm import SlurmLauncher
 
     m = Mesh(4, launcher=SlurmLauncher(nodes=2), address=slurm.hosts.bridge, start_timeout=120)
     try:
