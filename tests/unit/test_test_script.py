@@ -9,6 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+# The script runs pytest with nbval's options (the notebooks extra): not in the floors' environment, which has the
+# test extra only (scripts/test-floors.sh).
+pytest.importorskip("nbval", reason="scripts/test.sh needs nbval (the notebooks extra)")
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
