@@ -14,5 +14,5 @@ for arg in "$@"; do
     break
   fi
 done
-exec "${PYTHON:-python3}" -m pytest -p no:cacheprovider --nbval --nbval-sanitize-with notebooks/nbval_sanitize.cfg \
+exec "${PYTHON:-python3}" -m pytest -p no:cacheprovider --durations=25 --nbval --nbval-sanitize-with notebooks/nbval_sanitize.cfg \
   "${targets[@]}" "$@"
