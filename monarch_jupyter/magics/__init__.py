@@ -6,6 +6,8 @@ Options that users set once go in traitlets (``c.MeshMagics.default_nproc = 8`` 
 
 from __future__ import annotations
 
+import argparse
+import copy
 import logging
 import shlex
 import sys
@@ -31,6 +33,18 @@ __all__ = ["MeshMagics", "load", "unload"]
 
 SUBCOMMANDS = ("start", "listen", "status", "stop", "restart", "stacks", *scripts.SUBCOMMANDS,
                *transfer.SUBCOMMANDS, "debug", "inspect", "interrupt", "auto")
+
+
+class HelpShown(Exception):
+    """A subcommand's --help was printed: nothing else runs (caught by ``MeshMagics.mesh``)."""
+
+
+def help_text(func: Any, prog: str) -> str:
+    """The options of magic subcommand ``func`` (its IPython magic_arguments parser), as argparse prints them for
+    ``prog --help`` (IPython's parsers are built without -h: ``%magic?`` shows them, not ``%mesh start?``)."""
+    parser = copy.copy(func.parser)
+    parser.prog, parser.formatter_class = prog, argparse.HelpFormatter
+    return parser.format_help().rstrip()
 
 
 def _rest(line: str) -> tuple[str, str]:
@@ -79,8 +93,14 @@ class MeshMagics(Magics):
 
         Run `%mesh SUBCOMMAND --help` for each subcommand's options, `%%mesh --help` for the cell magic.
         """
-        if cell is not None:
-            return self._cell(line, cell)
+        try:
+            if cell is not None:
+                return self._cell(line, cell)
+            return self._line(line)
+        except HelpShown:
+            return None
+
+    def _line(self, line: str) -> Any:
         sub, rest = _rest(line)
         if not sub:
             raise UsageError(
@@ -364,6 +384,10 @@ class MeshMagics(Magics):
         try:
             args = parse_argstring(func, rest)
         except UsageError as e:
+            # -h / --help where the parser takes options (after a script's name they are the script's own)
+            if {"-h", "--help"} & set(shlex.split(rest)):
+                print(help_text(func, prog))
+                raise HelpShown(prog) from None
             raise UsageError(f"{prog}: {e}. Run  {prog} --help  for the options.") from None
         timeout = getattr(args, "timeout", None)
         if timeout is not None and not timeout > 0:

@@ -1,0 +1,38 @@
+"""``%mesh SUBCOMMAND --help`` (and ``-h``, and ``%%mesh --help``) prints that subcommand's options and does nothing
+else: IPython builds magic_arguments parsers without -h, so without this a user got "unrecognized arguments:
+--help. Run %mesh start --help for the options". After a script's name, --help is the script's own."""
+
+from __future__ import annotations
+
+import pytest
+
+from monarch_jupyter.kernel import registry
+from monarch_jupyter.magics import SUBCOMMANDS, MeshMagics
+from monarch_jupyter.magics import scripts as script_magics
+from tests.conftest import magic_shell
+
+
+@pytest.mark.parametrize("sub", SUBCOMMANDS)
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_every_subcommand_prints_its_options(sub: str, flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    shell = magic_shell()
+    before = registry.peek_current()
+    assert shell.run_line_magic("mesh", f"{sub} {flag}") is None  # type: ignore[attr-defined]
+    out = capsys.readouterr().out
+    assert f"%mesh {sub}" in out, out
+    assert "unrecognized" not in out and "arguments are required" not in out
+    assert registry.peek_current() is before  # nothing started or stopped
+
+
+def test_the_cell_magic_prints_its_options(capsys: pytest.CaptureFixture[str]) -> None:
+    shell = magic_shell()
+    assert shell.run_cell_magic("mesh", "--help", "raise AssertionError('the cell must not run')") is None  # type: ignore[attr-defined]
+    out = capsys.readouterr().out
+    assert out.startswith("usage: %%mesh") and "--ranks" in out
+
+
+def test_help_after_a_script_name_is_the_scripts_own() -> None:
+    magics = magic_shell().magics_manager.registry["MeshMagics"]  # type: ignore[attr-defined]
+    assert isinstance(magics, MeshMagics)
+    args = magics.parse_args(script_magics.run, "--ranks 0 train.py --help", "run")
+    assert args.target == "train.py" and args.args == ["--help"]
