@@ -74,6 +74,10 @@ class CellHandle:
         self.durations: dict[int, float] = {}
         self.result_seen_at: dict[int, float] = {}  # time.monotonic() when each rank's result came
         self.death_at: float | None = None  # when the first of its ranks died (recovery.py)
+        self.failed_seen_at: float | None = None  # when a waiter first saw that one of its ranks raised
+        self.collective_checked = False  # the ranks still running it were checked for a collective (once)
+        self.collective_released = ""  # why the process group was torn down to release its ranks (recovery.py)
+        self.collective_hint = ""  # what the cell's error says about it (and the fresh group)
         self.interrupted = False  # its ranks were sent an interrupt
         self.abandoned = False  # interrupted or timed out while some ranks still ran it
         self.keep_outcome = False  # a handle the caller holds (block=False): result() may be asked again

@@ -42,10 +42,15 @@ from .state import MeshState, RankInfo, RankState
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Recovery", "RankEvents", "InterruptReport", "where_interrupted", "RELEASE_GRACE", "EXIT_WAIT"]
+__all__ = ["Recovery", "RankEvents", "InterruptReport", "where_interrupted", "failed_ranks", "COLLECTIVE_GRACE",
+           "RELEASE_GRACE", "EXIT_WAIT"]
 
 #: Seconds a cell waits for surviving ranks to stop after a rank of it died, before it raises anyway.
 RELEASE_GRACE = 1.0
+COLLECTIVE_GRACE = 2.0
+"""Seconds after a rank's cell raised before the ranks still running that cell are asked whether they wait in a
+torch.distributed collective, which the failed rank will never join: then the process group is torn down to
+release them (torchrun's fail-fast, which ends every worker when one fails, kept to the cell: namespaces stay)."""
 #: Seconds to wait for a killed rank's exit to be reported.
 EXIT_WAIT = 5.0
 #: Seconds by which a survivor's error may precede the report of a death and still be its consequence: a gloo
@@ -62,6 +67,12 @@ def where_interrupted(errors: dict[int, Any]) -> str:
         frames = getattr(e, "frames", None) or []
         groups.setdefault(summarize([tuple(f) for f in frames]) if frames else "?", []).append(r)
     return " / ".join(f"{ranks_text(rs)}: {w}" for w, rs in groups.items())
+
+
+def failed_ranks(cell: CellHandle) -> list[int]:
+    """Under the lock: the ranks that finished ``cell`` by raising (not interrupted, not dead)."""
+    return sorted(r for r in cell.finished
+                  if isinstance(e := cell.errors.get(r), RemoteError) and not e.interrupted)
 
 
 @dataclass
@@ -216,6 +227,58 @@ class Recovery:
             if r not in cell.finished:
                 cell.errors[r] = RankAbortedError(r, dead, None, still_running=True)
                 cell.finish_rank(r)
+
+    # ------------------------------------------------------------------ a failed rank's peers in a collective
+
+    def waiting_for_failed(self, cell: CellHandle, now: float) -> list[int]:
+        """Under the lock: once ``COLLECTIVE_GRACE`` s passed since a rank of ``cell`` raised, the ranks still
+        running it (asked once per cell), for ``release_collective``; else []."""
+        if cell.all_done or cell.interrupted or cell.collective_checked:
+            return []
+        if not failed_ranks(cell):
+            return []
+        if cell.failed_seen_at is None:
+            cell.failed_seen_at = now
+        if now - cell.failed_seen_at <= COLLECTIVE_GRACE:
+            return []
+        cell.collective_checked = True
+        return [r for r in cell.ranks if r not in cell.finished and self.state.ranks[r].state is not RankState.DEAD]
+
+    def release_collective(self, cell: CellHandle, running: list[int]) -> None:
+        """Lock not held: when ranks of ``running`` wait in a torch.distributed collective (their stacks say so)
+        for ranks of ``cell`` that raised, tear the process group down (``Abort`` to every rank) to release them;
+        the waiter makes a fresh group once the cell ended (``cell.collective_released`` says why)."""
+        try:
+            report = self.stacks.ask(running, 2.0)
+        except MonarchError:
+            return
+        waiting = sorted(r for r, reply in report.replies.items()
+                         if any("torch/distributed/" in str(frame[0]) for frame in reply.frames))
+        state, post = self.state, self.dispatcher.post
+        with state.lock:
+            failed = failed_ranks(cell)
+            if not waiting or not failed or cell.all_done or cell.interrupted or state.stopping:
+                return
+            first = cell.errors[failed[0]]
+            reason = (f"{ranks_text(failed)} raised {getattr(first, 'ename', 'an error')} while "
+                      f"{ranks_text(waiting)} waited in a collective")
+            cell.collective_released = reason
+            state.group_down = reason
+            for info in state.ranks.values():
+                if info.identity is not None and info.alive:
+                    post(info.rank, P.Abort(reason=reason))
+        log.info("cell %d: %s: process group torn down to release them", cell.cell_id, reason)
+
+    def renew_group(self, cell: CellHandle) -> str:
+        """Lock not held: after ``release_collective``'s cell ended, a fresh process group for every rank (as
+        ``%mesh interrupt --force`` makes one). Returns the hint for the cell's error."""
+        try:
+            self.regroup([], time.monotonic() + self.state.options.start_timeout)
+        except MonarchError as e:
+            return (f"{cell.collective_released}: the process group was torn down to release them, and a fresh one "
+                    f"could not be made ({e}); %mesh restart  starts a fresh mesh")
+        return (f"{cell.collective_released}: the process group was torn down to release them and a fresh one was "
+                "made (every rank kept its namespace)")
 
     # ------------------------------------------------------------------ interrupts
 

@@ -25,7 +25,7 @@ from ..ranks import RankMap, format_ranks, ranks_text
 from .cells import CellHandle
 from .dispatch import Dispatcher, Group
 from .output import write_lines
-from .recovery import Recovery, where_interrupted
+from .recovery import Recovery, failed_ranks, where_interrupted
 from .stacks import StackRequests, summarize
 from .state import MeshState
 
@@ -109,10 +109,15 @@ class Waiter:
                 with state.lock:
                     cell.wake_wait(0.05)
                     self._check_stragglers(cell)
+                    waiting = self.recovery.waiting_for_failed(cell, time.monotonic())
                     lines = cell.pop_lines()
                     done = cell.all_done
                 write_lines(lines)
+                if waiting:  # a rank raised; are the others waiting for it in a collective?
+                    self.recovery.release_collective(cell, waiting)
                 if done:
+                    if cell.collective_released and not cell.collective_hint:
+                        cell.collective_hint = self.recovery.renew_group(cell)
                     state.events.flush()  # the views saw the cell end before its result is returned
                     return True
                 if self.prompts is not None and self.prompts.has_prompt(cell):  # a rank stopped at breakpoint()
@@ -177,13 +182,18 @@ class Waiter:
             cell.abandoned = bool(stuck)  # nobody waits for it now: later cells must not queue behind it
             stopped = {r: e for r, e in cell.errors.items()
                        if r in running and isinstance(e, RemoteError) and e.interrupted}
+            failed = {r: cell.errors[r] for r in failed_ranks(cell)}
         if stuck:
             # A second interrupt ends the wait early: say how long the ranks really had.
             waited = min(grace, time.monotonic() - started)
             sys.stderr.write(self.recovery.stuck_message(stuck, round(waited, 1)))
+        # The cause of a hang is often a rank that raised before a collective the others wait in: name it.
+        cause = "; ".join(f"{ranks_text([r])} had raised {e.ename}: {e.evalue}" for r, e in failed.items()
+                          if isinstance(e, RemoteError))
+        cause = f" ({cause})" if cause else ""
         if not stopped:
-            return f"interrupted; {ranks_text(stuck)} did not stop"
-        return f"interrupted {ranks_text(stopped)} (they keep their state): {where_interrupted(stopped)}"
+            return f"interrupted; {ranks_text(stuck)} did not stop{cause}"
+        return f"interrupted {ranks_text(stopped)} (they keep their state): {where_interrupted(stopped)}{cause}"
 
     def _on_timeout(self, cell: CellHandle, timeout: float) -> None:
         state = self.state
@@ -245,6 +255,7 @@ class Waiter:
                 raise mesh_interrupt(f"interrupted {ranks_text(errors)} (they keep their state): "
                                      f"{where_interrupted(errors)}")
             errors, hint = self.recovery.fold_errors(cell, errors)
+            hint = "; ".join(h for h in (cell.collective_hint, hint) if h)
             raise MeshError(errors, results, cell.what, hint)
         if not valued:
             return None

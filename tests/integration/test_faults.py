@@ -154,6 +154,26 @@ def test_interrupt_during_a_collective_names_stuck_ranks_and_force_regroups(
     assert_recovered(mesh, kept=[0, 1, 2])
 
 
+def test_a_rank_that_raises_before_a_collective_releases_the_others(healthy: Mesh) -> None:
+    """Rank 1 raises before the all_reduce the others wait in (it will never join it): instead of hanging until
+    the collective's timeout (1,800 s), the controller sees the others' stacks in torch.distributed, tears the
+    process group down to release them and makes a fresh one; the cell raises rank 1's error first."""
+    mesh = healthy
+    before = pids(mesh)
+    code = "t = torch.ones(1)\nif rank == 1:\n    raise RuntimeError('rank 1 fails first')\ndist.all_reduce(t)\n"
+    with pytest.raises(MeshError) as info:
+        mesh.run(code, timeout=120)  # a MeshTimeoutError here would mean the others were never released
+    err = info.value
+    assert not isinstance(err, MeshTimeoutError)
+    assert str(err.errors[1]) == "[rank1] RuntimeError: rank 1 fails first"
+    assert "first failure: [rank1] RuntimeError: rank 1 fails first" in str(err)
+    assert sorted(err.errors) == list(range(WORLD))
+    assert "rank 1 raised RuntimeError while ranks 0,2 waited in a collective" in err.hint, err.hint
+    assert "a fresh one was made" in err.hint
+    assert pids(mesh) == before  # nobody was killed
+    assert_recovered(mesh, kept=list(range(WORLD)))
+
+
 def test_rank_stuck_in_c_code_is_named_then_killed_by_force(healthy: Mesh, capsys: pytest.CaptureFixture) -> None:
     mesh = healthy
     before = pids(mesh)
