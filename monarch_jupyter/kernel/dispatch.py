@@ -134,10 +134,10 @@ class Dispatcher:
         if busy:
             spec = format_ranks(busy)
             raise RankBusyError(
-                f"{what} was not run: {ranks_text(busy)} still run an earlier cell that was interrupted or timed "
-                "out and did not stop (blocked in a collective?); new code there could pair its collectives with "
-                f"the stuck ones. Run  %mesh stacks  to see where,  %mesh interrupt --force --ranks {spec}  to "
-                "release them, or  %mesh restart.", busy)
+                f"{what} was not run: {ranks_text(busy)} still {'run' if len(busy) > 1 else 'runs'} an earlier cell "
+                "that was interrupted or timed out and did not stop (blocked in a collective?); new code there could "
+                "pair its collectives with the stuck ones. Run  %mesh stacks  to see where,  %mesh interrupt --force "
+                f"--ranks {spec}  to release them, or  %mesh restart.", busy)
 
     def _send_work(self, pipes: list[WorkPipe], msg: P.Message, payload: bytes, buffers: list) -> None:
         """Write ``msg`` (signed once) into local ranks' work pipes without blocking; what a full pipe cannot take
