@@ -164,6 +164,9 @@ class IOThread:
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(dispatcher.outbox.wake_fd, zmq.POLLIN)
+        monitor = self.links.monitor if self.links is not None else None
+        if monitor is not None:
+            poller.register(monitor, zmq.POLLIN)
         by_identity: dict[bytes, int] = {}
         self._by_identity = by_identity
         recv = recv_frames if self.links is None else self.links.recv
@@ -182,6 +185,8 @@ class IOThread:
             if router in events:
                 while (frames := recv(router)) is not None:
                     self._receive(bytes(frames[0]), frames[1:], by_identity)
+            if monitor is not None and monitor in events and self.links is not None:
+                self.links.on_monitor()  # after the ROUTER: what an agent said before it went comes first
             if dispatcher.outbox.wake_fd in events:
                 self._send_outbox()
             now = time.monotonic()

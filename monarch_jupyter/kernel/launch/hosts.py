@@ -14,9 +14,9 @@ for ``nproc`` ranks at once. From then on ``HostLinks``
 - notices an agent whose connection drops (a ZeroMQ socket monitor: milliseconds after a kill -9 of the agent)
   and reports its ranks dead; a silent one (a link down) is caught by the heartbeat check of recovery.py.
 
-Threads: ``on_agent_message``, ``route``, ``on_rank_hello``, ``recv`` on the I/O thread; ``spawn``/``signal``/
-``stop_agents`` on any thread (they queue on the dispatcher's outbox); the monitor thread (``monarch-hosts``) only
-reads the monitor socket and reports through the recovery part.
+Threads: ``on_agent_message``, ``route``, ``on_rank_hello``, ``recv`` and ``on_monitor`` (the socket monitor,
+read after the ROUTER socket in each turn, so an agent's last messages come before its loss) on the I/O thread;
+``spawn``/``signal``/``stop_agents`` on any thread (they queue on the dispatcher's outbox).
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class HostLinks:
         self._rank_agent: dict[int, Agent] = {}
         self._pseudo: dict[bytes, int] = {}
         self._by_fd: dict[int, Agent] = {}
-        self._lock = threading.Lock()  # the tables above (the monitor thread reads them)
+        self._lock = threading.Lock()  # the tables above (other threads read them)
         self.use_env = False  # ranks use the launcher's store (env://)
         self.store: tuple[str, int] | None = None  # the c10d store of this generation, once rank 0 hosts it
         self.last_srcfd = -1
@@ -95,7 +95,6 @@ class HostLinks:
         self._sink: LauncherEvents | None = None
         self._lost: Callable[[list[int], str], None] | None = None
         self._monitor: zmq.Socket | None = None
-        self._monitor_thread: threading.Thread | None = None
 
     def attach(self, send_to: Callable[[bytes, P.Message], None], sink: LauncherEvents,
                lost: Callable[[list[int], str], None]) -> None:
@@ -110,30 +109,33 @@ class HostLinks:
             self.agents, self._rank_agent, self._pseudo, self._by_fd = {}, {}, {}, {}
         self.use_env, self.store, self.bad_peers = False, None, {}
         self._monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self._monitor_thread = threading.Thread(target=self._watch, args=(self._monitor,), name="monarch-hosts",
-                                                daemon=True)
-        self._monitor_thread.start()
+
+    @property
+    def monitor(self) -> zmq.Socket | None:
+        """The generation's connection monitor: the I/O thread polls it beside the ROUTER socket and calls
+        ``on_monitor`` after it has read the ROUTER, so what an agent sent before its connection dropped (its
+        StartFailed, its Goodbye) is handled before the loss."""
+        return self._monitor
 
     def close(self, router: zmq.Socket | None) -> None:
-        """Before the generation's socket closes: stop the monitor."""
+        """After the I/O thread ended, before the generation's socket closes: stop and close the monitor."""
         if router is not None and self._monitor is not None:
             try:
                 router.disable_monitor()
             except zmq.ZMQError:
                 pass
-        if self._monitor_thread is not None:
-            self._monitor_thread.join(2.0)
-        self._monitor_thread = None
+        if self._monitor is not None:
+            self._monitor.close(0)
         self._monitor = None
 
-    def _watch(self, monitor: zmq.Socket) -> None:
+    def on_monitor(self) -> None:
+        """(I/O thread) Connections that dropped: an agent's is its loss (killed, host or network down)."""
         from zmq.utils.monitor import recv_monitor_message
 
+        monitor = self._monitor
         try:
-            while True:
+            while monitor is not None and monitor.poll(0):
                 event = recv_monitor_message(monitor)
-                if event["event"] == zmq.EVENT_MONITOR_STOPPED:
-                    break
                 with self._lock:
                     agent = self._by_fd.pop(int(event["value"]), None)
                 if agent is not None and agent.alive:
@@ -141,8 +143,6 @@ class HostLinks:
                                             "killed, or its host or network went down")
         except zmq.ZMQError:
             pass
-        finally:
-            monitor.close(0)
 
     # ------------------------------------------------------------------ admission (I/O thread, from the Listener)
 

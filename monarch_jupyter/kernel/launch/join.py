@@ -22,6 +22,7 @@ import struct
 import subprocess
 import tempfile
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -381,10 +382,17 @@ class ProcessLauncher(JoinLauncher):
             sink.on_launcher_exit(rc)
 
     def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the engine to exit. Host agents stay up after their ranks exit (a
+        rank may be restarted through them): once the ranks said goodbye, they are told to go, so the engine ends
+        now rather than at ``kill``."""
         if self.proc is None:
             return True
+        deadline = time.monotonic() + timeout
+        if self.hosts is not None:
+            super().wait(timeout)
+            self.hosts.stop_agents()
         try:
-            self.proc.wait(timeout)
+            self.proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             return False
         return True
