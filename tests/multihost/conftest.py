@@ -51,6 +51,10 @@ class FakeHosts:
         out = subprocess.run(["ip", "netns", "pids", self.name(k)], capture_output=True, text=True).stdout
         return [int(p) for p in out.split()]
 
+    def left(self, k: int, timeout: float = 20) -> list[tuple[int, str]]:
+        """``wait_empty``, with the command line of each process left (for assertion messages)."""
+        return [(pid, comm_of(pid)) for pid in self.wait_empty(k, timeout)]
+
     def wait_empty(self, k: int, timeout: float = 20) -> list[int]:
         """Wait until nothing runs on fake host ``k`` (processes that were told to end take a moment to be gone);
         returns what is left after ``timeout`` seconds."""
@@ -58,6 +62,15 @@ class FakeHosts:
         while (left := self.pids(k)) and time.monotonic() < deadline:
             time.sleep(0.1)
         return left
+
+
+def comm_of(pid: int) -> str:
+    """The command line of process ``pid`` ("" once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def _sh(argv: list[str], env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:

@@ -16,7 +16,7 @@ import zmq
 
 from monarch_jupyter import Mesh, MeshError, MeshStartError, RankDiedError
 from monarch_worker import protocol as P
-from tests.multihost.conftest import NETNS, FakeHosts
+from tests.multihost.conftest import NETNS, FakeHosts, comm_of
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow]
 
@@ -32,13 +32,6 @@ def reap(procs: list[subprocess.Popen], timeout: float = 30) -> list[int | None]
             codes.append(None)
     return codes
 
-
-def comm_of(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
 
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from monarch_jupyter import Mesh, MeshError, RankDiedError, RemoteError
-from tests.multihost.conftest import FakeHosts
+from tests.multihost.conftest import FakeHosts, comm_of
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow]
 
@@ -34,13 +34,6 @@ def reap(procs: list[subprocess.Popen], timeout: float = 30) -> list[int | None]
             codes.append(None)
     return codes
 
-
-def comm_of(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
 
 
 

@@ -62,7 +62,8 @@ def test_printed_torchrun_command_on_two_hosts(fake_hosts: FakeHosts, tmp_path: 
     finally:
         m.stop()
     assert reap(procs) == [0, 0]  # torchrun agents end cleanly: every rank exited 0 on Shutdown
-    assert not fake_hosts.wait_empty(1) and not fake_hosts.wait_empty(2)  # nothing left on either host
+    left = {k: fake_hosts.left(k) for k in (1, 2)}
+    assert left == {1: [], 2: []}  # nothing left on either host
 
 
 def test_plain_python_ranks_rank0_hosts_the_store(fake_hosts: FakeHosts) -> None:
