@@ -173,8 +173,15 @@ class ForkServer:
                 self.kill(sid, int(req["signal"]))
 
     def shutdown(self, code: int) -> None:
+        """Kill every rank, end everything they started (but processes kept on purpose), reap it all, and exit.
+
+        Every way this process ends but its own SIGKILL comes here (the kernel closed the control socket, it died,
+        SIGTERM). It waits for the ranks to be reaped and their trees gone, at most ``reaper.END_WAIT`` seconds:
+        leaving earlier would let the ranks' children, which reach this subreaper only when a rank's last thread
+        is gone, be reparented to init instead."""
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second request must not cut the sweep short
         self.kill(-1, signal.SIGKILL)
-        self.trees.end_all()  # the ranks and everything they started (but processes kept on purpose), reaped
+        self.trees.end_all()
         os._exit(code)
 
     def serve(self) -> None:

@@ -28,6 +28,7 @@ from .agentconfig import AgentConfig, rank_environment
 from .channel import recv_frames, send_frames
 from .hostlink import EventBatch, ForkServerClient, LocalRank, drain, read_output, read_segment, take_record
 from .pipes import WorkPipe
+from .reaper import END_WAIT
 
 log = logging.getLogger(__name__)
 
@@ -455,7 +456,7 @@ class HostAgent:
         code = self.exit_code if self.exit_code is not None else 0
         if self.exit_note:
             sys.stderr.write(f"monarch agent on {self.host}: {self.exit_note}\n")
-        self.fork.close(5.0)  # the fork server kills every rank and reaps it
+        self.fork.close(END_WAIT + 2)  # the fork server kills every rank, ends their trees and reaps it all
         for r in list(self.by_sid.values()):
             self._rank_exited(r, -signal.SIGKILL)
         try:

@@ -44,7 +44,7 @@ import signal
 import time
 from collections.abc import Callable, Iterable
 
-__all__ = ["ProcessTrees", "keep_alive", "become_rank", "TREE_ENV", "KEEP_ALIVE_ENV"]
+__all__ = ["ProcessTrees", "keep_alive", "become_rank", "TREE_ENV", "KEEP_ALIVE_ENV", "END_WAIT"]
 
 TREE_ENV = "MONARCH_PROCESS_TREE"
 """The variable that tags a rank's environment with ``<fork server pid>:<spawn id>``."""
@@ -57,6 +57,10 @@ PR_SET_CHILD_SUBREAPER = 36
 
 SWEEP_WAIT = 2.0
 """Seconds a sweep waits for the processes it SIGKILLed to die (one stuck in the kernel, state D, may take longer)."""
+
+END_WAIT = 5.0
+"""Seconds the fork server's exit (``ProcessTrees.end_all``) waits at most for its ranks and their trees to be gone;
+whoever closes a fork server's control socket should wait a little longer than this before killing it."""
 
 
 def _prctl(option: int, value: int) -> bool:
@@ -120,18 +124,45 @@ def _stat(pid: int) -> _Proc | None:
 
 
 def _environ(pid: int) -> dict[str, str]:
-    """The two variables this module reads from the environment ``pid`` was started with."""
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            data = f.read()
-    except OSError:
-        return {}
+    """The two variables this module reads from the environment ``pid`` was started with.
+
+    A process whose main thread has exited while others run (a zombie leader: every multithreaded process passes
+    through that state when it is killed) shows no environment under /proc/PID; its live threads still do."""
+    data = _read(f"/proc/{pid}/environ")
+    if not data:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            tids = []
+        for tid in tids:
+            data = _read(f"/proc/{pid}/task/{tid}/environ")
+            if data:
+                break
     out = {}
     for item in data.split(b"\0"):
         for name in (TREE_ENV, KEEP_ALIVE_ENV):
             if item.startswith(name.encode() + b"="):
                 out[name] = item[len(name) + 1:].decode(errors="replace")
     return out
+
+
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def _live(proc: _Proc) -> bool:
+    """Whether some thread of ``proc`` still runs: not a zombie, or a zombie leader whose other threads do not
+    exit yet (its children hang below one of them, and it is reaped only when the last one is gone)."""
+    if proc.state not in ("Z", "X"):
+        return True
+    try:
+        return len(os.listdir(f"/proc/{proc.pid}/task")) > 1
+    except OSError:
+        return False
 
 
 def _children_of(pid: int) -> list[int] | None:
@@ -190,9 +221,13 @@ class ProcessTrees:
         """
         return self._end(lambda proc, env: self._orphan_of_dead_rank(proc, env, live), live, deadline)
 
-    def end_all(self, deadline: float = 5.0) -> int:
+    def end_all(self, deadline: float = END_WAIT) -> int:
         """End every process below the fork server, ranks included, but kept ones; reap them. Returns how many
-        it SIGKILLed. For the fork server's exit."""
+        it SIGKILLed. For the fork server's exit.
+
+        Returns only when every child but the kept ones has been reaped and nothing of theirs is left (a rank's
+        threads may outlive its main thread for a while, and what they started comes back here only when the last
+        one is gone), or after ``deadline`` seconds (what is stuck in the kernel, state D, may outlast it)."""
         return self._end(lambda proc, env: True, {}, deadline, reap=True)
 
     def _orphan_of_dead_rank(self, proc: _Proc, env: dict[str, str], live: dict[int, int]) -> bool:
@@ -205,9 +240,14 @@ class ProcessTrees:
         killed: set[int] = set()
         until = time.monotonic() + deadline
         while True:
+            if reap:
+                _reap_any()
             targets = self._targets(doomed, live)
             targets -= {p for p in killed if _gone(p)}
-            if not targets:
+            # At the exit, a rank that is not reaped yet may still hold children below one of its threads (its
+            # main thread is a zombie while the others die); they come back here when the last thread is gone.
+            waiting = reap and self._unreaped()
+            if not targets and not waiting:
                 break
             for pid in targets:
                 try:
@@ -215,13 +255,22 @@ class ProcessTrees:
                 except (ProcessLookupError, PermissionError):
                     pass
             killed |= targets
-            if reap:
-                _reap_any()
             if time.monotonic() > until:
                 break
-            self._wait_dead(targets, until, reap)
+            if targets:
+                self._wait_dead(targets, until, reap)
+            else:
+                time.sleep(0.005)
         self.ended += len(killed)
         return len(killed)
+
+    def _unreaped(self) -> bool:
+        """Whether a child of the fork server that is not kept on purpose is still there (alive, or a zombie not
+        reaped yet)."""
+        children = _children_of(self.pid)
+        if children is None:
+            children = [p.pid for p in _process_table().values() if p.ppid == self.pid]
+        return any(_environ(c).get(KEEP_ALIVE_ENV) != "1" for c in children if _stat(c) is not None)
 
     @staticmethod
     def _wait_dead(pids: Iterable[int], until: float, reap: bool) -> None:
@@ -246,7 +295,7 @@ class ProcessTrees:
         targets: set[int] = set()
         for root in below.get(self.pid, []):
             proc = table[root]
-            if root in live or proc.state == "Z":
+            if root in live:
                 continue
             env = _environ(root)
             if env.get(KEEP_ALIVE_ENV) == "1" or not doomed(proc, env):
@@ -256,15 +305,15 @@ class ProcessTrees:
                 pid = stack.pop()
                 if pid != root and _environ(pid).get(KEEP_ALIVE_ENV) == "1":
                     continue
-                if table[pid].state != "Z":
+                if _live(table[pid]):
                     targets.add(pid)
-                stack.extend(below.get(pid, []))
+                stack.extend(below.get(pid, []))  # a zombie leader's children hang below its live threads
         return targets
 
 
 def _gone(pid: int) -> bool:
     proc = _stat(pid)
-    return proc is None or proc.state in ("Z", "X")
+    return proc is None or not _live(proc)
 
 
 def _reap_any() -> None:

@@ -9,6 +9,7 @@ import ast
 import os
 import re
 import signal
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -105,3 +106,70 @@ def test_process_trees_end_with_their_rank_and_the_kernel(kernel: tuple[KernelMa
     assert not wait_gone(ranks), "ranks outlived a SIGKILLed kernel"
     assert not wait_gone(doomed), "processes started by ranks outlived a SIGKILLed kernel"
     assert len(kept) == 2 and all(alive(p) for p in kept), "a process started with keep_alive() was ended"
+
+
+def tagged(tag: str) -> dict[int, bool]:
+    """Live processes started with ``MONARCH_PROCESS_TREE=tag`` in their environment -> kept on purpose
+    (``MONARCH_KEEP_ALIVE=1``)."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        if f"MONARCH_PROCESS_TREE={tag}".encode() in env and alive(int(entry)):
+            found[int(entry)] = b"MONARCH_KEEP_ALIVE=1" in env
+    return found
+
+
+def wait_untagged(tag: str, timeout: float = 15.0) -> dict[int, bool]:
+    """Wait until no process but kept ones carries ``tag``; returns what carries it then."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = tagged(tag)
+        if all(left.values()) or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+# A kept process and, next to it, a plain child, a setsid() one and a multithreaded one (its threads outlive its
+# main thread when it is killed) of rank 0: the rank's tag and the pids.
+SIBLINGS = r'''%%mesh --ranks 0
+import os, subprocess, sys
+from monarch_worker import keep_alive
+_T = ("import threading, time\n"
+      "for _ in range(4): threading.Thread(target=time.sleep, args=(300,), daemon=True).start()\n"
+      "time.sleep(300)\n")
+kept = subprocess.Popen(["sleep", "300"], **keep_alive())
+plain = [subprocess.Popen(["sleep", "300"]), subprocess.Popen(["setsid", "sleep", "300"]),
+         subprocess.Popen([sys.executable, "-c", _T])]
+(os.environ["MONARCH_PROCESS_TREE"], kept.pid, [p.pid for p in plain])
+'''
+
+
+@pytest.mark.parametrize("end", ["shutdown", "restart", "sigkill"])
+def test_kernel_end_leaves_only_kept_processes(kernel: tuple[KernelManager, Any], started: set[int],
+                                               end: str) -> None:
+    """However the kernel ends (shut down, restarted, SIGKILLed), the fork server ends every process its ranks
+    started before it exits, but the one started with keep_alive(): none is left to init."""
+    km, kc = kernel
+    start_mesh(kc)
+    r = execute(kc, SIBLINGS)
+    assert r.status == "ok", r.traceback
+    value = ast.literal_eval(r.results[0])
+    tag, kept, plain = value[0] if isinstance(value, dict) else value
+    started.update([kept, *plain])
+    assert tagged(tag) == {kept: True, **dict.fromkeys(plain, False)}
+    ranks = worker_pids(kc)
+    if end == "shutdown":
+        km.shutdown_kernel()
+    elif end == "restart":
+        km.restart_kernel()
+    else:
+        os.kill(km.provisioner.process.pid, signal.SIGKILL)
+    assert not wait_gone(ranks), f"ranks or their fork server outlived the kernel's {end}"
+    assert wait_untagged(tag) == {kept: True}, f"processes started by a rank outlived the kernel's {end}"
+    assert alive(kept), "a process started with keep_alive() was ended"

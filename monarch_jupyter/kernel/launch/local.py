@@ -25,6 +25,7 @@ import threading
 import time
 
 from monarch_worker import protocol as P
+from monarch_worker.reaper import END_WAIT
 
 from ..state import owner_check
 from .base import Launcher, LauncherEvents, LaunchError, WorkPipe
@@ -271,7 +272,7 @@ class ForkServer:
         except OSError:
             pass
         try:
-            self.proc.wait(5)
+            self.proc.wait(END_WAIT + 2)  # it ends what the ranks started first (worker/reaper.py), END_WAIT at most
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(5)
