@@ -164,15 +164,19 @@ class IOThread:
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(dispatcher.outbox.wake_fd, zmq.POLLIN)
-        monitor = self.links.monitor if self.links is not None else None
-        if monitor is not None:
-            poller.register(monitor, zmq.POLLIN)
+        monitor: zmq.Socket | None = None  # the host links' connection monitor (made when the listener opens)
         by_identity: dict[bytes, int] = {}
         self._by_identity = by_identity
         recv = recv_frames if self.links is None else self.links.recv
         next_ping = 0.0
         interval = state.options.heartbeat_interval
         while not self._stop.is_set():
+            if self.links is not None and self.links.monitor is not monitor:
+                if monitor is not None:
+                    poller.unregister(monitor)
+                monitor = self.links.monitor
+                if monitor is not None:
+                    poller.register(monitor, zmq.POLLIN)
             # Work pipes that are full are polled until they take more (registered for this poll only: a pipe that
             # closes meanwhile must not sit in the poller).
             waiting = dispatcher.waiting_fds()
