@@ -52,8 +52,15 @@ class FakeHosts:
         return [int(p) for p in out.split()]
 
     def left(self, k: int, timeout: float = 20) -> list[tuple[int, str]]:
-        """``wait_empty``, with the command line of each process left (for assertion messages)."""
-        return [(pid, comm_of(pid)) for pid in self.wait_empty(k, timeout)]
+        """What runs on fake host ``k`` once it is empty but for the SLURM cluster's ``slurmd`` (a session fixture
+        of test_slurm.py and the Lightning tests keeps it there), waiting up to ``timeout`` seconds: (pid, command
+        line) pairs, for assertion messages."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = [(pid, cmd) for pid in self.pids(k) if (cmd := comm_of(pid)) and cmd.split()[0] != "slurmd"]
+            if not left or time.monotonic() >= deadline:
+                return left
+            time.sleep(0.1)
 
     def wait_empty(self, k: int, timeout: float = 20) -> list[int]:
         """Wait until nothing runs on fake host ``k`` (processes that were told to end take a moment to be gone);
