@@ -80,6 +80,29 @@ def comm_of(pid: int) -> str:
         return ""
 
 
+def reap(procs: list[subprocess.Popen], timeout: float = 30) -> list[int | None]:
+    """Exit codes of ``procs``, each waited for up to ``timeout`` s (None: it was still running and is killed)."""
+    codes: list[int | None] = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            codes.append(None)
+    return codes
+
+
+def start_agents(hosts: FakeHosts, command: str, tmp: Path, env: dict[str, str] | None = None,
+                 which: tuple[int, ...] = (1, 2)) -> list[subprocess.Popen]:
+    """Run ``command`` (as printed) in a shell on each fake host of ``which``, its output in a log under ``tmp``."""
+    procs = []
+    for k in which:
+        log = open(tmp / f"host{k}-{time.monotonic_ns()}.log", "w")
+        procs.append(hosts.popen(k, ["sh", "-c", command], env=env, stdout=log, stderr=subprocess.STDOUT))
+    return procs
+
+
 def _sh(argv: list[str], env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(argv, env={**os.environ, **env}, capture_output=True, text=True, timeout=timeout)
 

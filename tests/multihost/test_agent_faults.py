@@ -16,33 +16,9 @@ import zmq
 
 from monarch_jupyter import Mesh, MeshError, MeshStartError, RankDiedError
 from monarch_worker import protocol as P
-from tests.multihost.conftest import NETNS, FakeHosts, comm_of
+from tests.multihost.conftest import NETNS, FakeHosts, comm_of, reap, start_agents
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow]
-
-
-def reap(procs: list[subprocess.Popen], timeout: float = 30) -> list[int | None]:
-    codes = []
-    for p in procs:
-        try:
-            codes.append(p.wait(timeout))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-            codes.append(None)
-    return codes
-
-
-
-
-def start_agents(hosts: FakeHosts, command: str, tmp: Path, env: dict[str, str] | None = None,
-                 which: tuple[int, ...] = (1, 2)) -> list[subprocess.Popen]:
-    """Run ``command`` (as printed) in a shell on each fake host of ``which``."""
-    procs = []
-    for k in which:
-        log = open(tmp / f"host{k}-{time.monotonic_ns()}.log", "w")
-        procs.append(hosts.popen(k, ["sh", "-c", command], env=env, stdout=log, stderr=subprocess.STDOUT))
-    return procs
 
 
 def test_one_process_per_rank_form_still_works(fake_hosts: FakeHosts, tmp_path: Path) -> None:

@@ -9,42 +9,16 @@ goes down, a kernel that is SIGKILLed, and agents that must be turned away (with
 from __future__ import annotations
 
 import signal
-import subprocess
 import textwrap
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from monarch_jupyter import Mesh, MeshError, RankDiedError, RemoteError
-from tests.multihost.conftest import FakeHosts, comm_of
+from tests.multihost.conftest import FakeHosts, comm_of, reap, start_agents
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow]
-
-
-def reap(procs: list[subprocess.Popen], timeout: float = 30) -> list[int | None]:
-    codes = []
-    for p in procs:
-        try:
-            codes.append(p.wait(timeout))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-            codes.append(None)
-    return codes
-
-
-
-
-def start_agents(hosts: FakeHosts, command: str, tmp: Path, env: dict[str, str] | None = None,
-                 which: tuple[int, ...] = (1, 2)) -> list[subprocess.Popen]:
-    """Run ``command`` (as printed) in a shell on each fake host of ``which``."""
-    procs = []
-    for k in which:
-        log = open(tmp / f"host{k}-{time.monotonic_ns()}.log", "w")
-        procs.append(hosts.popen(k, ["sh", "-c", command], env=env, stdout=log, stderr=subprocess.STDOUT))
-    return procs
 
 
 @pytest.fixture(scope="module")

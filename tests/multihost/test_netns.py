@@ -11,21 +11,9 @@ import time
 import pytest
 
 from monarch_jupyter import Mesh, MeshError, RemoteError
-from tests.multihost.conftest import FakeHosts
+from tests.multihost.conftest import FakeHosts, reap
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow]
-
-
-def reap(procs: list[subprocess.Popen], timeout: float = 30) -> list[int | None]:
-    codes = []
-    for p in procs:
-        try:
-            codes.append(p.wait(timeout))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-            codes.append(None)
-    return codes
 
 
 def test_printed_torchrun_command_on_two_hosts(fake_hosts: FakeHosts, tmp_path: object) -> None:
