@@ -250,13 +250,13 @@ def main() -> None:
     started = time.perf_counter()
     soak = Soak(args.n, args.scale)
     m = soak.mesh
-    # Warm-up (5% of each phase, at least every size once): imports, caches, pools and the allocators' steady
-    # state (glibc raises its mmap threshold as large blocks are freed) exist in the baseline.
+    # Warm-up (5% of each phase, at least every size once): imports, caches and pools exist in the baseline. The
+    # restarts come first, so the ranks measured at the baseline are the processes that then run the phases.
+    soak.restart_ranks(soak.times(5))
+    soak.full_restarts(soak.times(3))
     soak.cells(soak.times(500))
     soak.interrupts(soak.times(10))
     soak.transfers(max(7, soak.times(25)))
-    soak.restart_ranks(soak.times(5))
-    soak.full_restarts(soak.times(3))
     base = snapshot(m)
     soak.timed("cells", soak.cells, soak.times(10_000))
     soak.timed("interrupts", soak.interrupts, soak.times(200))

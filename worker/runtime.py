@@ -27,7 +27,7 @@ from typing import Any
 
 import zmq
 
-from . import completion, elastic_env, live, recovery
+from . import completion, elastic_env, heap, live, recovery
 from . import protocol as P
 from .channel import Mailbox, Outbox, recv_frames, send_frames
 from .config import RankConfig
@@ -82,6 +82,7 @@ class Rank:
         self.ns: Namespace | None = None
         self.device: Any = None  # this rank's torch.device (cuda:LOCAL_RANK or cpu), set by join()
         self.transfers = RankTransfers(self)
+        self.idle = heap.IdleTrim()  # freed heap memory goes back to the OS once the rank idles after work
         self.group_sockets = recovery.GroupSockets()  # what Abort shuts down to release gloo collectives
         self.group = MeshGroup(lambda: self._in_cell, self.send)  # the mesh's process group (group.py)
         self.group.sockets = self.group_sockets
@@ -350,6 +351,7 @@ class Rank:
                     log.warning("rank %d: unexpected %s", self.rank, msg.TYPE)
                     continue
                 handler(msg, payload, bufs)
+                self.idle.worked()  # what the work freed goes back to the OS once the rank idles (heap)
             except KeyboardInterrupt:
                 # An interrupt that landed just after its cell ended (or a stray SIGINT): the rank stays up.
                 log.info("rank %d: interrupt outside a cell ignored", self.rank)
@@ -368,7 +370,12 @@ class Rank:
         closed the work pipe. Items the I/O thread queued come first (an Abort must precede a later Regroup)."""
         fd = self.config.work_fd
         if fd < 0:
-            return self.work.get
+            def next_queued() -> tuple | None:
+                while (item := self.work.get(self.idle.timeout())) is None:
+                    self.idle.maybe_trim()
+                return item
+
+            return next_queued
         reader = P.WorkReader()
         ready: list = []
         signer = self._main_signer  # the main thread's: it verifies what the kernel's work session signs
@@ -380,7 +387,10 @@ class Rank:
                     return item
                 if ready:
                     return ready.pop(0)
-                r, _, _ = select.select([fd, self.work.wake_fd], [], [])
+                r, _, _ = select.select([fd, self.work.wake_fd], [], [], self.idle.timeout())
+                if not r:
+                    self.idle.maybe_trim()
+                    continue
                 if self.work.wake_fd in r:
                     self.work.clear_wake()
                 if fd not in r:

@@ -90,6 +90,7 @@ def build(nproc: int, options: MeshOptions, join_launcher: JoinLauncher | None) 
                                    P.DebugOutput: debugger.on_message, P.DebugPrompt: debugger.on_message,
                                    P.DebugResumed: debugger.on_message, P.Display: rich.on_display})
     io.every_interval(recovery.check_heartbeats)
+    io.every_interval(transfers.idle_tick)
     if listener is not None and hosts is not None:
         io.every_interval(listener.check)
         listener.attach(io.send_to, dispatcher, sink)

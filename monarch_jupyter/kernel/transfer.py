@@ -32,8 +32,8 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from monarch_worker import heap, shm
 from monarch_worker import protocol as P
-from monarch_worker import shm
 from monarch_worker.serialize import SerializationError, dumps
 
 from ..errors import MeshError, RemoteError
@@ -74,6 +74,7 @@ class Transfers:
         self.cells = cells
         self.waiter: Waiter | None = None  # set by the mesh (waiting.py needs the mesh's recovery first)
         self.pool = shm.SegmentPool()
+        self.idle = heap.IdleTrim()  # polled by the I/O thread (parts.py)
         self.host = socket.gethostname()
         self.no_shm: set[int] = set()  # ranks that could not map our segments: the socket from now on
         self.agent_held: Callable[[int], bool] = lambda rank: False  # a host agent holds it (launch/hosts.py)
@@ -96,7 +97,10 @@ class Transfers:
 
     def _wait(self, handle: CellHandle, timeout: float | None) -> RankMap | None:
         assert self.waiter is not None
-        return self.waiter.result(handle, timeout if timeout is not None else (self.state.options.timeout or None))
+        try:
+            return self.waiter.result(handle, timeout if timeout is not None else (self.state.options.timeout or None))
+        finally:
+            self.idle.worked()  # what the transfer freed goes back to the OS once the kernel idles (heap.py)
 
     # ------------------------------------------------------------------ routing
 
@@ -320,6 +324,10 @@ class Transfers:
         """``rank`` dropped the values it built on these segments of ours."""
         for seg_id in msg.ids:
             self.pool.give_back(int(seg_id), rank)
+
+    def idle_tick(self, now: float) -> None:
+        """I/O thread, once per heartbeat interval: give freed heap memory back if idle since a transfer (heap)."""
+        self.idle.maybe_trim()
 
     def on_rank_exit(self, rank: int) -> None:
         self.pool.drop_holder(rank)
