@@ -100,12 +100,16 @@ class CellHandle:
 
     def emit(self, rank: int, stream: str, text: Any) -> None:
         """Under the lock: a line the cell's ``rank`` wrote; written now unless someone waits for the cell."""
+        self.emit_lines(rank, stream, [text])
+
+    def emit_lines(self, rank: int, stream: str, texts: list[Any]) -> None:
+        """Under the lock: lines the cell's ``rank`` wrote, in order; written now unless someone waits for the cell."""
         if self.order == "rank" and not self._released(rank):
-            self._held[rank].append((rank, stream, text))
+            self._held[rank].extend((rank, stream, text) for text in texts)
         else:
             if not self._lines:
                 self._lines_since = time.monotonic()
-            self._lines.append((rank, stream, text))
+            self._lines.extend((rank, stream, text) for text in texts)
         if not self._waiting:
             self.deliver()
         else:
@@ -344,7 +348,8 @@ class CellTable:
         """Under the lock: the cell a line of ``rank`` on ``stream`` belongs to: the oldest of its ``cells`` whose
         output on that stream is not complete, else the last cell submitted."""
         for cell in cells:
-            if stream not in cell.synced.get(rank, {stream}):
+            synced = cell.synced.get(rank)
+            if synced is not None and stream not in synced:
                 return cell
         return self.state.last_cell
 

@@ -13,9 +13,10 @@ Events and their data: ``started`` (ready_seconds), ``stopped``, ``cell_started`
 ``cell_done`` (cell_id, handle), ``rank_result`` (rank, cell_id, status, error, duration, ename, evalue),
 ``rank_state`` (rank, state: idle/dead/stopped, or breakpoint/running from the debugger; returncode, host, device,
 pid where known), ``rank_joined`` (host, pid, rank, joined, world_size), ``rank_died`` (rank, returncode, reason),
-``regrouped`` (fresh), ``output`` (rank, stream, text, cell_id), ``progress`` (rank, cell_id, n, total, desc,
-postfix), ``heartbeat`` (rank, rss, cuda_allocated, cuda_reserved; bytes), ``display`` (rank, cell_id, display_kind:
-display/update/clear, display_id, data: the MIME bundle as published, metadata; kernel/rich.py).
+``regrouped`` (fresh), ``output`` (rank, stream, cell_id, lines: the lines, without newlines, that came together,
+in order; text: the same joined by newlines), ``progress`` (rank, cell_id, n, total, desc, postfix), ``heartbeat``
+(rank, rss, cuda_allocated, cuda_reserved; bytes), ``display`` (rank, cell_id, display_kind: display/update/clear,
+display_id, data: the MIME bundle as published, metadata; kernel/rich.py).
 """
 
 from __future__ import annotations
@@ -62,15 +63,22 @@ class EventBus:
 
     def emit(self, kind: str, **data: Any) -> None:
         """Queue an event (any thread, any lock held)."""
-        if not self._listeners:
+        if self._listeners:
+            self.emit_all([(kind, data)])
+
+    def emit_all(self, events: list[tuple[str, dict]]) -> None:
+        """Queue several events (kind, data), in order, at the cost of one (a rank's burst of output lines)."""
+        if not self._listeners or not events:
             return
         with self._cond:
-            self._queue.append((kind, data))
-            self._emitted += 1
+            idle = not self._queue  # the events thread waits only while the queue is empty: wake it only then
+            self._queue.extend(events)
+            self._emitted += len(events)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="monarch-events", daemon=True)
                 self._thread.start()
-            self._cond.notify_all()
+            if idle:
+                self._cond.notify_all()
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait up to ``timeout`` seconds until every event emitted so far has reached every listener; True when

@@ -106,6 +106,7 @@ def write_lines(lines: Sequence[tuple[Who, str, Any]], ctx: contextvars.Context 
             for i, (_, stream, item) in enumerate(lines):
                 if stream == "display":
                     write_lines(lines[start:i])
+                    _flush(sys.stdout, sys.stderr)  # the lines before a rich output are shown before it
                     item.publish()
                     start = i + 1
             write_lines(lines[start:])
@@ -117,23 +118,47 @@ def write_lines(lines: Sequence[tuple[Who, str, Any]], ctx: contextvars.Context 
         return
 
     def write() -> None:
-        out: list[str] = []
-        err: list[str] = []
-        for rank, stream, text in lines:
-            (out if stream == "stdout" else err).append(f"{label(rank)} {text}\n")
-        # Keep stdout and stderr lines in their relative order where both occur.
-        if out and err:
-            for rank, stream, text in lines:
-                target = sys.stdout if stream == "stdout" else sys.stderr
-                target.write(f"{label(rank)} {text}\n")
-        elif out:
-            sys.stdout.write("".join(out))
-        else:
-            sys.stderr.write("".join(err))
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream, text in _by_stream(lines):
+            target = sys.stdout if stream == "stdout" else sys.stderr
+            other = sys.stderr if stream == "stdout" else sys.stdout
+            if _last_written[0] is other:
+                _flush(other)  # what the other stream holds came first: it is shown first
+            target.write(text)
+            _last_written[0] = target
+            if not _flushes_itself(target):
+                _flush(target)
 
     if ctx is None:
         write()
     else:
         ctx.run(write)
+
+
+_last_written: list[Any] = [None]  # the stream the last write_lines wrote to (an order, not a resource)
+
+
+def _by_stream(lines: Sequence[tuple[Who, str, Any]]) -> list[tuple[str, str]]:
+    """Labelled text per run of consecutive lines of one stream, in order."""
+    runs: list[tuple[str, list[str]]] = []
+    for rank, stream, text in lines:
+        stream = "stdout" if stream == "stdout" else "stderr"
+        if not runs or runs[-1][0] != stream:
+            runs.append((stream, []))
+        runs[-1][1].append(f"{label(rank)} {text}\n")
+    return [(stream, "".join(parts)) for stream, parts in runs]
+
+
+def _flushes_itself(stream: Any) -> bool:
+    """A kernel's output stream (ipykernel's OutStream) sends what it holds every ``flush_interval`` seconds from
+    its own thread; flushing it after every write would wait for that thread each time (a round trip per batch of
+    lines, while the mesh lock is held)."""
+    return getattr(stream, "flush_interval", None) is not None
+
+
+def _flush(*streams: Any) -> None:
+    for stream in streams:
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or broken: what it held is gone either way
+            pass
+

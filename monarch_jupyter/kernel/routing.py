@@ -28,7 +28,7 @@ from monarch_worker import protocol as P
 from .cells import CellTable
 from .iothread import Handler
 from .output import write_lines
-from .state import MeshState, RankInfo
+from .state import LAST_LINES, MeshState, RankInfo
 
 log = logging.getLogger(__name__)
 
@@ -68,13 +68,18 @@ class OutputRouter:
         i, n = 0, len(events)
         while i < n:
             with state.lock:
+                # A run of lines between two sync markers goes to one cell: it is routed as one batch.
+                run: list[str] = []
                 while i < n and events[i][0] != "msg":
                     kind, value = events[i]
                     i += 1
                     if kind == "line":
-                        self.route_line(info, stream, str(value))
-                    else:
-                        self.cells.on_sync(rank, stream, int(value))  # type: ignore[call-overload]
+                        run.append(str(value))
+                        continue
+                    self.route_lines(info, stream, run)
+                    run = []
+                    self.cells.on_sync(rank, stream, int(value))  # type: ignore[call-overload]
+                self.route_lines(info, stream, run)
                 if i == n:
                     return
                 record = self._take_record(info, *events[i][1])  # type: ignore[misc]
@@ -119,14 +124,26 @@ class OutputRouter:
 
     def route_line(self, info: RankInfo, stream: str, text: str) -> None:
         """Under the lock: one line of ``info``'s output to its cell."""
-        if kept_for_death_report(text):
-            info.last_lines.append(text)
+        self.route_lines(info, stream, [text])
+
+    def route_lines(self, info: RankInfo, stream: str, texts: list[str]) -> None:
+        """Under the lock: lines of ``info``'s output, in order, to the cell they belong to (one cell: no sync
+        marker between them); one "output" event for all of them."""
+        if not texts:
+            return
+        kept: list[str] = []  # the last LAST_LINES kept lines are all that can stay in info.last_lines
+        for text in reversed(texts):
+            if kept_for_death_report(text):
+                kept.append(text)
+                if len(kept) == LAST_LINES:
+                    break
+        info.last_lines.extend(reversed(kept))
         target = self.cells.target(info.rank, stream, info.cells)
         if target is None:
-            write_lines([(info.rank, stream, text)])
+            write_lines([(info.rank, stream, text) for text in texts])
         else:
-            target.emit(info.rank, stream, text)
-        self.state.events.emit("output", rank=info.rank, stream=stream, text=text,
+            target.emit_lines(info.rank, stream, texts)
+        self.state.events.emit("output", rank=info.rank, stream=stream, lines=texts, text="\n".join(texts),
                                cell_id=None if target is None else target.cell_id)
 
     def flush_rank(self, info: RankInfo) -> None:

@@ -278,13 +278,14 @@ class MeshMonitor:
 
     def _on_output(self, data: dict, now: float) -> None:
         info = self._rank(data["rank"])
-        info.last_line = data["text"]
+        lines = data["lines"]
+        info.last_line = lines[-1]
         cell = info.cells.get(data.get("cell_id", -1))
         if cell is not None:
-            cell.last_line = data["text"]
+            cell.last_line = lines[-1]
             cell.output_at = now
-            cell.log.append((data["stream"], data["text"]))
-            cell.logged += 1
+            cell.log.extend((data["stream"], text) for text in lines[-(cell.log.maxlen or len(lines)):])
+            cell.logged += len(lines)
 
     def _on_display(self, data: dict, now: float) -> None:
         cell = self._rank(data["rank"]).cells.get(data.get("cell_id", -1))

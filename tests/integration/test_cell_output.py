@@ -89,3 +89,23 @@ def _collect(kc: Any, msg_id: str) -> tuple[dict, list[dict]]:
             break
         msgs.append(msg)
     return reply["content"], msgs
+
+
+def test_a_flood_of_output_reaches_the_cell_and_the_listeners_whole_and_in_order(kc: Any) -> None:
+    """Lines are routed and told to listeners in batches (one "output" event per run of lines that came together);
+    none is lost, duplicated or reordered, in the cell or in the events."""
+    code = ("got = {0: [], 1: []}\n"
+            "def listen(kind, data):\n"
+            "    if kind == 'output' and data['stream'] == 'stdout':\n"
+            "        assert data['text'] == '\\n'.join(data['lines'])\n"
+            "        got[data['rank']].extend(data['lines'])\n"
+            "m.add_listener(listen)\n")
+    reply, _ = execute(kc, code)
+    assert reply["status"] == "ok", reply
+    reply, msgs = execute(kc, "%%mesh\nfor i in range(5000):\n    print(f'F {rank} {i}')\n")
+    assert reply["status"] == "ok", reply
+    assert lines(msgs) == [f"[rank{r}]: F {r} {i}" for r in (0, 1) for i in range(5000)]  # rank order
+    reply, msgs = execute(kc, "m.remove_listener(listen)\n"
+                              "print(all(got[r] == [f'F {r} {i}' for i in range(5000)] for r in (0, 1)))")
+    assert reply["status"] == "ok", reply
+    assert streams(msgs, "stdout").strip() == "True"
