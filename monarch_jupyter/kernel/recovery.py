@@ -233,7 +233,7 @@ class Recovery:
     def waiting_for_failed(self, cell: CellHandle, now: float) -> list[int]:
         """Under the lock: once ``COLLECTIVE_GRACE`` s passed since a rank of ``cell`` raised, the ranks still
         running it (asked once per cell), for ``release_collective``; else []."""
-        if cell.all_done or cell.interrupted or cell.collective_checked:
+        if cell.all_done or cell.interrupted or cell.collective_checked or not cell.errors:
             return []
         if not failed_ranks(cell):
             return []
