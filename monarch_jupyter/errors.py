@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import functools
 import signal
+from collections.abc import Mapping
 from typing import Any
 
-from .ranks import ranks_text
+from .ranks import RankMap, ranks_text
 
 __all__ = [
     "MonarchError",
@@ -319,12 +320,14 @@ def _render_interrupt(message: str) -> list[str]:
     return [f"KeyboardInterrupt: {message}"]
 
 
-def mesh_interrupt(message: str) -> KeyboardInterrupt:
+def mesh_interrupt(message: str, results: Mapping[int, Any] | None = None) -> KeyboardInterrupt:
     """The KeyboardInterrupt a cell raises when the notebook's interrupt stopped it on the ranks.
 
     A plain KeyboardInterrupt (so "Run All" stops and ``except KeyboardInterrupt`` works), which IPython shows
-    as one line (``message``: where each rank stopped) instead of the controller's own frames.
+    as one line (``message``: where each rank stopped) instead of the controller's own frames. Its ``results``
+    (a RankMap) holds the values of the ranks that finished the cell before it was interrupted on the others.
     """
     exc = KeyboardInterrupt(message)
+    exc.results = RankMap(dict(results or {}))  # type: ignore[attr-defined]
     exc._render_traceback_ = functools.partial(_render_interrupt, message)  # type: ignore[attr-defined]
     return exc

@@ -254,7 +254,12 @@ class CellHandle:
         MeshError
             The cell raised on some ranks, or some ranks died; ``.results`` holds the others' values.
         MeshTimeoutError
-            The cell did not finish within ``timeout`` seconds (the report says where each rank was).
+            The cell did not finish within ``timeout`` seconds (the report says where each rank was); the cell is
+            then interrupted on every rank, as ``%%mesh --timeout`` does. To wait without interrupting, use
+            ``wait(timeout)``.
+        KeyboardInterrupt
+            The cell was interrupted (``%mesh interrupt``, the notebook's interrupt, a timeout); ``.results`` holds
+            the values of the ranks that had finished it. Not an ``Exception``: ``except Exception`` does not catch it.
         """
         self._waiter.wait(self, timeout, True)
         return self._waiter.outcome(self)

@@ -252,8 +252,10 @@ class Waiter:
             cell.values = {}  # the handle may live on (late output); the results belong to the caller now
         if errors:
             if all(isinstance(e, RemoteError) and e.interrupted for e in errors.values()):
+                done = f"; {ranks_text(results)} had finished (their values: the exception's .results)" \
+                    if results else ""
                 raise mesh_interrupt(f"interrupted {ranks_text(errors)} (they keep their state): "
-                                     f"{where_interrupted(errors)}")
+                                     f"{where_interrupted(errors)}{done}", results)
             errors, hint = self.recovery.fold_errors(cell, errors)
             hint = "; ".join(h for h in (cell.collective_hint, hint) if h)
             raise MeshError(errors, results, cell.what, hint)

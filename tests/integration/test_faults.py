@@ -388,3 +388,17 @@ def test_stacks_and_interrupt_while_an_async_cell_runs(healthy: Mesh) -> None:
     with pytest.raises(KeyboardInterrupt, match="time.sleep at cell line 3"):
         handle.result(timeout=10)
     assert_recovered(mesh, kept=[0, 1, 2])
+
+
+def test_interrupting_some_ranks_keeps_the_results_of_the_others(healthy: Mesh) -> None:
+    mesh = healthy
+    handle = mesh.run("import time\nif rank == 1:\n    time.sleep(600)\nrank * 10\n", block=False)
+    deadline = time.monotonic() + 60
+    while handle.snapshot().finished != {0, 2} and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert handle.snapshot().finished == {0, 2}
+    mesh.interrupt(ranks=1)
+    with pytest.raises(KeyboardInterrupt, match=r"interrupted rank 1 .*ranks 0,2 had finished") as info:
+        handle.result(timeout=60)
+    assert info.value.results == {0: 0, 2: 20}
+    assert_recovered(mesh, kept=[0, 1, 2])
