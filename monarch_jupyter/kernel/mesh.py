@@ -271,7 +271,7 @@ class Mesh:
         refs, sources = notebook_refs(code, namespace, compiled) if namespace is not None else ({}, {})
         payload, buffers = dumps(refs) if refs else (b"", [])
         handle = self.waiter.submit(cell_id, [(chosen, P.Exec(cell_id, code, filename, sources), payload, buffers)],
-                                    "the cell", order)
+                                    "the cell", order, waited=block)
         try:
             return self._finish(handle, timeout, block)
         except MeshError as e:  # a NameError for a notebook name: how to send it (hints.py)

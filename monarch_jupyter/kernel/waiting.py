@@ -56,9 +56,11 @@ class Waiter:
         self.prompts: Prompts | None = None
 
     def submit(self, cell_id: int, groups: list[Group], what: str, order: str = "arrival",
-               tracks_failures: bool = True) -> CellHandle:
+               tracks_failures: bool = True, waited: bool = False) -> CellHandle:
         """Send one cell (``groups``: ranks that get the same message) and return its handle. ``order``: see
-        ``Mesh.run``; ``tracks_failures``: its failures are the ones post-mortem opens.
+        ``Mesh.run``; ``tracks_failures``: its failures are the ones post-mortem opens; ``waited``: the caller
+        waits for it next (``wait``), so its lines are held for that thread from the start (folding and rank
+        order then see every line, also those a fast rank writes before the caller is back).
 
         Raises
         ------
@@ -70,6 +72,19 @@ class Waiter:
         ranks = sorted(r for group in groups for r in group[0])
         handle = CellHandle(self.state, self, cell_id, ranks, what, order)
         handle.tracks_failures = tracks_failures
+        if not waited:
+            return self._send(handle, groups)
+        with self.state.lock:
+            handle.set_waiting(True)
+        try:
+            return self._send(handle, groups)
+        except BaseException:
+            with self.state.lock:
+                handle.set_waiting(False)  # nobody will wait: lines go out as they come
+            raise
+
+    def _send(self, handle: CellHandle, groups: list[Group]) -> CellHandle:
+        cell_id, ranks = handle.cell_id, handle.ranks
         try:
             self.dispatcher.submit(handle, groups)
         except KeyboardInterrupt:
