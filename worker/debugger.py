@@ -195,7 +195,14 @@ class RemotePdb(pdb.Pdb):
                 super().interaction(frame, tb)
             finally:
                 dbg._active = None
-                raise_now = dbg._end_interaction(self._how)
+                # An interrupt that comes while the rank reports leaving the prompt is held (runtime.on_sigint) and
+                # raised below, at the line where it stopped, not inside the report.
+                dbg.leaving = True
+                try:
+                    raise_now = dbg._end_interaction(self._how)
+                finally:
+                    dbg.leaving = False
+                raise_now, dbg.sigint_pending = raise_now or dbg.sigint_pending, False
         if raise_now:
             if tb is None:
                 self.set_continue()
@@ -229,6 +236,8 @@ class RankDebugger:
         self._waiting_id = 0  # the prompt the debugged thread waits on (0: none)
         self._detach = False  # answer every prompt with "continue" until the interaction ends
         self._raise = False  # then raise KeyboardInterrupt at the current line
+        self.leaving = False  # the main thread reports that pdb left its prompt (a SIGINT then waits: sigint_pending)
+        self.sigint_pending = False
         self._active: RemotePdb | None = None
         self._traced = False
         self._in_post_mortem = False

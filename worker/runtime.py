@@ -224,6 +224,9 @@ class Rank:
             return
         if ours >= 0 and ours != self.current_cell:
             return
+        if self.debugger.leaving:  # raised once pdb's prompt is left (debugger.RemotePdb.interaction)
+            self.debugger.sigint_pending = True
+            return
         raise KeyboardInterrupt
 
     def _on_stacks(self, msg: P.StacksRequest, payload: bytes, bufs: list) -> None:
