@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 
@@ -50,6 +51,19 @@ def wait_gone(pids: set[int], timeout: float = 10.0) -> set[int]:
         if alive:
             time.sleep(0.05)
     return alive
+
+
+def reap(procs: list[subprocess.Popen], timeout: float = 30) -> list[int | None]:
+    """Exit codes of ``procs``, each waited for up to ``timeout`` s (None: it was still running and is killed)."""
+    codes: list[int | None] = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            codes.append(None)
+    return codes
 
 
 def magic_shell() -> object:

@@ -389,6 +389,8 @@ class RankDebugger:
                 log.debug("rank %d: dropped input for prompt %d", self._rank.rank, msg.prompt_id)
                 return
             self._waiting_id = -1  # one answer per prompt
+            if msg.action == "raise":  # from now on an interrupt of this cell finds the rank leaving to raise
+                self._raise = self._detach = True
             self._inputs.put((msg.line, msg.action))
 
     def on_interrupt(self, cell_id: int) -> bool:
@@ -396,12 +398,15 @@ class RankDebugger:
         with self._lock:
             if self._rank.current_cell != cell_id or self._active is None:
                 return False
+            raising = self._raise  # the prompt was answered "raise": the rank raises where it stopped anyway
             self._raise = self._detach = True
             if self._waiting_id > 0:  # at the prompt: answer it
                 self._waiting_id = -1
                 self._inputs.put(("", "raise"))
                 return True
-        return False  # in a pdb command: SIGINT stops it, and the next prompt raises
+        # Raising already: a SIGINT too could land in the cell's ending, after pdb raised, and replace that
+        # KeyboardInterrupt before post-mortem keeps it. In a pdb command: SIGINT stops it, the next prompt raises.
+        return raising
 
     def on_clear(self, msg: P.DebugClear, payload: bytes, bufs: list) -> None:
         had = self.error is not None

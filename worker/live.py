@@ -13,9 +13,13 @@ count, total, description and postfix along with their ordinary text output (whi
 the rank's stderr). Nested bars report the innermost open bar, prefixed with the outer bars' counts. A bar made
 with ``disable=True`` (e.g. ``disable=rank != 0``) reports nothing; call ``progress()`` on those ranks.
 
-Reports are throttled on the rank (at most one ``Progress`` message per ``MIN_INTERVAL`` seconds; the first, the
-last of a loop and the one pending at the end of a cell are always sent), so a tight loop costs a time check
-per call. Outside a rank (no mesh runtime in this process) ``progress()`` does nothing.
+Reports are throttled on the rank: at most one ``Progress`` message per ``MIN_INTERVAL`` seconds, so a tight loop
+costs a time check per call. The first report of a bar and the last of a loop go at once; a report held back goes
+``MIN_INTERVAL`` after the one before it (from a timer thread), or at the end of the cell, whichever is first, so
+the view never shows a stale count or postfix while a long step runs (tqdm's ``set_postfix`` redraws the bar right
+after the step count: that second report is the one a step of many seconds would otherwise hide). Each report
+carries a sequence number; the controller keeps the newest when two reach it out of order. Outside a rank (no mesh
+runtime in this process) ``progress()`` does nothing.
 
 This module imports neither tqdm nor torch: tqdm is patched when (and if) the rank imports it.
 """
@@ -50,6 +54,8 @@ _current_cell: Callable[[], int] = _no_cell
 _lock = threading.Lock()
 _last_sent = 0.0
 _pending: P.Progress | None = None
+_seq = 0  # sequence number of the last report made (Progress.seq)
+_timer: threading.Timer | None = None  # sends the held-back report when its interval is over
 
 
 def install(send: Callable[[P.Message], None], current_cell: Callable[[], int]) -> None:
@@ -117,18 +123,31 @@ def _fmt(value: Any) -> str:
 
 def _report(n: float, total: float | None, desc: str, postfix: str, *, final: bool = False,
             first: bool = False) -> None:
-    global _pending, _last_sent
+    global _pending, _last_sent, _seq, _timer
     if _send is None:
         return
-    msg = P.Progress(cell_id=_current_cell(), n=n, total=total, desc=desc, postfix=postfix)
     now = time.monotonic()
     with _lock:
+        _seq += 1
+        msg = P.Progress(cell_id=_current_cell(), n=n, total=total, desc=desc, postfix=postfix, seq=_seq)
         if not (final or first) and now - _last_sent < MIN_INTERVAL:
             _pending = msg
+            if _timer is None:
+                _timer = threading.Timer(MIN_INTERVAL - (now - _last_sent), _send_held)
+                _timer.name, _timer.daemon = "monarch-progress", True
+                _timer.start()
             return
         _pending = None
         _last_sent = now
     _send(msg)
+
+
+def _send_held() -> None:
+    """Timer thread: the interval after the last report is over; send the report held back since, if any."""
+    global _timer
+    with _lock:
+        _timer = None
+    flush()
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -280,6 +280,8 @@ class Progress(Message):
     """Progress of a loop in the rank (``monarch_worker.progress`` or tqdm).
 
     ``n`` of ``total`` steps (``total`` None: unknown); ``postfix`` is shown after the count ("loss=0.25").
+    ``seq`` numbers the reports of one rank process from 1 (0: not numbered); a report may travel as a record in
+    the rank's output or on its socket, and the controller drops one older than the newest it has.
     """
 
     TYPE: ClassVar[str] = "progress"
@@ -288,6 +290,7 @@ class Progress(Message):
     total: float | None
     desc: str = ""
     postfix: str = ""
+    seq: int = 0
 
 
 @_register

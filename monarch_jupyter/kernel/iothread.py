@@ -340,8 +340,12 @@ class IOThread:
             self.admission.on_goodbye(rank, msg)
 
     def on_progress(self, rank: int, msg: P.Progress, payload: bytes, bufs: list) -> None:
-        """A rank's progress report (from the socket, or a record in its output: any thread)."""
+        """A rank's progress report (from the socket, or a record in its output: any thread). The two ways can
+        cross: a report older (by ``seq``) than the newest one of this rank process is dropped."""
         with self.state.lock:
-            self.state.ranks[rank].progress = (msg.n, msg.total, msg.desc)
-        self.state.events.emit("progress", rank=rank, n=msg.n, total=msg.total, desc=msg.desc,
-                               cell_id=msg.cell_id, postfix=msg.postfix)
+            info = self.state.ranks[rank]
+            if msg.seq and msg.seq <= info.progress_seq:
+                return
+            info.progress, info.progress_seq = (msg.n, msg.total, msg.desc), msg.seq
+            self.state.events.emit("progress", rank=rank, n=msg.n, total=msg.total, desc=msg.desc,  # in seq order
+                                   cell_id=msg.cell_id, postfix=msg.postfix)

@@ -68,6 +68,7 @@ class RankInfo:
     splitters: dict[str, StreamSplitter] = field(
         default_factory=lambda: {"stdout": StreamSplitter(), "stderr": StreamSplitter(records=False)})
     progress: tuple | None = None
+    progress_seq: int = 0  # Progress.seq of the newest report taken from this rank process
     record_parts: list[bytes] = field(default_factory=list)  # bodies of a record message not complete yet
 
     @property

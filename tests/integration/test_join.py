@@ -22,7 +22,7 @@ import zmq
 from monarch_jupyter import Mesh, MeshError, MeshStartError, RankDiedError, RemoteError
 from monarch_jupyter.kernel import registry
 from monarch_worker import protocol as P
-from tests.conftest import magic_shell, wait_gone
+from tests.conftest import magic_shell, reap, wait_gone
 
 pytestmark = pytest.mark.slow
 
@@ -43,18 +43,6 @@ def start_ranks(mesh: Mesh, n: int, extra: dict[str, str] | None = None, **kw: o
     """Run the printed generic command ``n`` times (what a user pastes on other hosts)."""
     env = {**os.environ, **mesh.join_commands().env, **(extra or {})}
     return [subprocess.Popen([sys.executable, "-m", "monarch_worker"], env=env, **kw) for _ in range(n)]
-
-
-def reap(procs: list[subprocess.Popen], timeout: float = 20) -> list[int | None]:
-    codes = []
-    for p in procs:
-        try:
-            codes.append(p.wait(timeout))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-            codes.append(None)
-    return codes
 
 
 # ---------------------------------------------------------------------------------------------- torchrun ranks

@@ -80,19 +80,6 @@ def comm_of(pid: int) -> str:
         return ""
 
 
-def reap(procs: list[subprocess.Popen], timeout: float = 30) -> list[int | None]:
-    """Exit codes of ``procs``, each waited for up to ``timeout`` s (None: it was still running and is killed)."""
-    codes: list[int | None] = []
-    for p in procs:
-        try:
-            codes.append(p.wait(timeout))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-            codes.append(None)
-    return codes
-
-
 def start_agents(hosts: FakeHosts, command: str, tmp: Path, env: dict[str, str] | None = None,
                  which: tuple[int, ...] = (1, 2)) -> list[subprocess.Popen]:
     """Run ``command`` (as printed) in a shell on each fake host of ``which``, its output in a log under ``tmp``."""

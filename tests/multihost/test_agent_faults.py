@@ -16,7 +16,8 @@ import zmq
 
 from monarch_jupyter import Mesh, MeshError, MeshStartError, RankDiedError
 from monarch_worker import protocol as P
-from tests.multihost.conftest import NETNS, FakeHosts, comm_of, reap, start_agents
+from tests.conftest import reap
+from tests.multihost.conftest import NETNS, FakeHosts, comm_of, start_agents
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow]
 

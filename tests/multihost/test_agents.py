@@ -16,7 +16,8 @@ from collections.abc import Iterator
 import pytest
 
 from monarch_jupyter import Mesh, MeshError, RankDiedError, RemoteError
-from tests.multihost.conftest import FakeHosts, comm_of, reap, start_agents
+from tests.conftest import reap
+from tests.multihost.conftest import FakeHosts, comm_of, start_agents
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow]
 

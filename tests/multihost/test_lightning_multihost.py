@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from monarch_jupyter import Mesh
+from tests.conftest import reap
 from tests.multihost.conftest import FakeHosts, SlurmCluster
-from tests.multihost.test_netns import reap
 from tests.multihost.test_slurm import allocation  # noqa: F401 - the fixture
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow]

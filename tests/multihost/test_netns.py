@@ -11,7 +11,8 @@ import time
 import pytest
 
 from monarch_jupyter import Mesh, MeshError, RemoteError
-from tests.multihost.conftest import FakeHosts, reap
+from tests.conftest import reap
+from tests.multihost.conftest import FakeHosts
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow]
 
