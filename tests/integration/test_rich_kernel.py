@@ -254,6 +254,11 @@ print("still here")
     assert "repr() of Broken raised RuntimeError: no repr" in err
     assert "was not sent: the limit is" in err
     shown = rank_displays(msgs)
+    if any(len(shown.get(r, [])) != 1000 + 1 for r in (0, 1)):  # say what is missing, and whether it came late
+        late = rank_displays(_late_messages(kernel, msgs[0]["parent_header"]["msg_id"]))
+        pytest.fail(f"displays per rank: {({r: len(v) for r, v in shown.items()})}, missing: "
+                    f"{({r: _missing_numbers(v) for r, v in shown.items()})}; after the kernel was idle: "
+                    f"{({r: [c['data']['text/plain'] for c in v][:30] for r, v in late.items()})}")
     for r in (0, 1):
         texts = [c["data"]["text/plain"] for c in shown[r]]
         assert texts[0] == f"[rank{r}]: <Broken object (its repr raised RuntimeError)>"
@@ -261,6 +266,28 @@ print("still here")
         assert len(shown[r]) == 1000 + 1  # the cap per rank and cell, then one note
         assert "more displays of this cell were not shown" in texts[-1]
     execute(kernel, "%%mesh\nassert 1 + 1 == 2")  # the mesh is still usable
+
+
+def _late_messages(kc, msg_id: str, quiet: float = 5.0) -> list[dict]:
+    """IOPub messages of request ``msg_id`` that come after its idle status (none should), until ``quiet`` s pass
+    without one."""
+    import queue
+
+    late = []
+    while True:
+        try:
+            msg = kc.get_iopub_msg(timeout=quiet)
+        except queue.Empty:
+            return late
+        if msg["parent_header"].get("msg_id") == msg_id:
+            late.append(msg)
+
+
+def _missing_numbers(contents: list[dict]) -> list[int]:
+    """Which of display(0) .. display(997) (the cap less the two displays before them) did not come."""
+    seen = {int(t.split(": ", 1)[1]) for c in contents if (t := c["data"].get("text/plain", "")).split(": ", 1)[-1]
+            .isdigit()}
+    return sorted(set(range(998)) - seen)
 
 
 def shell_reply(kc, msg_id: str) -> dict:
