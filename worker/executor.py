@@ -31,8 +31,14 @@ def is_internal(filename: str) -> bool:
     return filename.startswith((_PACKAGE_DIR, "<frozen "))
 
 
-def format_error(exc: BaseException) -> dict:
-    """Describe ``exc`` for a Result: type, module, message and the traceback without our own frames."""
+def format_error(exc: BaseException, namespace: dict | None = None) -> dict:
+    """Describe ``exc`` for a Result: type, module, message and the traceback without our own frames.
+
+    ``namespace``: the rank's cell namespace; a NameError for one of its names, raised in a function defined in the
+    notebook, gets a note saying why (see ``_note_notebook_globals``).
+    """
+    if namespace is not None:
+        _note_notebook_globals(exc, namespace)
     tb = exc.__traceback__
     while tb is not None and is_internal(tb.tb_frame.f_code.co_filename):
         tb = tb.tb_next
@@ -45,6 +51,24 @@ def format_error(exc: BaseException) -> dict:
         "interrupted": isinstance(exc, KeyboardInterrupt),
         "frames": [(f.filename, f.lineno or 0, f.name, (f.line or "").strip()) for f in te.stack],
     }
+
+
+def _note_notebook_globals(exc: BaseException, namespace: dict) -> None:
+    """A function defined in the notebook runs on a rank with the notebook's globals (cloudpickle sends the ones
+    it refers to along with it), not the rank's: a name only the rank has, such as ``rank``, is not found there.
+    Add a note (PEP 678) that says so and what to do."""
+    name = getattr(exc, "name", None)
+    if not isinstance(exc, NameError) or not isinstance(name, str) or name not in namespace:
+        return
+    tb, frame = exc.__traceback__, None
+    while tb is not None:
+        frame, tb = tb.tb_frame, tb.tb_next
+    if frame is None or frame.f_globals is namespace or frame.f_globals.get("__name__") != "__main__":
+        return
+    func = frame.f_code.co_name
+    exc.add_note(f"{name!r} is a name of this rank, but {func}() was defined in the notebook and looks names up "
+                 f"in the notebook's globals, sent with it. Pass {name} as an argument, or define {func}() in a "
+                 "%%mesh cell.")
 
 
 def main_thread_stack(frame: types.FrameType | None) -> list[tuple[str, int, str, str]]:

@@ -434,7 +434,7 @@ class Rank:
                     self.current_cell = -1
                 self.debugger.cell_finished()
         except BaseException as e:  # noqa: BLE001 - report everything, KeyboardInterrupt included
-            error, value, has_value = format_error(e), None, False
+            error, value, has_value = format_error(e, self.ns.ns if self.ns is not None else None), None, False
         if self.rich is not None:  # figures left open are shown; a figure value comes back as its image
             value = self.rich.cell_value(value) if has_value and reply is None else value
             self.rich.end_cell(cell_id)

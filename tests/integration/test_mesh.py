@@ -534,3 +534,21 @@ def test_a_partial_escape_at_the_end_of_a_cells_stderr_stays_in_that_cell(
     run(mesh, 'import sys; print("next", file=sys.stderr)', ranks=0)
     assert "[rank0]: err" in first
     assert capsys.readouterr().err.splitlines() == ["[rank0]: next"]
+
+
+def test_a_notebook_function_that_uses_a_rank_name_says_why_it_is_not_found(mesh: Mesh) -> None:
+    """A function defined in the notebook keeps the notebook's globals on a rank: ``rank`` is not one of them.
+    The NameError says so, and how to fix it; a function defined in a cell sees the rank's names."""
+    notebook: dict = {"__name__": "__main__"}  # a notebook cell's globals
+    exec("def shifted(v):\n    return v + rank\n", notebook)
+    with pytest.raises(MeshError) as info:
+        mesh.call(notebook["shifted"], 1, ranks=[0, 1])
+    tb = info.value.errors[0].traceback
+    assert "NameError: name 'rank' is not defined" in tb
+    assert "'rank' is a name of this rank, but shifted() was defined in the notebook" in tb, tb
+    assert "Pass rank as an argument, or define shifted() in a %%mesh cell." in tb
+    run(mesh, "def shifted(v):\n    return v + rank\n")
+    assert run(mesh, "shifted(1)", ranks=[0, 1]) == {0: 1, 1: 2}
+    with pytest.raises(MeshError) as info:  # a name no one has: no note
+        run(mesh, "def f():\n    return undefined_anywhere\nf()", ranks=[0])
+    assert "is a name of this rank" not in info.value.errors[0].traceback
