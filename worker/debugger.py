@@ -236,7 +236,9 @@ class RankDebugger:
         self._waiting_id = 0  # the prompt the debugged thread waits on (0: none)
         self._detach = False  # answer every prompt with "continue" until the interaction ends
         self._raise = False  # then raise KeyboardInterrupt at the current line
-        self.leaving = False  # the main thread reports that pdb left its prompt (a SIGINT then waits: sigint_pending)
+        # The main thread reports that pdb left its prompt, or keeps a cell's exception: a SIGINT then waits
+        # (sigint_pending) instead of raising inside that code.
+        self.leaving = False
         self.sigint_pending = False
         self._active: RemotePdb | None = None
         self._traced = False
@@ -454,8 +456,15 @@ class _Keeping:
         self._dbg.error = None
 
     def __exit__(self, typ: type | None, exc: BaseException | None, tb: types.TracebackType | None) -> None:
-        if exc is not None:
-            self._dbg.keep_error(exc)
+        # The cell is ending: a SIGINT now (a late or re-sent interrupt of this cell) is held by runtime.on_sigint
+        # and dropped here, so it cannot replace the exception being kept (pdb's KeyboardInterrupt, say).
+        dbg = self._dbg
+        dbg.leaving = True
+        try:
+            if exc is not None:
+                dbg.keep_error(exc)
+        finally:
+            dbg.leaving = dbg.sigint_pending = False
 
 
 _DEBUGGER_FILES = {os.path.abspath(str(m.__file__)) for m in (bdb, pdb, code, cmd)}

@@ -224,7 +224,7 @@ class Rank:
             return
         if ours >= 0 and ours != self.current_cell:
             return
-        if self.debugger.leaving:  # raised once pdb's prompt is left (debugger.RemotePdb.interaction)
+        if self.debugger.leaving:  # held: pdb leaves its prompt, or the cell's exception is kept (debugger.py)
             self.debugger.sigint_pending = True
             return
         raise KeyboardInterrupt
