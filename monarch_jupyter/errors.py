@@ -12,7 +12,7 @@ import signal
 from collections.abc import Mapping
 from typing import Any
 
-from .ranks import RankMap, ranks_text
+from .ranks import RankMap, plural, ranks_text
 
 __all__ = [
     "MonarchError",
@@ -286,7 +286,8 @@ class MeshError(MonarchError):
         for summary, ranks in aborted.items():
             lines.append(f"--- {ranks_text(ranks)}: {summary} ---")
         if self.results:
-            lines.append(f"({ranks_text(self.results)} finished; their results are in .results of this error)")
+            lines.append(f"({ranks_text(self.results)} finished; "
+                         f"{plural(self.results, 'their results are', 'its result is')} in .results of this error)")
         if self.hint:
             lines.append(self.hint)
         return lines
@@ -310,7 +311,8 @@ class MeshTimeoutError(MeshError):
         if self.stacks:
             lines += ["Where each rank was:", *self.stacks.splitlines()]
         if self.results:
-            lines.append(f"({ranks_text(self.results)} finished; their results are in .results of this error)")
+            lines.append(f"({ranks_text(self.results)} finished; "
+                         f"{plural(self.results, 'their results are', 'its result is')} in .results of this error)")
         if self.hint:
             lines.append(self.hint)
         return lines

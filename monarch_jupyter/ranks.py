@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["parse_ranks", "RankMap", "format_ranks", "ranks_text"]
+__all__ = ["parse_ranks", "RankMap", "format_ranks", "plural", "ranks_text"]
 
 
 def parse_ranks(spec: str | int | Iterable[int] | None, world_size: int) -> list[int]:
@@ -78,6 +78,11 @@ def ranks_text(ranks: Iterable[int]) -> str:
     """"rank 2" or "ranks 0,1,3": ``format_ranks`` with the word in front, singular or plural."""
     rs = sorted(set(ranks))
     return f"rank{'s' if len(rs) != 1 else ''} {format_ranks(rs)}"
+
+
+def plural(ranks: Iterable[int], many: str, one: str) -> str:
+    """``one`` when ``ranks`` holds one rank, else ``many``: the words that follow ``ranks_text(ranks)``."""
+    return one if len(set(ranks)) == 1 else many
 
 
 class RankMap(dict):

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from monarch_worker import protocol as P
 
-from ..ranks import format_ranks, parse_ranks, ranks_text
+from ..ranks import format_ranks, parse_ranks, plural, ranks_text
 from .dispatch import Dispatcher
 from .output import label, write_lines
 from .postmortem import Inspection, NothingToDebugError, PostMortem
@@ -476,14 +476,16 @@ class MeshDebugger:
         if self.on_interrupt == "raise":
             for r in ready:
                 self._send_action(r, "raise")
-            self._write(f"\ninterrupted at the debugger prompt: {ranks_text(mine) if mine else 'no rank'} raise "
-                        "KeyboardInterrupt where they stopped\n")
+            verb = plural(mine or [0], "raise KeyboardInterrupt where they", "raises KeyboardInterrupt where it")
+            self._write(f"\ninterrupted at the debugger prompt: {ranks_text(mine) if mine else 'no rank'} {verb} "
+                        "stopped\n")
             raise KeyboardInterrupt("interrupted at the debugger prompt")
         for r in ready:
             self._send_action(r, "continue")
         self._detached.add(key)
-        self._write(f"\ninterrupted at the debugger prompt: {ranks_text(mine) if mine else 'no rank'} continue and the "
-                    "breakpoints of the rest of this cell are skipped (interrupt again to stop the cell)\n")
+        self._write(f"\ninterrupted at the debugger prompt: {ranks_text(mine) if mine else 'no rank'} "
+                    f"{plural(mine or [0], 'continue', 'continues')} and the breakpoints of the rest of this cell are "
+                    "skipped (interrupt again to stop the cell)\n")
 
     # ------------------------------------------------------------------ plumbing
 

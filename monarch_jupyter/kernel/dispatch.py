@@ -39,8 +39,11 @@ WORK_TYPES = P.work_types()
 RECENT_CELLS = 64  # cells whose late rich output still reaches them (MeshState.recent_cells)
 
 
-def restart_hint(dead: list[int]) -> str:
-    """What to run to bring ``dead`` ranks back."""
+def restart_hint(dead: list[int], world_size: int) -> str:
+    """What to run to bring ``dead`` ranks (of a mesh of ``world_size`` ranks) back."""
+    if len(set(dead)) >= world_size:  # no survivor keeps state: a fresh mesh is the whole answer
+        return (f"every rank is dead ({ranks_text(dead)}): %mesh restart  starts a fresh mesh "
+                "(mesh.restart() from Python).")
     them = "them" if len(dead) > 1 else "it"
     return (f"{ranks_text(dead)} {'are' if len(dead) > 1 else 'is'} dead and the process group is down: "
             f"%mesh restart --rank {format_ranks(dead)}  starts fresh processes for {them} "
@@ -128,7 +131,7 @@ class Dispatcher:
         dead = [r for r in ranks if infos[r].state is RankState.DEAD]
         if dead:
             raise MeshError({r: RankDiedError(r, infos[r].returncode, "\n".join(infos[r].last_lines))
-                             for r in dead}, what=what + " (not run)", hint=restart_hint(dead))
+                             for r in dead}, what=what + " (not run)", hint=restart_hint(dead, self.state.nproc))
         busy = [r for r in ranks if infos[r].cells and any(c.abandoned and r not in c.finished
                                                             for c in infos[r].cells)]
         if busy:

@@ -30,7 +30,7 @@ from typing import Any
 from monarch_worker import protocol as P
 
 from ..errors import MeshStartError, MonarchError, RankAbortedError, RankDiedError, RemoteError
-from ..ranks import format_ranks, parse_ranks, ranks_text
+from ..ranks import format_ranks, parse_ranks, plural, ranks_text
 from .cells import CellHandle
 from .dispatch import Dispatcher, restart_hint
 from .iothread import post_regroup
@@ -86,12 +86,14 @@ class InterruptReport:
     regrouped: bool = False  # force: the process group was re-created
     stacks: str = ""  # where the stuck ranks were
     grace: float = 0.0  # seconds the ranks had
+    world_size: int = 0  # ranks in the mesh (0: unknown)
 
     @property
     def text(self) -> str:
         out: list[str] = []
         if self.interrupted:
-            out.append(f"interrupted {ranks_text(self.interrupted)}; they keep their state")
+            keep = plural(self.interrupted, "they keep their state", "it keeps its state")
+            out.append(f"interrupted {ranks_text(self.interrupted)}; {keep}")
         if not (self.interrupted or self.stuck or self.killed):
             out.append(f"nothing to interrupt: {ranks_text(self.idle)} idle")
         if self.stuck:
@@ -101,7 +103,7 @@ class InterruptReport:
         if self.killed:
             out.append(f"killed {ranks_text(self.killed)} (did not stop within {self.grace:g} s"
                        + (f": {self.stacks}" if self.stacks else "") + ")")
-            out.append(restart_hint(self.killed))
+            out.append(restart_hint(self.killed, self.world_size or len(self.killed) + 1))
         if self.regrouped:
             out.append("the process group was re-created (collectives in flight were abandoned); "
                        "every rank kept its namespace")
@@ -165,7 +167,7 @@ class Recovery:
         if not cells and notify and target is not None:
             # Nobody waits on this rank: say so where the user last looked.
             status = str(RankDiedError(rank, rc, reason=reason)).split("] ", 1)[1]
-            write_lines([(rank, "stderr", f"{status} while idle. {restart_hint([rank])}")], target.ctx)
+            write_lines([(rank, "stderr", f"{status} while idle. {restart_hint([rank], state.nproc)}")], target.ctx)
         state.events.emit("rank_died", rank=rank, returncode=rc, reason=reason)
 
     def check_heartbeats(self, now: float) -> None:
@@ -216,7 +218,7 @@ class Recovery:
             if isinstance(e, RemoteError) and cell.result_seen_at.get(r, 0.0) >= cell.death_at - DEATH_SKEW:
                 e = RankAbortedError(r, dead, e)
             out[r] = e
-        return out, restart_hint(dead) if self.state.running else ""
+        return out, restart_hint(dead, self.state.nproc) if self.state.running else ""
 
     def release_survivors(self, cell: CellHandle, now: float) -> None:
         """Under the lock: ``RELEASE_GRACE`` after a death, give up on survivors that did not stop."""
@@ -299,7 +301,7 @@ class Recovery:
         state, post = self.state, self.dispatcher.post
         chosen = parse_ranks(ranks, state.nproc)
         grace = state.options.interrupt_grace if grace is None else float(grace)
-        report = InterruptReport(grace=grace)
+        report = InterruptReport(grace=grace, world_size=self.state.nproc)
         with state.lock:
             busy: dict[int, int] = {}
             for r in chosen:

@@ -21,7 +21,7 @@ from typing import Protocol
 from monarch_worker import protocol as P
 
 from ..errors import MeshError, MeshTimeoutError, MonarchError, RemoteError, mesh_interrupt
-from ..ranks import RankMap, format_ranks, ranks_text
+from ..ranks import RankMap, format_ranks, plural, ranks_text
 from .cells import CellHandle
 from .dispatch import Dispatcher, Group
 from .output import write_lines
@@ -35,6 +35,11 @@ __all__ = ["Waiter", "Prompts", "INTERRUPT_RESEND", "MARKER_GRACE"]
 
 INTERRUPT_RESEND = 1.0  # seconds between interrupts sent to ranks that still run an interrupted cell
 MARKER_GRACE = 1.0  # seconds a rank's output marker may lag its result before the rank is finished without it
+
+
+def keep_state(ranks: list[int] | dict) -> str:
+    """What interrupted ranks keep, in the number of ``ranks``."""
+    return plural(ranks, "they keep their state", "it keeps its state")
 
 
 class Prompts(Protocol):
@@ -208,7 +213,7 @@ class Waiter:
         cause = f" ({cause})" if cause else ""
         if not stopped:
             return f"interrupted; {ranks_text(stuck)} did not stop{cause}"
-        return f"interrupted {ranks_text(stopped)} (they keep their state): {where_interrupted(stopped)}{cause}"
+        return f"interrupted {ranks_text(stopped)} ({keep_state(stopped)}): {where_interrupted(stopped)}{cause}"
 
     def _on_timeout(self, cell: CellHandle, timeout: float) -> None:
         state = self.state
@@ -267,9 +272,9 @@ class Waiter:
             cell.values = {}  # the handle may live on (late output); the results belong to the caller now
         if errors:
             if all(isinstance(e, RemoteError) and e.interrupted for e in errors.values()):
-                done = f"; {ranks_text(results)} had finished (their values: the exception's .results)" \
-                    if results else ""
-                raise mesh_interrupt(f"interrupted {ranks_text(errors)} (they keep their state): "
+                done = (f"; {ranks_text(results)} had finished ({plural(results, 'their values', 'its value')}: "
+                        "the exception's .results)") if results else ""
+                raise mesh_interrupt(f"interrupted {ranks_text(errors)} ({keep_state(errors)}): "
                                      f"{where_interrupted(errors)}{done}", results)
             errors, hint = self.recovery.fold_errors(cell, errors)
             hint = "; ".join(h for h in (cell.collective_hint, hint) if h)

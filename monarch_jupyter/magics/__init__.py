@@ -389,6 +389,12 @@ class MeshMagics(Magics):
                 print(help_text(func, prog))
                 raise HelpShown(prog) from None
             raise UsageError(f"{prog}: {e}. Run  {prog} --help  for the options.") from None
+        ranks = getattr(args, "ranks", None)
+        if isinstance(ranks, str) and len(ranks) >= 2 and ranks[0] == ranks[-1] and ranks[0] in "'\"":
+            args.ranks = ranks = ranks[1:-1]  # IPython's argument splitting keeps quotes: --ranks '0,1'
+        if isinstance(ranks, str) and not ranks.strip():
+            raise UsageError(f"{prog}: --ranks is empty; give ranks (e.g. --ranks 0,2 or 1-3), or leave --ranks out "
+                             "for every rank")
         timeout = getattr(args, "timeout", None)
         if timeout is not None and not timeout > 0:
             raise UsageError(f"{prog}: --timeout takes a positive number of seconds, got {timeout:g}")

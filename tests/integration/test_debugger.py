@@ -256,7 +256,7 @@ def test_interrupt_at_the_prompt_continues(dbg: Mesh, capsys: pytest.CaptureFixt
     """, filename="<dbg int>")
     assert out == {0: 0, 1: 1, 2: 2, 3: 4}
     text = capsys.readouterr().out
-    assert "interrupted at the debugger prompt: rank 3 continue" in text
+    assert "interrupted at the debugger prompt: rank 3 continues" in text
     assert "[rank3]: stopped at <dbg int> line 7, in <module>; it continues: the debugger is detached" in text
 
 
@@ -264,7 +264,7 @@ def test_interrupt_at_the_prompt_raises(dbg: Mesh, capsys: pytest.CaptureFixture
     dbg.debugger.input = Person([KeyboardInterrupt])
     with dbg.debugger.options(on_interrupt="raise"), pytest.raises(KeyboardInterrupt):
         run(dbg, "x = rank\nif rank == 1: breakpoint()\ny = 1\n", filename="<dbg raise>")
-    assert "rank 1 raise KeyboardInterrupt where they stopped" in capsys.readouterr().out
+    assert "rank 1 raises KeyboardInterrupt where it stopped" in capsys.readouterr().out
     # Post-mortem sees where rank 1 stopped.
     with dbg.debugger.options(commands="p x"):
         dbg.debugger.post_mortem(1)

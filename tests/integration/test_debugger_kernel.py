@@ -209,13 +209,13 @@ def test_interrupt_at_the_prompt(kernel: Kernel) -> None:
     res = kernel.execute("%%mesh\nx = rank\nif rank == 1:\n    breakpoint()\n    breakpoint()\nx\n",
                          on_prompt=interrupt)
     assert res.reply["status"] == "ok", res
-    assert "interrupted at the debugger prompt: rank 1 continue" in res.stdout
+    assert "interrupted at the debugger prompt: rank 1 continues" in res.stdout
     assert "[rank1]: stopped at" in res.stdout and "it continues: the debugger is detached" in res.stdout
     assert res.results == ["{0: 0, 1: 1, 2: 2, 3: 3}"]
 
     res = kernel.execute("%%mesh --on-interrupt raise\nx = rank\nif rank == 1:\n    breakpoint()\nx\n",
                          on_prompt=interrupt)
     assert res.reply["status"] == "error" and res.reply["ename"] == "KeyboardInterrupt", res
-    assert "rank 1 raise KeyboardInterrupt where they stopped" in res.stdout
+    assert "rank 1 raises KeyboardInterrupt where it stopped" in res.stdout
     res = kernel.execute("%%mesh\nrank\n")  # the mesh goes on
     assert res.results == ["{0: 0, 1: 1, 2: 2, 3: 3}"]

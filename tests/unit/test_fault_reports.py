@@ -5,7 +5,8 @@ from __future__ import annotations
 import pickle
 
 from monarch_jupyter.errors import MeshError, MeshTimeoutError, RankAbortedError, RankDiedError, RemoteError
-from monarch_jupyter.kernel.recovery import where_interrupted
+from monarch_jupyter.kernel.dispatch import restart_hint
+from monarch_jupyter.kernel.recovery import InterruptReport, where_interrupted
 from monarch_jupyter.kernel.routing import kept_for_death_report
 from monarch_jupyter.kernel.stacks import StackReport, summarize
 from monarch_jupyter.ranks import format_ranks as rank_list
@@ -77,7 +78,7 @@ def test_mesh_error_folds_aborted_survivors_and_pickles() -> None:
     assert text[1] == "--- root cause: rank 1 (first failure seen) ---"
     assert "--- ranks 0,3: interrupted because rank 1 died ---" in text
     assert "--- rank 2: stopped because rank 1 died (RuntimeError: Connection closed by peer) ---" in text
-    assert text[-2:] == ["(rank 4 finished; their results are in .results of this error)",
+    assert text[-2:] == ["(rank 4 finished; its result is in .results of this error)",
                          "%mesh restart --rank 1"]
     t = pickle.loads(pickle.dumps(MeshTimeoutError({0: released}, {1: 2}, "the cell", "rank 0: x", 3.0, "h")))
     assert (t.stacks, t.timeout, t.hint, t.results) == ("rank 0: x", 3.0, "h", {1: 2})
@@ -89,3 +90,21 @@ def test_crash_dump_lines_of_the_runtime_are_not_kept() -> None:
     assert not kept_for_death_report("Extension modules: numpy, torch._C (total: 2)")
     assert kept_for_death_report('  File "<mesh In[3]>", line 2 in <module>')
     assert kept_for_death_report("Fatal Python error: Segmentation fault")
+
+
+def test_reports_agree_in_number_and_the_restart_hint_fits_who_is_left() -> None:
+    """One rank reads "it", several "they"; when every rank is dead there are no "other ranks" keeping state, so the
+    hint is a fresh mesh, not restarting ranks one by one."""
+    assert "(ranks 0,1 finished; their results are in" in "\n".join(MeshError({2: RankDiedError(2, 1, "")},
+                                                                                 {0: 1, 1: 2})._render_traceback_())
+    assert InterruptReport(interrupted=[1], world_size=4).text == "interrupted rank 1; it keeps its state"
+    assert InterruptReport(interrupted=[0, 1], world_size=4).text == "interrupted ranks 0,1; they keep their state"
+    some = restart_hint([1, 3], 4)
+    assert some.startswith("ranks 1,3 are dead") and "%mesh restart --rank 1,3  starts fresh processes for them" \
+        in some and "the other ranks keep their state" in some
+    assert restart_hint([2], 4).startswith("rank 2 is dead") and "for it " in restart_hint([2], 4)
+    every = restart_hint([0, 1, 2, 3], 4)
+    assert every.startswith("every rank is dead (ranks 0-3): %mesh restart  starts a fresh mesh")
+    assert "other ranks" not in every and "--rank" not in every
+    killed = InterruptReport(killed=[0, 1], world_size=2, grace=1.0).text
+    assert "every rank is dead" in killed and "other ranks" not in killed

@@ -36,3 +36,16 @@ def test_help_after_a_script_name_is_the_scripts_own() -> None:
     assert isinstance(magics, MeshMagics)
     args = magics.parse_args(script_magics.run, "--ranks 0 train.py --help", "run")
     assert args.target == "train.py" and args.args == ["--help"]
+
+
+def test_quoted_ranks_lose_their_quotes_and_empty_ranks_are_refused() -> None:
+    """IPython's argument splitting keeps quotes: --ranks '0,2' must select ranks 0 and 2, and --ranks '' (no rank)
+    must be an error that says what to write, not a parse error quoting the quotes, nor every rank."""
+    from IPython.core.error import UsageError
+
+    magics = magic_shell().magics_manager.registry["MeshMagics"]  # type: ignore[attr-defined]
+    assert magics.parse_args(script_magics.run, "--ranks '0,2' train.py", "run").ranks == "0,2"
+    assert magics.parse_args(script_magics.run, '--ranks "1-3" train.py', "run").ranks == "1-3"
+    for empty in ("''", '""'):
+        with pytest.raises(UsageError, match=r"--ranks is empty; give ranks \(e.g. --ranks 0,2"):
+            magics.parse_args(script_magics.run, f"--ranks {empty} train.py", "run")
