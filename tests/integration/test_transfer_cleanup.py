@@ -79,8 +79,10 @@ def test_a_dropped_value_gives_the_memory_back() -> None:
         time.sleep(0.2)
         assert m.transfers.pool.stats()["lent"] == 1
         m.run("del y", ranks=1)
-        assert wait_for(lambda: m.transfers.pool.stats()["lent"] == 0)
-        assert shm.memfd_fds() == [], "the kernel closed the segment: the OS freed the memory"
+        # The pool drops the segment from its books, then closes it (outside its lock): wait for both.
+        assert wait_for(lambda: m.transfers.pool.stats()["lent"] == 0 and shm.memfd_fds() == []), \
+            f"the kernel closed the segment, so the OS freed the memory: {m.transfers.pool.stats()}, " \
+            f"{shm.memfd_fds()}"
         assert m.run("len(__import__('monarch_worker.shm').shm.memfd_mappings())") == {0: 0, 1: 0}
 
 
