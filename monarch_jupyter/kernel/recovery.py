@@ -292,7 +292,7 @@ class Recovery:
             where = "?"
         still = "is still running" if len(stuck) == 1 else "are still running"
         return (f"{ranks_text(stuck)} did not stop within {grace:g} s and {still} the cell: {where}\n"
-                f"They may be stuck in C code or in a collective with ranks that stopped. "
+                f"{plural(stuck, 'They', 'It')} may be stuck in C code or in a collective with ranks that stopped. "
                 f"%mesh interrupt --force --ranks {format_ranks(stuck)}  tears the process group down (releasing "
                 f"collectives) and SIGKILLs ranks still stuck; %mesh restart  starts a fresh mesh.\n")
 

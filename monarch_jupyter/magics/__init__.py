@@ -15,7 +15,7 @@ from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_cell_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, magic_arguments
 
 from .. import errors
 from ..kernel import config, registry
@@ -325,7 +325,7 @@ class MeshMagics(Magics):
                              title="mesh cell (auto mode)" if self.auto.on else "mesh cell",
                              defer=0.0 if args.async_ else None)  # an --async cell returns at once: show it now
         try:
-            with m.debugger.options(debug_magics.unquote(args.pdb_commands),
+            with m.debugger.options(args.pdb_commands,
                                     args.on_interrupt or self.setting("debug_on_interrupt")):
                 result = m.run(
                     cell,
@@ -376,25 +376,25 @@ class MeshMagics(Magics):
         """Parse the arguments ``rest`` of subcommand ``sub`` (None: the cell magic) with ``func``'s parser.
 
         Raises UsageError naming the subcommand and pointing at its --help."""
+        # Split as a POSIX shell does (shlex), as torchrun's command line would be: quotes group words and go away
+        # (--msg='hi there' is one argument, --rank '2' is 2). IPython's own parse_argstring keeps the quotes.
         try:
-            shlex.split(rest)
+            argv = shlex.split(rest)
         except ValueError as e:
             raise UsageError(f"cannot parse {rest!r}: {e}") from None
         prog = f"%mesh {sub}" if sub else "%%mesh"
         try:
-            args = parse_argstring(func, rest)
+            args = func.parser.parse_args(argv)
         except UsageError as e:
             # -h / --help where the parser takes options (after a script's name they are the script's own)
-            if {"-h", "--help"} & set(shlex.split(rest)):
+            if {"-h", "--help"} & set(argv):
                 print(help_text(func, prog))
                 raise HelpShown(prog) from None
             raise UsageError(f"{prog}: {e}. Run  {prog} --help  for the options.") from None
         ranks = getattr(args, "ranks", None)
-        if isinstance(ranks, str) and len(ranks) >= 2 and ranks[0] == ranks[-1] and ranks[0] in "'\"":
-            args.ranks = ranks = ranks[1:-1]  # IPython's argument splitting keeps quotes: --ranks '0,1'
         if isinstance(ranks, str) and not ranks.strip():
-            raise UsageError(f"{prog}: --ranks is empty; give ranks (e.g. --ranks 0,2 or 1-3), or leave --ranks out "
-                             "for every rank")
+            raise UsageError(f"{prog}: the rank selection is empty; give ranks (e.g. 0,2 or 1-3), or leave the "
+                             "option out for every rank")
         timeout = getattr(args, "timeout", None)
         if timeout is not None and not timeout > 0:
             raise UsageError(f"{prog}: --timeout takes a positive number of seconds, got {timeout:g}")

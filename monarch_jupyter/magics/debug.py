@@ -19,14 +19,7 @@ from ..ranks import ranks_text
 if TYPE_CHECKING:
     from . import MeshMagics
 
-__all__ = ["debug", "inspect", "unquote"]
-
-
-def unquote(value: str | None) -> str | None:
-    """An option value without the quotes IPython's argument splitting keeps: '"p x; c"' -> 'p x; c'."""
-    if value is not None and len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
-        return value[1:-1]
-    return value
+__all__ = ["debug", "inspect"]
 
 
 @magic_arguments()
@@ -53,7 +46,7 @@ def debug(magics: MeshMagics, rest: str) -> None:
             return
         if args.rank is None and args.commands is None and m.debugger.attach():
             return
-        m.debugger.post_mortem(args.rank, unquote(args.commands))
+        m.debugger.post_mortem(args.rank, args.commands)
     except (NothingToDebugError, ValueError) as e:
         raise UsageError(str(e)) from None
     except errors.MeshError:

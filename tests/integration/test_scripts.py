@@ -172,6 +172,10 @@ def test_mesh_run_magic_and_name_hints(m: Mesh, script: Path, capsys: pytest.Cap
     shell = magic_shell()
     assert shell.run_line_magic("mesh", f"run --ranks 0,1 {script} --status 0") == {0: 0, 1: 0}
     assert f"[rank1]: argv=[{str(script)!r}, '--status', '0']" in capsys.readouterr().out
+    # Quotes work as in the shell torchrun runs from: they group words and go away.
+    assert shell.run_line_magic("mesh", f"run --ranks '0,1' {script} --message 'two words' --backend=\"gloo\"") \
+        == {0: 0, 1: 0}
+    assert f"[rank1]: argv=[{str(script)!r}, '--message', 'two words', '--backend=gloo']" in capsys.readouterr().out
     with pytest.raises(UsageError, match="%mesh run: no script"):
         shell.run_line_magic("mesh", "run does_not_exist.py --x")
     shell.user_ns.update(model_in_notebook=[1, 2, 3], np_in_notebook=textwrap, lock_in_notebook=__import__(

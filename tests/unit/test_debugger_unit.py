@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 
 from monarch_jupyter.kernel.debugger import MESH_HELP, split_commands
-from monarch_jupyter.magics.debug import unquote
 from monarch_worker import protocol as P
 from monarch_worker.debugger import RankDebugger
 
@@ -120,9 +119,7 @@ def test_split_commands() -> None:
     assert split_commands("") == [] and split_commands(None) is None
 
 
-def test_unquote_and_help() -> None:
-    assert unquote('"p x; c"') == "p x; c" and unquote("'c'") == "c" and unquote("c") == "c"
-    assert unquote(None) is None
+def test_mesh_help_names_the_mesh_commands() -> None:
     for command in ("ranks", "rank K", "cast SPEC CMD", "c all", "detach"):
         assert command in MESH_HELP
 

@@ -38,14 +38,24 @@ def test_help_after_a_script_name_is_the_scripts_own() -> None:
     assert args.target == "train.py" and args.args == ["--help"]
 
 
-def test_quoted_ranks_lose_their_quotes_and_empty_ranks_are_refused() -> None:
-    """IPython's argument splitting keeps quotes: --ranks '0,2' must select ranks 0 and 2, and --ranks '' (no rank)
-    must be an error that says what to write, not a parse error quoting the quotes, nor every rank."""
+def test_arguments_split_as_a_shell_splits_them_and_empty_ranks_are_refused() -> None:
+    """Quotes group words and go away, as in the shell torchrun runs from (IPython's own splitting keeps them):
+    %mesh run's script gets the argv ``python train.py ...`` would give it, --rank '2' is rank 2, and an empty
+    rank selection is an error that says what to write, not a parse error quoting the quotes, nor every rank."""
     from IPython.core.error import UsageError
 
+    from monarch_jupyter.magics import debug as debug_magics
+
     magics = magic_shell().magics_manager.registry["MeshMagics"]  # type: ignore[attr-defined]
-    assert magics.parse_args(script_magics.run, "--ranks '0,2' train.py", "run").ranks == "0,2"
+    args = magics.parse_args(script_magics.run, "--ranks '0,2' args.py a 'b c' \"d e\" --msg='hi there' x\\ y",
+                             "run")
+    assert args.ranks == "0,2" and args.target == "args.py"
+    assert args.args == ["a", "b c", "d e", "--msg=hi there", "x y"]
     assert magics.parse_args(script_magics.run, '--ranks "1-3" train.py', "run").ranks == "1-3"
-    for empty in ("''", '""'):
-        with pytest.raises(UsageError, match=r"--ranks is empty; give ranks \(e.g. --ranks 0,2"):
+    assert magics.parse_args(debug_magics.debug, "--rank '2' --commands \"p x; up\"", "debug").rank == 2
+    assert magics.parse_args(debug_magics.debug, "--rank '2' --commands \"p x; up\"", "debug").commands == "p x; up"
+    for empty in ("''", '""', "' '"):
+        with pytest.raises(UsageError, match=r"%mesh run: the rank selection is empty; give ranks \(e.g. 0,2"):
             magics.parse_args(script_magics.run, f"--ranks {empty} train.py", "run")
+    with pytest.raises(UsageError, match="cannot parse"):
+        magics.parse_args(script_magics.run, "train.py 'unclosed", "run")

@@ -95,7 +95,7 @@ class ForkServer:
                     f"run `{sys.executable} -c 'import torch, zmq, cloudpickle'` to see why"
                 )
             if time.monotonic() > deadline:
-                raise LaunchError(f"the local fork server did not import torch within {timeout:.0f} s")
+                raise LaunchError(f"the local fork server did not import torch within {timeout:g} s")
 
     def _send(self, kind: int, sid: int, body: dict, fds: list[int] | None = None) -> None:
         frame = P.fork_server_json(kind, sid, body)
