@@ -66,7 +66,8 @@ def test_c_output_without_a_newline_shows_in_its_own_cell(kc: Any) -> None:
 def test_cell_name_carries_the_number_beside_the_cell(kc: Any) -> None:
     for _ in range(2):  # twice: an off-by-one would show on every cell
         code = "%%mesh --ranks 1\nx = 1\nraise ValueError('where am I')\n"
-        msg_id = kc.execute(code)
+        # stop_on_error=False: a cell of its own, not aborted after an earlier error (test_kernel.execute)
+        msg_id = kc.execute(code, stop_on_error=False)
         reply, msgs = _collect(kc, msg_id)
         shown = [m["content"]["execution_count"] for m in msgs if m["msg_type"] == "execute_input"]
         assert reply["status"] == "error"

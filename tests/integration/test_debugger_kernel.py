@@ -40,7 +40,8 @@ class Kernel:
         leave the prompt alone, e.g. after interrupting the kernel)."""
         answers = list(answers or [])
         kc = self.kc
-        msg_id = kc.execute(code, allow_stdin=allow_stdin)
+        # stop_on_error=False: a cell of its own, not aborted after an earlier error (test_kernel.execute)
+        msg_id = kc.execute(code, allow_stdin=allow_stdin, stop_on_error=False)
         outcome = Outcome(reply={})
         self.out = ""
         idle = False

@@ -17,8 +17,11 @@ TIMEOUT = 120
 
 
 def execute(kc: Any, code: str, timeout: float = TIMEOUT) -> tuple[dict, list[dict]]:
-    """Run ``code``; returns (execute_reply content, iopub messages of that request)."""
-    msg_id = kc.execute(code)
+    """Run ``code``; returns (execute_reply content, iopub messages of that request).
+
+    Each request is a cell of its own (``stop_on_error=False``): otherwise ipykernel 6 aborts a request that
+    arrives in the instant after an error reply (``Kernel._abort_queues``), as a notebook's "run all" wants."""
+    msg_id = kc.execute(code, stop_on_error=False)
     reply = kc.get_shell_msg(timeout=timeout)
     while reply["parent_header"].get("msg_id") != msg_id:
         reply = kc.get_shell_msg(timeout=timeout)

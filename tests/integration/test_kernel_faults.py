@@ -56,7 +56,8 @@ class Reply:
 
 def execute(kc: Any, code: str, on_stream: Callable[[str], None] | None = None, timeout: float = TIMEOUT) -> Reply:
     """Run ``code``, reading IOPub as it comes (``on_stream`` sees each stream text)."""
-    msg_id = kc.execute(code)
+    # stop_on_error=False: a cell of its own, not aborted after an earlier error (test_kernel.execute)
+    msg_id = kc.execute(code, stop_on_error=False)
     msgs: list[dict] = []
     deadline = time.monotonic() + timeout
     while True:

@@ -38,7 +38,8 @@ def kernel():
 
 def execute(kc, code: str, timeout: float = 60.0) -> list[dict]:
     """Run ``code``; IOPub messages of that execution until the kernel is idle again (errors raise)."""
-    msg_id = kc.execute(code)
+    # stop_on_error=False: a cell of its own, not aborted after an earlier error (test_kernel.execute)
+    msg_id = kc.execute(code, stop_on_error=False)
     msgs = []
     deadline = time.monotonic() + timeout
     while True:

@@ -117,7 +117,8 @@ class Kernel:
         """Run ``code``; answer pdb prompts from ``answers``; interrupt the kernel once ``interrupt_when`` shows up
         in the cell's comm (dashboard) messages."""
         kc, answers = self.kc, list(answers or [])
-        msg_id = kc.execute(code, allow_stdin=answers is not None and bool(answers))
+        # stop_on_error=False: a cell of its own, not aborted after an earlier error (test_kernel.execute)
+        msg_id = kc.execute(code, allow_stdin=answers is not None and bool(answers), stop_on_error=False)
         out = Outcome(reply={})
         idle, interrupted = False, False
         deadline = time.monotonic() + TIMEOUT
