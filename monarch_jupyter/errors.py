@@ -111,23 +111,21 @@ class RemoteError(MonarchError):
     """An exception raised by user code on one rank.
 
     Attributes: ``rank``, ``ename`` (exception type name), ``emodule``, ``evalue`` (its message),
-    ``traceback`` (the rank's formatted traceback, with the cell's own source lines) and ``frames`` (that
-    traceback as (filename, lineno, function, source line), outermost first).
+    ``traceback`` (the rank's formatted traceback, with the cell's own source lines), ``frames`` (that
+    traceback as (filename, lineno, function, source line), outermost first) and ``interrupted`` (True: a
+    KeyboardInterrupt from an interrupt that reached the rank; one the cell's code raised itself is False).
     """
 
     def __init__(self, rank: int, ename: str, evalue: str, traceback: str = "", emodule: str = "",
-                 frames: list | None = None) -> None:
-        super().__init__(rank, ename, evalue, traceback, emodule, frames)
+                 frames: list | None = None, interrupted: bool = False) -> None:
+        super().__init__(rank, ename, evalue, traceback, emodule, frames, interrupted)
         self.rank = rank
         self.ename = ename
         self.evalue = evalue
         self.traceback = traceback
         self.emodule = emodule
         self.frames = list(frames or [])
-
-    @property
-    def interrupted(self) -> bool:
-        return self.ename == "KeyboardInterrupt"
+        self.interrupted = interrupted
 
     def __str__(self) -> str:
         return f"[rank{self.rank}] {self.ename}: {self.evalue}"
@@ -238,24 +236,34 @@ class MeshError(MonarchError):
         rank -> value of the cell's last expression on the ranks that finished (None where there was none).
     hint:
         What to do next (e.g. how to bring dead ranks back), shown last.
+    not_run:
+        True: nothing ran, as chosen ranks are dead (``errors`` holds their RankDiedErrors, whose last output was
+        shown when they died, and is not shown again).
     """
 
     def __init__(self, errors: dict[int, MonarchError], results: dict[int, Any] | None = None,
-                 what: str = "the cell", hint: str = "") -> None:
-        super().__init__(errors, results, what, hint)
+                 what: str = "the cell", hint: str = "", not_run: bool = False) -> None:
+        super().__init__(errors, results, what, hint, not_run)
         self.errors = dict(errors)
         self.results = dict(results or {})
         self.what = what
         self.hint = hint
+        self.not_run = not_run
 
     @property
     def root_cause(self) -> MonarchError:
         return next(iter(self.errors.values()))
 
     def __str__(self) -> str:
+        if self.not_run:
+            dead = "; ".join(str(e) for e in self.errors.values())
+            needs = plural(self.errors, "ranks it needs are dead", "a rank it needs is dead")
+            return f"{self.what} was not run, since {needs}: {dead}"
         return f"{self.what} failed on {ranks_text(self.errors)}; first failure: {self.root_cause}"
 
     def _render_traceback_(self) -> list[str]:
+        if self.not_run:
+            return [f"MeshError: {self}", *([self.hint] if self.hint else [])]
         root_rank = next(iter(self.errors))
         # Ranks that failed identically (same exception, same traceback) are shown once, as %mesh stacks does.
         same: dict[int, list[int]] = {}

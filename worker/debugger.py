@@ -206,6 +206,7 @@ class RemotePdb(pdb.Pdb):
         if raise_now:
             if tb is None:
                 self.set_continue()
+            dbg._rank.note_interrupt(dbg._rank.current_cell)  # an interrupt, not the cell's own exception
             raise KeyboardInterrupt("interrupted at the debugger prompt")
 
     def do_interact(self, arg: str) -> None:

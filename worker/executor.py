@@ -11,7 +11,10 @@ import traceback
 import types
 from typing import Any
 
-__all__ = ["Namespace", "register_source", "format_error", "main_thread_stack"]
+__all__ = ["Namespace", "MESH_NAMES", "register_source", "format_error", "main_thread_stack"]
+
+#: The names every rank's namespace starts with (runtime.py binds them when the rank joins the mesh).
+MESH_NAMES = ("rank", "world_size", "local_rank", "device", "dist", "torch")
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _LAST = "_monarch_last_value_"  # where a cell leaves the value of its last expression for a moment
@@ -31,8 +34,11 @@ def is_internal(filename: str) -> bool:
     return filename.startswith((_PACKAGE_DIR, "<frozen "))
 
 
-def format_error(exc: BaseException, namespace: dict | None = None) -> dict:
+def format_error(exc: BaseException, namespace: dict | None = None, interrupt_sent: bool = False) -> dict:
     """Describe ``exc`` for a Result: type, module, message and the traceback without our own frames.
+
+    ``interrupted`` is True for a KeyboardInterrupt when ``interrupt_sent`` (an interrupt reached the cell); one
+    the cell's own code raised is an exception like any other.
 
     ``namespace``: the rank's cell namespace; a NameError for one of its names, raised in a function defined in the
     notebook, gets a note saying why (see ``_note_notebook_globals``).
@@ -48,7 +54,7 @@ def format_error(exc: BaseException, namespace: dict | None = None) -> dict:
         "module": type(exc).__module__,
         "message": str(exc),
         "traceback": "".join(te.format()),
-        "interrupted": isinstance(exc, KeyboardInterrupt),
+        "interrupted": isinstance(exc, KeyboardInterrupt) and interrupt_sent,
         "frames": [(f.filename, f.lineno or 0, f.name, (f.line or "").strip()) for f in te.stack],
     }
 

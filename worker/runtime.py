@@ -32,7 +32,7 @@ from . import protocol as P
 from .channel import Mailbox, Outbox, recv_frames, send_frames
 from .config import RankConfig
 from .debugger import RankDebugger
-from .executor import Namespace, format_error, main_thread_stack, register_source
+from .executor import MESH_NAMES, Namespace, format_error, main_thread_stack, register_source
 from .group import MeshGroup
 from .options import RANK_SETTINGS
 from .serialize import SerializationError, dumps, loads
@@ -61,6 +61,9 @@ class Rank:
         self._cell_lock = threading.Lock()
         self._last_started = 0  # the id of the last cell the main thread started
         self._early_interrupts: set[int] = set()  # cells interrupted before they reached the main thread
+        # Cells an interrupt was sent to (or a SIGINT landed in): their KeyboardInterrupt is an interrupt, not an
+        # exception the cell's own code raised.
+        self._interrupt_sent: set[int] = set()
         self._last_heard = time.monotonic()
         self.main_ident: int = threading.main_thread().ident or 0
         self._signer = P.Signer(bytes.fromhex(config.secret))
@@ -200,6 +203,7 @@ class Rank:
             self._io.join(timeout)
 
     def _on_interrupt(self, msg: P.Interrupt, payload: bytes, bufs: list) -> None:
+        self.note_interrupt(msg.cell_id)
         if self.debugger.on_interrupt(msg.cell_id):
             return  # it waited at a pdb prompt: it raises KeyboardInterrupt there
         with self._cell_lock:
@@ -227,7 +231,13 @@ class Rank:
         if self.debugger.leaving:  # held: pdb leaves its prompt, or the cell's exception is kept (debugger.py)
             self.debugger.sigint_pending = True
             return
+        self.note_interrupt(self.current_cell)
         raise KeyboardInterrupt
+
+    def note_interrupt(self, cell_id: int) -> None:
+        """An interrupt reached ``cell_id`` (any thread, a signal handler too: no lock, ``set.add`` is atomic):
+        a KeyboardInterrupt it ends with is reported as an interrupt, not as an exception of the cell's code."""
+        self._interrupt_sent.add(cell_id)
 
     def _on_stacks(self, msg: P.StacksRequest, payload: bytes, bufs: list) -> None:
         frame = sys._current_frames().get(self.main_ident)
@@ -297,14 +307,8 @@ class Rank:
                                           welcome.local_world_size, welcome.master_addr, welcome.master_port,
                                           cfg.backend)
         self.device = device
-        self.ns = Namespace({
-            "rank": welcome.rank,
-            "world_size": welcome.world_size,
-            "local_rank": welcome.local_rank,
-            "device": device,
-            "dist": dist,
-            "torch": torch,
-        })
+        self.ns = Namespace(dict(zip(MESH_NAMES, (welcome.rank, welcome.world_size, welcome.local_rank, device, dist,
+                                                  torch), strict=True)))
         self.group.install()  # user code's own init/destroy_process_group (group.py)
         self.send(P.Ready(device=str(device), backend=backend, host=socket.gethostname(), pid=os.getpid()))
 
@@ -434,7 +438,10 @@ class Rank:
                     self.current_cell = -1
                 self.debugger.cell_finished()
         except BaseException as e:  # noqa: BLE001 - report everything, KeyboardInterrupt included
-            error, value, has_value = format_error(e, self.ns.ns if self.ns is not None else None), None, False
+            error = format_error(e, self.ns.ns if self.ns is not None else None, cell_id in self._interrupt_sent)
+            value, has_value = None, False
+        # In place (list() and difference_update are atomic): the I/O thread may note a later cell meanwhile.
+        self._interrupt_sent.difference_update([c for c in list(self._interrupt_sent) if c <= cell_id])
         if self.rich is not None:  # figures left open are shown; a figure value comes back as its image
             value = self.rich.cell_value(value) if has_value and reply is None else value
             self.rich.end_cell(cell_id)

@@ -3,7 +3,9 @@
 ``run_script`` runs a file (``runpy.run_path``) or a module (``runpy.run_module``) as ``python script.py args``
 and ``python -m module args`` would, which is what torchrun starts on each worker:
 
-- ``__name__ == "__main__"``, ``sys.argv == [script, *args]`` (for a module: its file, as ``python -m`` sets it);
+- ``__name__ == "__main__"``, ``sys.argv == [script, *args]`` with the script's absolute path, as its ``__file__``
+  (``runpy.run_path`` sets ``argv[0]``; ``python script.py`` keeps it as typed: ``os.path.basename``, and so
+  argparse's ``prog``, is the same), for a module its file, as ``python -m`` sets it;
 - ``sys.path[0]`` is the script's folder (for a module: the working folder), as Python puts it there;
 - the working folder is the notebook's, when it exists on this rank's host (where torchrun would be started);
 - the script's own ``init_process_group`` and ``destroy_process_group`` meet the mesh's group (group.py);
@@ -93,7 +95,7 @@ def run_script(target: str, args: list[str], module: bool = False, path: str = "
                 raise ScriptNotFound(f"no script {target!r} on this rank's host ({file} does not exist; working "
                                      f"folder {os.getcwd()}): give a path that exists where the ranks run")
             origin = os.path.dirname(file)
-            sys.argv = [target, *args]
+            sys.argv = [file, *args]  # runpy.run_path sets argv[0] to the file it runs
             sys.path.insert(0, origin)
             _run(lambda: runpy.run_path(file, run_name="__main__"), target)
     finally:

@@ -80,6 +80,8 @@ class CellHandle:
         self.collective_hint = ""  # what the cell's error says about it (and the fresh group)
         self.interrupted = False  # its ranks were sent an interrupt
         self.abandoned = False  # interrupted or timed out while some ranks still ran it
+        # Ranks that had not started it when it was interrupted (an earlier cell still ran there): they skip it.
+        self.queued_on: set[int] = set()
         self.keep_outcome = False  # a handle the caller holds (block=False): result() may be asked again
         self.tracks_failures = True  # its failures are the ones post-mortem opens (not a post-mortem's own)
         self.final: tuple[Any, BaseException | None] | None = None  # the outcome, once computed
@@ -97,6 +99,12 @@ class CellHandle:
     def all_done(self) -> bool:
         """Every rank finished it (under the lock, or as a snapshot)."""
         return len(self.finished) == len(self.ranks)
+
+    def queued_behind(self, rank: int) -> bool:
+        """Under the lock: ``rank`` has not started it, as an earlier cell still runs there (ranks run their cells
+        in the order they were sent)."""
+        info = self._state.ranks.get(rank)
+        return info is not None and any(c.cell_id < self.cell_id and rank not in c.finished for c in info.cells)
 
     def emit(self, rank: int, stream: str, text: Any) -> None:
         """Under the lock: a line the cell's ``rank`` wrote; written now unless someone waits for the cell."""
@@ -296,7 +304,8 @@ class CellTable:
         elif msg.status == "error":
             err = msg.error or {}
             error = RemoteError(rank, err.get("type", "Exception"), err.get("message", ""),
-                                err.get("traceback", ""), err.get("module", ""), err.get("frames"))
+                                err.get("traceback", ""), err.get("module", ""), err.get("frames"),
+                                bool(err.get("interrupted")))
         with self.state.lock:
             cell = self.state.cells.get(msg.cell_id)
             if cell is None:

@@ -24,7 +24,7 @@ from monarch_worker import protocol as P
 from monarch_worker.channel import Outbox
 
 from ..errors import MeshError, RankBusyError, RankDiedError
-from ..ranks import format_ranks, ranks_text
+from ..ranks import format_ranks, plural, ranks_text
 from .state import MeshState, RankState
 
 if TYPE_CHECKING:
@@ -93,10 +93,22 @@ class Dispatcher:
             A chosen rank is dead (nothing was sent).
         RankBusyError
             A chosen rank still runs an abandoned cell (nothing was sent).
+
+        Code (a cell or call) sent while ranks it leaves out still run an abandoned cell gets a note on stderr:
+        a collective in it would pair with theirs and give wrong results (a push or pull gets none).
         """
         state = self.state
         with sigint_held(), state.lock:
             self._check_ranks(handle)
+            runs_code = any(isinstance(msg, (P.Exec, P.Call)) for _, msg, _, _ in groups)
+            stuck = self._stuck([r for r in sorted(state.ranks) if r not in handle.ranks]) if runs_code else []
+            if stuck:
+                # Ranks outside this code's sit in an abandoned cell's collective: say that this code's would pair.
+                sys.stderr.write(f"note: {ranks_text(stuck)} still {plural(stuck, 'run', 'runs')} an earlier cell "
+                                 "that did not stop (blocked in a collective?): a collective in this cell would pair "
+                                 f"with the one {plural(stuck, 'they are', 'it is')} stuck in and give wrong results;  "
+                                 f"%mesh interrupt --force --ranks {format_ranks(stuck)}  releases "
+                                 f"{plural(stuck, 'them', 'it')}\n")
             if state.group_down:
                 # Cells run on survivors while the process group is broken: say that collectives fail.
                 sys.stderr.write(f"note: the process group is down ({state.group_down}): collectives fail until "
@@ -130,10 +142,10 @@ class Dispatcher:
         ranks, what, infos = handle.ranks, handle.what, self.state.ranks
         dead = [r for r in ranks if infos[r].state is RankState.DEAD]
         if dead:
-            raise MeshError({r: RankDiedError(r, infos[r].returncode, "\n".join(infos[r].last_lines))
-                             for r in dead}, what=what + " (not run)", hint=restart_hint(dead, self.state.nproc))
-        busy = [r for r in ranks if infos[r].cells and any(c.abandoned and r not in c.finished
-                                                            for c in infos[r].cells)]
+            raise MeshError({r: RankDiedError(r, infos[r].returncode, "\n".join(infos[r].last_lines), infos[r].pid,
+                                              infos[r].death_reason)
+                             for r in dead}, what=what, hint=restart_hint(dead, self.state.nproc), not_run=True)
+        busy = self._stuck(ranks)
         if busy:
             spec = format_ranks(busy)
             raise RankBusyError(
@@ -141,6 +153,13 @@ class Dispatcher:
                 "that was interrupted or timed out and did not stop (blocked in a collective?); new code there could "
                 "pair its collectives with the stuck ones. Run  %mesh stacks  to see where,  %mesh interrupt --force "
                 f"--ranks {spec}  to release them, or  %mesh restart.", busy)
+
+    def _stuck(self, ranks: list[int]) -> list[int]:
+        """Those of ``ranks`` that still run a cell that was interrupted or timed out and did not stop (not those
+        that had not started it: they skip it)."""
+        infos = self.state.ranks
+        return [r for r in ranks if r in infos and any(c.abandoned and r not in c.finished and r not in c.queued_on
+                                                       for c in infos[r].cells)]
 
     def _send_work(self, pipes: list[WorkPipe], msg: P.Message, payload: bytes, buffers: list) -> None:
         """Write ``msg`` (signed once) into local ranks' work pipes without blocking; what a full pipe cannot take

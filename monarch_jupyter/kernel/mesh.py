@@ -323,7 +323,9 @@ class Mesh:
         Raises
         ------
         ValueError
-            A name is not a Python identifier, ranks or via are invalid, or via="shm" for ranks elsewhere.
+            A name is not a Python identifier or is one the mesh defines on every rank (``rank``, ``world_size``,
+            ``local_rank``, ``device``, ``dist``, ``torch``), ranks or via are invalid, or via="shm" for ranks
+            elsewhere.
         monarch_worker.serialize.SerializationError
             A value cannot be pickled (the message names the type and where it sits); nothing is sent.
         MeshError
@@ -340,7 +342,8 @@ class Mesh:
         rank (10 rows on 4 ranks give 3, 3, 2, 2). ``value``: a torch.Tensor (parts keep its dtype), a NumPy array
         or a list/tuple (dim 0); ``device`` and ``timeout`` as for ``push``.
 
-        Raises ValueError (fewer elements along ``dim`` than ranks, ``dim`` out of range, a 0-dim value),
+        Raises ValueError (fewer elements along ``dim`` than ranks, ``dim`` out of range, a 0-dim value, a name
+        the mesh defines, as for ``push``),
         TypeError (not splittable), MeshError (as for ``push``).
         """
         self._check_running()

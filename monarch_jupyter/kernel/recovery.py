@@ -42,8 +42,8 @@ from .state import MeshState, RankInfo, RankState
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Recovery", "RankEvents", "InterruptReport", "where_interrupted", "failed_ranks", "COLLECTIVE_GRACE",
-           "RELEASE_GRACE", "EXIT_WAIT"]
+__all__ = ["Recovery", "RankEvents", "InterruptReport", "where_interrupted", "keep_state", "failed_ranks",
+           "COLLECTIVE_GRACE", "RELEASE_GRACE", "EXIT_WAIT"]
 
 #: Seconds a cell waits for surviving ranks to stop after a rank of it died, before it raises anyway.
 RELEASE_GRACE = 1.0
@@ -69,6 +69,11 @@ def where_interrupted(errors: dict[int, Any]) -> str:
     return " / ".join(f"{ranks_text(rs)}: {w}" for w, rs in groups.items())
 
 
+def keep_state(ranks: list[int] | dict) -> str:
+    """What interrupted ranks keep, in the number of ``ranks``."""
+    return plural(ranks, "they keep their state", "it keeps its state")
+
+
 def failed_ranks(cell: CellHandle) -> list[int]:
     """Under the lock: the ranks that finished ``cell`` by raising (not interrupted, not dead)."""
     return sorted(r for r in cell.finished
@@ -79,6 +84,7 @@ def failed_ranks(cell: CellHandle) -> list[int]:
 class InterruptReport:
     """Outcome of ``Mesh.interrupt``: rank lists, and ``text`` to show the user."""
 
+    world_size: int  # ranks in the mesh
     interrupted: list[int] = field(default_factory=list)  # stopped the cell they ran
     stuck: list[int] = field(default_factory=list)  # still running after the grace period
     killed: list[int] = field(default_factory=list)  # SIGKILLed (force)
@@ -86,14 +92,12 @@ class InterruptReport:
     regrouped: bool = False  # force: the process group was re-created
     stacks: str = ""  # where the stuck ranks were
     grace: float = 0.0  # seconds the ranks had
-    world_size: int = 0  # ranks in the mesh (0: unknown)
 
     @property
     def text(self) -> str:
         out: list[str] = []
         if self.interrupted:
-            keep = plural(self.interrupted, "they keep their state", "it keeps its state")
-            out.append(f"interrupted {ranks_text(self.interrupted)}; {keep}")
+            out.append(f"interrupted {ranks_text(self.interrupted)}; {keep_state(self.interrupted)}")
         if not (self.interrupted or self.stuck or self.killed):
             out.append(f"nothing to interrupt: {ranks_text(self.idle)} idle")
         if self.stuck:
@@ -103,7 +107,7 @@ class InterruptReport:
         if self.killed:
             out.append(f"killed {ranks_text(self.killed)} (did not stop within {self.grace:g} s"
                        + (f": {self.stacks}" if self.stacks else "") + ")")
-            out.append(restart_hint(self.killed, self.world_size or len(self.killed) + 1))
+            out.append(restart_hint(self.killed, self.world_size))
         if self.regrouped:
             out.append("the process group was re-created (collectives in flight were abandoned); "
                        "every rank kept its namespace")
@@ -131,6 +135,7 @@ class Recovery:
         """Under the lock: ``info``'s process is gone (or lost); fail the cells it had and return them."""
         info.state = RankState.DEAD
         info.returncode = returncode
+        info.death_reason = reason
         self.state.failures.pop(info.rank, None)  # its kept traceback died with it
         last = "\n".join(info.last_lines)
         now = time.monotonic()

@@ -57,6 +57,7 @@ class RankInfo:
     backend: str = ""
     identity: bytes | None = None
     returncode: int | None = None
+    death_reason: str = ""  # why the controller declared it dead, when it knows better than returncode
     start_error: str = ""
     rss: int = 0  # bytes
     group: str = ""  # backend of the rank's default process group as it last reported it ("" for none)

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from monarch_worker import heap, shm
 from monarch_worker import protocol as P
+from monarch_worker.executor import MESH_NAMES
 from monarch_worker.serialize import SerializationError, dumps
 
 from ..errors import MeshError, RemoteError
@@ -140,7 +141,7 @@ class Transfers:
         if not values:
             raise ValueError("push needs at least one value: mesh.push(x=x) or mesh.push({'x': x})")
         for name in values:
-            _check_name(name)
+            _check_name(name, bound=True)
         device = _device_spec(device)
         if via not in VIA:
             raise ValueError(f"via must be one of {', '.join(VIA)}; got {via!r}")
@@ -182,7 +183,7 @@ class Transfers:
                    timeout, lent, repack)
 
     def scatter(self, name: str, value: Any, dim: int, ranks: Any, device: Any, timeout: float | None) -> None:
-        _check_name(name)
+        _check_name(name, bound=True)
         device = _device_spec(device)
         chosen = parse_ranks(ranks, self.state.nproc)
         parts = split(name, value, len(chosen), dim)
@@ -375,9 +376,15 @@ def _grouped(per_rank: Mapping[int, tuple[P.Message, bytes, list]]) -> list[tupl
     return groups
 
 
-def _check_name(name: Any) -> None:
+def _check_name(name: Any, bound: bool = False) -> None:
+    """``name`` is a variable name of a rank's namespace; ``bound``: one a push or scatter binds there, which must
+    not be a name the mesh defines (it would change for every later cell)."""
     if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
         raise ValueError(f"{name!r} is not a valid Python variable name for a rank's namespace")
+    if bound and name in MESH_NAMES:
+        raise ValueError(f"{name!r} is a name the mesh defines on every rank ({', '.join(MESH_NAMES)}), and every "
+                         "later cell would see the value sent instead: send it under another name (--as NAME, or "
+                         f"push(other={name})), or assign {name} in a %%mesh cell if that is what you mean")
 
 
 def _add(items: list[dict], frames: list, p: _Packed, desc: dict | None, bcast: dict | None,

@@ -25,7 +25,7 @@ from ..ranks import RankMap, format_ranks, plural, ranks_text
 from .cells import CellHandle
 from .dispatch import Dispatcher, Group
 from .output import write_lines
-from .recovery import Recovery, failed_ranks, where_interrupted
+from .recovery import Recovery, failed_ranks, keep_state, where_interrupted
 from .stacks import StackRequests, summarize
 from .state import MeshState
 
@@ -37,9 +37,12 @@ INTERRUPT_RESEND = 1.0  # seconds between interrupts sent to ranks that still ru
 MARKER_GRACE = 1.0  # seconds a rank's output marker may lag its result before the rank is finished without it
 
 
-def keep_state(ranks: list[int] | dict) -> str:
-    """What interrupted ranks keep, in the number of ``ranks``."""
-    return plural(ranks, "they keep their state", "it keeps its state")
+def finished_note(results: dict) -> str:
+    """What an interrupt's message adds about the ranks that had finished the cell (their values: ``results``)."""
+    if not results:
+        return ""
+    values = plural(results, "their values", "its value")
+    return f"; {ranks_text(results)} had finished ({values}: the exception's .results)"
 
 
 class Prompts(Protocol):
@@ -97,13 +100,13 @@ class Waiter:
                 sent = self.state.cells.get(cell_id) is handle
             if not sent:
                 raise
-            raise mesh_interrupt(self.interrupt_cell(handle)) from None
+            raise self.interrupted(handle) from None
         # From here on the ranks run it: an interrupt that lands before the caller waits must reach them too
         # (a fast cell's first output can be on screen, and interrupted, before that).
         try:
             self.state.events.emit("cell_started", cell_id=cell_id, ranks=ranks, handle=handle)
         except KeyboardInterrupt:
-            raise mesh_interrupt(self.interrupt_cell(handle)) from None
+            raise self.interrupted(handle) from None
         return handle
 
     def result(self, handle: CellHandle, timeout: float | None) -> RankMap | None:
@@ -113,7 +116,7 @@ class Waiter:
         except KeyboardInterrupt:
             if handle.interrupted:
                 raise
-            raise mesh_interrupt(self.interrupt_cell(handle)) from None
+            raise self.interrupted(handle) from None
 
     def wait(self, cell: CellHandle, timeout: float | None, raise_on_timeout: bool) -> bool:
         """Wait for ``cell`` and write its output from this thread; returns True when it finished.
@@ -148,7 +151,7 @@ class Waiter:
                         self._on_timeout(cell, timeout or 0.0)
                     return False
         except KeyboardInterrupt:
-            raise mesh_interrupt(self.interrupt_cell(cell)) from None
+            raise self.interrupted(cell) from None
         finally:
             with state.lock:
                 cell.set_waiting(False)
@@ -163,27 +166,43 @@ class Waiter:
                 cell.finish_rank(r)
         self.recovery.release_survivors(cell, now)
 
+    def interrupted(self, cell: CellHandle) -> KeyboardInterrupt:
+        """The caller was interrupted: ``interrupt_cell``, then the KeyboardInterrupt to raise, which holds the
+        values of the ranks that had finished (its ``.results``) and says which they are."""
+        message = self.interrupt_cell(cell)
+        with self.state.lock:
+            results = RankMap((r, cell.values.get(r)) for r in cell.ranks
+                              if r in cell.finished and r not in cell.errors)
+            if cell.all_done:
+                self.state.cells.pop(cell.cell_id, None)
+                cell.values = {}  # the results belong to the caller now
+        return mesh_interrupt(message + finished_note(results), results)
+
     def interrupt_cell(self, cell: CellHandle) -> str:
         """The caller was interrupted: interrupt the ranks still running ``cell`` and wait ``interrupt_grace``.
 
         Returns what to say in the KeyboardInterrupt: where the ranks stopped (stuck ones are reported on stderr).
+        Ranks that had not started the cell (an earlier one, sent with ``block=False``, still runs there) are not
+        waited for: they skip it when they reach it.
         """
         state, post = self.state, self.dispatcher.post
         grace = state.options.interrupt_grace
         with state.lock:
             cell.interrupted = True
             running = [r for r in cell.ranks if r not in cell.finished]
+            cell.queued_on = {r for r in running if cell.queued_behind(r)}
             for r in running:
                 post(r, P.Interrupt(cell.cell_id))
         if not running:
-            return "interrupted (the ranks had finished the cell)"
+            return "interrupted"  # the ranks had finished it (``interrupted`` says so)
+        queued = cell.queued_on
         started = time.monotonic()
         deadline = started + grace
         resend = started + INTERRUPT_RESEND
         try:
             while time.monotonic() < deadline:
                 with state.lock:
-                    if cell.all_done:
+                    if all(r in cell.finished or r in queued for r in cell.ranks):
                         break
                     cell.wake_wait(0.05)
                     lines = cell.pop_lines()
@@ -198,8 +217,10 @@ class Waiter:
         except KeyboardInterrupt:
             pass  # a second interrupt: stop waiting now
         with state.lock:
-            stuck = [r for r in cell.ranks if r not in cell.finished]
-            cell.abandoned = bool(stuck)  # nobody waits for it now: later cells must not queue behind it
+            left = [r for r in cell.ranks if r not in cell.finished]
+            cell.abandoned = bool(left)  # nobody waits for it now: later cells must not queue behind it
+            stuck = [r for r in left if r not in queued]
+            skipped = [r for r in left if r in queued]
             stopped = {r: e for r, e in cell.errors.items()
                        if r in running and isinstance(e, RemoteError) and e.interrupted}
             failed = {r: cell.errors[r] for r in failed_ranks(cell)}
@@ -211,16 +232,25 @@ class Waiter:
         cause = "; ".join(f"{ranks_text([r])} had raised {e.ename}: {e.evalue}" for r, e in failed.items()
                           if isinstance(e, RemoteError))
         cause = f" ({cause})" if cause else ""
-        if not stopped:
-            return f"interrupted; {ranks_text(stuck)} did not stop{cause}"
-        return f"interrupted {ranks_text(stopped)} ({keep_state(stopped)}): {where_interrupted(stopped)}{cause}"
+        parts = [f"interrupted {ranks_text(stopped)} ({keep_state(stopped)}): {where_interrupted(stopped)}"
+                 if stopped else f"interrupted; {ranks_text(stuck)} did not stop" if stuck else "interrupted"]
+        if skipped:
+            parts.append(f"{ranks_text(skipped)} had not started it ({plural(skipped, 'they', 'it')} still "
+                         f"{plural(skipped, 'run', 'runs')} an earlier cell, sent with block=False or --async) and "
+                         f"{plural(skipped, 'skip', 'skips')} it")
+        return "; ".join(parts) + cause
 
     def _on_timeout(self, cell: CellHandle, timeout: float) -> None:
         state = self.state
         grace = state.options.interrupt_grace
         with state.lock:
             late = [r for r in cell.ranks if r not in cell.finished]
-        report = self.stacks.ask(late, 5.0)
+            queued = [r for r in late if cell.queued_behind(r)]
+        running = [r for r in late if r not in queued]
+        where = [self.stacks.ask(running, 5.0).text] if running else []
+        if queued:
+            where.append(f"{ranks_text(queued)}: not started; an earlier cell (sent with block=False or --async) "
+                         f"still runs there, and {plural(queued, 'they skip', 'it skips')} this one")
         self.interrupt_cell(cell)
         with state.lock:
             errors: dict[int, MonarchError] = {}
@@ -229,6 +259,9 @@ class Waiter:
                 if r not in late:
                     if e is not None:
                         errors[r] = e  # failed before the timeout
+                elif r not in cell.finished and r in cell.queued_on:
+                    errors[r] = RemoteError(r, "TimeoutError", f"not started after {timeout:g} s: an earlier cell "
+                                            "(sent with block=False or --async) still runs there; it skips this one")
                 elif r not in cell.finished:
                     errors[r] = RemoteError(r, "TimeoutError", f"still running after {timeout:g} s; it did not stop "
                                             f"within {grace:g} s of the interrupt")
@@ -239,12 +272,13 @@ class Waiter:
                 elif e is not None:
                     errors[r] = e
             results = {r: cell.values.get(r) for r in cell.finished if r not in cell.errors}
-            stuck = [r for r in cell.ranks if r not in cell.finished]
-            if not stuck:
+            left = [r for r in cell.ranks if r not in cell.finished]
+            stuck = [r for r in left if r not in cell.queued_on]
+            if not left:
                 state.cells.pop(cell.cell_id, None)
         hint = (f"%mesh interrupt --force --ranks {format_ranks(stuck)}  stops the ranks still running "
                 "(see the message above)" if stuck else "")
-        raise MeshTimeoutError(errors, results, cell.what, report.text, timeout, hint)
+        raise MeshTimeoutError(errors, results, cell.what, "\n".join(where), timeout, hint)
 
     def outcome(self, cell: CellHandle) -> RankMap | None:
         """The cell's results, or raise its error; computed once, then the same answer on every call."""
@@ -272,10 +306,8 @@ class Waiter:
             cell.values = {}  # the handle may live on (late output); the results belong to the caller now
         if errors:
             if all(isinstance(e, RemoteError) and e.interrupted for e in errors.values()):
-                done = (f"; {ranks_text(results)} had finished ({plural(results, 'their values', 'its value')}: "
-                        "the exception's .results)") if results else ""
                 raise mesh_interrupt(f"interrupted {ranks_text(errors)} ({keep_state(errors)}): "
-                                     f"{where_interrupted(errors)}{done}", results)
+                                     f"{where_interrupted(errors)}{finished_note(results)}", results)
             errors, hint = self.recovery.fold_errors(cell, errors)
             hint = "; ".join(h for h in (cell.collective_hint, hint) if h)
             raise MeshError(errors, results, cell.what, hint)

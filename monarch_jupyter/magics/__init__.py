@@ -180,6 +180,9 @@ class MeshMagics(Magics):
             )
         except ValueError as e:
             raise UsageError(str(e)) from None
+        except KeyboardInterrupt:  # Mesh.start tore down what it had started: one line, not the start's frames
+            raise errors.mesh_interrupt(f"%mesh start was interrupted; no rank is left running "
+                                        f"(%mesh start -n {world_size}  starts again)") from None
         self.meshes.append(m)
         from ..widgets import monitor_for
 

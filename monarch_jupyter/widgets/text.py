@@ -66,6 +66,12 @@ def _state_text(row: RowView) -> str:
     return f"{row.state} ({row.error})" if row.error and row.state in FAILED_STATES | {"stopped"} else row.state
 
 
+def _tag(summary: Summary) -> str:
+    """'[mesh 12.0 s]': the time the cell has run; '[mesh]' while every rank still waits to start it."""
+    took = fmt_seconds(summary.elapsed)
+    return f"[mesh {took}]" if took else "[mesh]"
+
+
 def header_text(summary: Summary, *, times: bool = True) -> str:
     """'ranks 0-3: running 0-1 · done 2 · error 3 · slowest rank 1 · 2.5 s'."""
     states = " · ".join(f"{s} {format_ranks(rs)}" for s, rs in summary.by_state.items())
@@ -216,11 +222,10 @@ class TextLiveView(LiveView):
         said = self._progress_text(rows, summary)
         if said and said != self._said and (self._printed_at is None or now - self._printed_at >= self.interval):
             self._said = said
-            self._speak(f"[mesh {fmt_seconds(summary.elapsed)}] {said}", now)
+            self._speak(f"{_tag(summary)} {said}", now)
         elif now - self._heard >= self._gap:
             quiet_for = "no output yet" if output_at is None else f"no output for {now - output_at:.0f} s"
-            self._speak(f"[mesh {fmt_seconds(summary.elapsed)}] {header_text(summary, times=False)} · {quiet_for}",
-                        now)
+            self._speak(f"{_tag(summary)} {header_text(summary, times=False)} · {quiet_for}", now)
             self._gap = min(self._gap * 2, self.SILENCE_MAX)
 
     def _speak(self, line: str, now: float) -> None:

@@ -193,9 +193,11 @@ def test_rank_stuck_in_c_code_is_named_then_killed_by_force(healthy: Mesh, capsy
     assert "killed rank 1" in report.text and "%mesh restart --rank 1" in report.text
     assert mesh.status()[1]["state"] == "dead" and mesh.status()[1]["returncode"] == -signal.SIGKILL
     assert not wait_gone([before[1]])
-    with pytest.raises(MeshError, match="not run") as info:
+    not_run = r"^the cell was not run, since a rank it needs is dead: \[rank1\] died \(signal SIGKILL"
+    with pytest.raises(MeshError, match=not_run) as info:
         mesh.run("1")
-    assert "%mesh restart --rank 1" in "\n".join(info.value._render_traceback_())
+    shown = info.value._render_traceback_()  # the error and what to run: the death was reported already
+    assert len(shown) == 2 and "%mesh restart --rank 1" in shown[1], shown
 
     mesh.restart(ranks=1)
     assert pids(mesh)[0] == before[0] and pids(mesh)[2] == before[2] and pids(mesh)[1] != before[1]
@@ -279,7 +281,8 @@ def test_death_while_idle_is_reported_and_full_restart_works(healthy: Mesh, caps
         time.sleep(0.02)
     assert mesh.status()[2]["returncode"] == -signal.SIGKILL
     assert "[rank2]: died (signal SIGKILL) while idle" in capsys.readouterr().err
-    with pytest.raises(MeshError, match="not run"):
+    with pytest.raises(MeshError, match=r"^the cell was not run, since a rank it needs is dead: \[rank2\] died "
+                                       r"\(signal SIGKILL\)$"):
         mesh.run("1")
     # Survivors still run code of their own (e.g. to save a checkpoint), with a note that collectives fail.
     assert mesh.run("marker", ranks="0,1") == {0: 0, 1: 10}
@@ -387,6 +390,63 @@ def test_stacks_and_interrupt_while_an_async_cell_runs(healthy: Mesh) -> None:
     assert report.interrupted == [0, 1, 2] and not report.stuck
     with pytest.raises(KeyboardInterrupt, match="time.sleep at cell line 3"):
         handle.result(timeout=10)
+    assert_recovered(mesh, kept=[0, 1, 2])
+
+
+def test_a_cell_queued_behind_an_async_cell_is_skipped_not_stuck(
+        healthy: Mesh, tmp_path, capsys: pytest.CaptureFixture) -> None:
+    """A cell sent while an earlier one (block=False) still runs waits behind it on the ranks. Timed out or
+    interrupted there, it is not reported stuck (nothing to force): the ranks skip it, and later cells run."""
+    mesh, go = healthy, tmp_path / "go"
+    first = mesh.run(f"import os, time\nwhile not os.path.exists({str(go)!r}):\n    time.sleep(0.05)\n'first'",
+                     block=False)
+    with pytest.raises(MeshTimeoutError) as timed_out:
+        mesh.run("'second'", timeout=0.5)
+    assert timed_out.value.stacks == ("ranks 0-2: not started; an earlier cell (sent with block=False or --async) "
+                                      "still runs there, and they skip this one"), timed_out.value.stacks
+    assert not timed_out.value.hint  # no  %mesh interrupt --force  advice
+    fired = threading.Event()
+
+    def interrupt_once_sent(kind: str, data: dict) -> None:
+        if kind == "cell_started" and not fired.is_set():
+            fired.set()
+            interrupt_me()
+
+    mesh.add_listener(interrupt_once_sent)
+    try:
+        with pytest.raises(KeyboardInterrupt) as interrupted:
+            mesh.run("'third'")
+    finally:
+        mesh.remove_listener(interrupt_once_sent)
+    assert str(interrupted.value) == ("interrupted; ranks 0-2 had not started it (they still run an earlier cell, "
+                                      "sent with block=False or --async) and skip it")
+    assert "did not stop" not in capsys.readouterr().err
+    later = mesh.run("'fourth'", block=False)  # not refused: the ranks are not stuck
+    go.touch()
+    assert first.result(timeout=60) == dict.fromkeys(range(WORLD), "first")
+    assert later.result(timeout=60) == dict.fromkeys(range(WORLD), "fourth")
+    assert_recovered(mesh, kept=[0, 1, 2])
+
+
+def test_the_notebooks_interrupt_keeps_the_results_of_ranks_that_had_finished(healthy: Mesh) -> None:
+    mesh = healthy
+
+    def poll() -> None:  # SIGINT once ranks 0 and 2 are done and rank 1 sleeps (at the deadline too)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not (
+                "rank 1: time.sleep at cell line 3" in mesh.stacks().text
+                and all(mesh.status()[r]["state"] == "idle" for r in (0, 2))):
+            time.sleep(0.05)
+        interrupt_me()
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    with pytest.raises(KeyboardInterrupt) as info:
+        mesh.run("import time\nif rank == 1:\n    time.sleep(600)\nrank * 10\n")
+    poller.join()
+    assert str(info.value) == ("interrupted rank 1 (it keeps its state): rank 1: time.sleep at cell line 3; ranks 0,2 "
+                               "had finished (their values: the exception's .results)"), str(info.value)
+    assert info.value.results == {0: 0, 2: 20}
     assert_recovered(mesh, kept=[0, 1, 2])
 
 

@@ -124,6 +124,11 @@ def test_interrupt_crash_restart_and_kernel_sigkill(kernel: tuple[KernelManager,
     assert worker_pids(kc) == pids  # the interrupt signal reached no rank process directly
     r = execute(kc, "%%mesh\nx")
     assert r.status == "ok" and r.results == ["{0: 7, 1: 8}"], r.traceback
+    # A KeyboardInterrupt the cell's own code raises is that cell's error like any other, not an interrupt.
+    r = execute(kc, "%%mesh\nif rank == 1:\n    raise KeyboardInterrupt('raised by the code')\nx")
+    assert (r.status, r.ename) == ("error", "MeshError"), (r.status, r.ename, r.traceback)
+    assert "[rank1] KeyboardInterrupt: raised by the code" in r.traceback, r.traceback
+    assert "(rank 0 finished; its result is in .results of this error)" in r.traceback, r.traceback
 
     # A rank crashes: the cell fails at once, naming the rank, its exit code and its last output.
     r = execute(kc, "%%mesh\nimport os, time\nif rank == 1:\n    print('bye', flush=True)\n    os._exit(3)\n"

@@ -232,6 +232,24 @@ def test_text_view_speaks_only_when_it_has_something_to_say(mesh):
     assert times[1] - times[0] >= 1.1, times  # the second after twice the silence (1.2 s; clock shown to 0.1 s)
 
 
+def test_text_view_of_a_cell_that_waits_behind_another_shows_no_clock(mesh, tmp_path):
+    go = tmp_path / "go"
+    monitor_for(mesh)  # it sees the first cell start (in a notebook it watches the mesh from its start)
+    first = mesh.run(f"import os, time\nwhile not os.path.exists({str(go)!r}):\n    time.sleep(0.05)\n",
+                     block=False)
+    out = io.StringIO()
+    view = TextLiveView(monitor_for(mesh), [0, 1], interval=0.2, quiet=0.1, silence=0.3, stream=out).start()
+    second = mesh.run("'second'", ranks=[0, 1], block=False)
+    deadline = time.monotonic() + 60
+    while "\n" not in out.getvalue() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    go.touch()
+    first.result(60)
+    assert second.result(60) == {0: "second", 1: "second"}
+    view.finish()
+    assert out.getvalue().splitlines()[0] == "[mesh] ranks 0,1: queued 0,1", out.getvalue()  # no "[mesh ]"
+
+
 def test_breakpoint_state_from_the_debugger_event(mesh):
     """The debugger reports a rank stopped at a breakpoint as a rank_state event; the row shows it."""
     monitor = monitor_for(mesh)

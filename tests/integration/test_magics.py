@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import textwrap
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from IPython.core.error import UsageError
@@ -11,7 +14,7 @@ from IPython.core.interactiveshell import InteractiveShell
 
 import monarch_jupyter
 from monarch_jupyter import Mesh, MeshError
-from tests.conftest import wait_gone
+from tests.conftest import wait_gone, worker_pids
 
 
 @pytest.fixture(scope="module")
@@ -187,3 +190,46 @@ def test_clean_rendering_of_errors(shell: InteractiveShell) -> None:
     from monarch_jupyter import MeshStartError
 
     assert MeshStartError("x")._render_traceback_() == ["MeshStartError: x"]
+
+
+INTERRUPTED_START = """
+import os, signal, sys, threading, time
+from IPython.core.interactiveshell import InteractiveShell
+from monarch_jupyter.kernel.launch import local
+
+os.environ["PYTHONPATH"] = sys.argv[1] + os.pathsep + os.environ.get("PYTHONPATH", "")  # the fork server sleeps
+shell = InteractiveShell.instance()
+shell.run_line_magic("load_ext", "monarch")
+
+def waits_for_the_fork_server():
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    while frame is not None and frame.f_code.co_name != "wait_ready":
+        frame = frame.f_back
+    return frame is not None
+
+def interrupt_once_start_waits():
+    deadline = time.monotonic() + 60
+    while not waits_for_the_fork_server() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.kill(os.getpid(), signal.SIGINT)
+
+threading.Thread(target=interrupt_once_start_waits, daemon=True).start()
+result = shell.run_cell("%mesh start -n 2 --timeout 120")
+print("ERROR TYPE:", type(result.error_in_exec).__name__)
+local.shutdown()
+"""
+
+
+def test_an_interrupted_start_says_so_in_one_line_and_leaves_nothing(tmp_path: Path) -> None:
+    """The notebook's interrupt while ``%mesh start`` waits (here for a fork server that is slow to import): one
+    line, not the start's frames, and no process left behind."""
+    slow = tmp_path / "slow"
+    slow.mkdir()
+    (slow / "sitecustomize.py").write_text("import time\ntime.sleep(120)\n")
+    before = worker_pids()
+    out = subprocess.run([sys.executable, "-c", INTERRUPTED_START, str(slow)], capture_output=True, text=True,
+                         timeout=120).stdout
+    assert "KeyboardInterrupt: %mesh start was interrupted; no rank is left running (%mesh start -n 2  starts " \
+           "again)" in out, out
+    assert "ERROR TYPE: KeyboardInterrupt" in out and "lifecycle.py" not in out, out
+    assert not wait_gone(worker_pids() - before)

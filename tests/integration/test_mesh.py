@@ -280,9 +280,21 @@ def test_result_is_a_snapshot_and_handle_result_is_stable(mesh: Mesh) -> None:
     assert handle.result(timeout=1) is first
 
 
-def test_rank_stuck_in_a_collective_refuses_new_cells_until_released() -> None:
+def test_keyboard_interrupt_raised_by_the_code_is_an_error_not_an_interrupt(mesh: Mesh) -> None:
+    from monarch_jupyter import MeshError, RemoteError
+
+    with pytest.raises(MeshError) as info:
+        mesh.run("if rank == 2:\n    raise KeyboardInterrupt('raised by the code')\nrank")
+    error = info.value.errors[2]
+    assert isinstance(error, RemoteError) and not error.interrupted, error
+    assert (error.ename, error.evalue) == ("KeyboardInterrupt", "raised by the code")
+    assert info.value.results == {0: 0, 1: 1, 3: 3}
+
+
+def test_rank_stuck_in_a_collective_refuses_new_cells_until_released(capsys: pytest.CaptureFixture[str]) -> None:
     """A cell that timed out while one rank sat in a collective must not let the next cell's collective pair
-    with the stuck one (a wrong result, then a hang): the next cell is refused until the rank is released."""
+    with the stuck one (a wrong result, then a hang): the next cell is refused until the rank is released. Code on
+    the other ranks runs, with a note that its collectives would pair with the stuck one's."""
     from monarch_jupyter import MeshTimeoutError, RankBusyError
 
     with Mesh(2) as m:
@@ -291,9 +303,16 @@ def test_rank_stuck_in_a_collective_refuses_new_cells_until_released() -> None:
         with pytest.raises(RankBusyError, match="interrupt --force") as info:
             m.run("u = torch.ones(1); dist.all_reduce(u); u.item()")
         assert info.value.ranks == [0]
+        capsys.readouterr()
         assert m.run("rank", ranks=1) == {1: 1}  # the other rank is free
+        note = capsys.readouterr().err
+        assert "note: rank 0 still runs an earlier cell that did not stop" in note, note
+        assert "would pair with the one it is stuck in and give wrong results;  %mesh interrupt --force --ranks 0" \
+            in note, note
         m.interrupt(force=True)
         assert m.run("u = torch.ones(1); dist.all_reduce(u); u.item()", timeout=30) == {0: 2.0, 1: 2.0}
+        assert m.run("rank", ranks=1) == {1: 1}
+        assert "earlier cell" not in capsys.readouterr().err  # released: no note any more
 
 
 # ---- how a local rank's result reaches the notebook: records in its stdout pipe, or the socket when large

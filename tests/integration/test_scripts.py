@@ -43,12 +43,14 @@ def usable(mesh: Mesh) -> None:
     assert mesh.state.group_status().startswith("up (gloo, 2 of 2 ranks)")
 
 
-def test_a_script_runs_as_python_runs_it(m: Mesh, script: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert m.run_script(script, "--status", 0) == {0: 0, 1: 0}
+def test_a_script_runs_as_python_runs_it(m: Mesh, script: Path, capsys: pytest.CaptureFixture[str],
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(script.parent)  # a path relative to the notebook's folder: argv[0] is the file, as __file__
+    assert m.run_script(script.name, "--status", 0) == {0: 0, 1: 0}
     out = capsys.readouterr().out
     for r in (0, 1):
-        # sys.argv as given, the script's folder first on sys.path, its helper importable, its own init and
-        # destroy_process_group fine: the all_reduce saw both ranks.
+        # sys.argv with the script's path, the script's folder first on sys.path, its helper importable, its own
+        # init and destroy_process_group fine: the all_reduce saw both ranks.
         assert (f"[rank{r}]: argv=[{str(script)!r}, '--status', '0'] path0={script.parent} helper=1 sum=2"
                 in out)
     # Afterwards the rank is as before: its own argv and sys.path, the cell namespace's __main__.

@@ -185,6 +185,12 @@ def test_bad_names_and_routes(tmesh: Mesh) -> None:
         tmesh.push(a=1, via="carrier pigeon")
     with pytest.raises(ValueError, match="not in this mesh"):
         tmesh.push(a=1, ranks=7)
+    for name in ("rank", "world_size", "dist"):  # the mesh's own names: every later cell would see the value sent
+        with pytest.raises(ValueError, match=f"'{name}' is a name the mesh defines on every rank"):
+            tmesh.push({name: 7})
+    with pytest.raises(ValueError, match="'device' is a name the mesh defines"):
+        tmesh.scatter("device", torch.arange(4))
+    assert tmesh.run("(rank, world_size)") == {r: (r, 4) for r in range(4)}
 
 
 def test_unpicklable_values_name_their_type_and_place(tmesh: Mesh) -> None:
@@ -373,6 +379,8 @@ def test_magics_bad_input(shell: InteractiveShell, tmesh: Mesh) -> None:
         shell.run_line_magic("mesh", "scatter few")
     with pytest.raises(UsageError, match="--as names one destination"):
         shell.run_line_magic("mesh", "pull a b --as c")
+    with pytest.raises(UsageError, match=r"'rank' is a name the mesh defines on every rank .* \(--as NAME"):
+        shell.run_line_magic("mesh", "push few --as rank")
     with pytest.raises(UsageError, match="%mesh gather"):
         shell.run_line_magic("mesh", "gather x --dim notanint")
     with pytest.raises(MeshError, match="pull of 'never_defined'"):

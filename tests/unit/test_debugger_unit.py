@@ -15,7 +15,8 @@ from monarch_worker.debugger import RankDebugger
 
 
 class FakeRank:
-    """What RankDebugger uses of a Rank: its number, current cell, namespace, and an outbox."""
+    """What RankDebugger uses of a Rank: its number, current cell, namespace, an outbox, and the cells whose
+    KeyboardInterrupt is an interrupt (note_interrupt)."""
 
     def __init__(self) -> None:
         self.rank = 3
@@ -23,9 +24,13 @@ class FakeRank:
         self.ns = None
         self._main_ident = threading.get_ident()
         self.sent: queue.Queue = queue.Queue()
+        self.interrupted: set[int] = set()
 
     def send(self, msg: P.Message, value: Any = None, *, with_value: bool = False) -> None:
         self.sent.put(msg)
+
+    def note_interrupt(self, cell_id: int) -> None:
+        self.interrupted.add(cell_id)
 
 
 def converse(target: Callable[[RankDebugger], Any], answers: list[Any]) -> tuple[Any, list[P.Message]]:

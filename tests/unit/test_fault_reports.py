@@ -68,7 +68,7 @@ def test_death_error_names_rank_status_and_last_output() -> None:
 
 
 def test_mesh_error_folds_aborted_survivors_and_pickles() -> None:
-    interrupted = RemoteError(0, "KeyboardInterrupt", "")
+    interrupted = RemoteError(0, "KeyboardInterrupt", "", interrupted=True)
     released = RemoteError(2, "RuntimeError", "Connection closed by peer")
     e = MeshError({1: RankDiedError(1, 3, "bye"), 0: RankAbortedError(0, [1], interrupted),
                    3: RankAbortedError(3, [1], interrupted), 2: RankAbortedError(2, [1], released)},
@@ -82,6 +82,15 @@ def test_mesh_error_folds_aborted_survivors_and_pickles() -> None:
                          "%mesh restart --rank 1"]
     t = pickle.loads(pickle.dumps(MeshTimeoutError({0: released}, {1: 2}, "the cell", "rank 0: x", 3.0, "h")))
     assert (t.stacks, t.timeout, t.hint, t.results) == ("rank 0: x", 3.0, "h", {1: 2})
+
+
+def test_a_refused_cell_says_it_was_not_run_without_the_last_output_again() -> None:
+    e = pickle.loads(pickle.dumps(MeshError({1: RankDiedError(1, 3, "bye")}, hint="h", not_run=True)))
+    assert str(e) == "the cell was not run, since a rank it needs is dead: [rank1] died (exit code 3)"
+    assert e._render_traceback_() == [f"MeshError: {e}", "h"]  # "bye" was shown when the rank died
+    two = MeshError({1: RankDiedError(1, 3), 2: RankDiedError(2, -9)}, not_run=True)
+    assert str(two) == ("the cell was not run, since ranks it needs are dead: [rank1] died (exit code 3); "
+                        "[rank2] died (signal SIGKILL)")
 
 
 def test_crash_dump_lines_of_the_runtime_are_not_kept() -> None:
