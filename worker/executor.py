@@ -55,7 +55,7 @@ def format_error(exc: BaseException, namespace: dict | None = None, interrupt_se
         "message": str(exc),
         "traceback": "".join(te.format()),
         "interrupted": isinstance(exc, KeyboardInterrupt) and interrupt_sent,
-        "frames": [(f.filename, f.lineno or 0, f.name, (f.line or "").strip()) for f in te.stack],
+        "frames": [_frame(f) for f in te.stack],
     }
 
 
@@ -77,12 +77,26 @@ def _note_notebook_globals(exc: BaseException, namespace: dict) -> None:
                  "%%mesh cell.")
 
 
-def main_thread_stack(frame: types.FrameType | None) -> list[tuple[str, int, str, str]]:
-    """The user's part of a thread's stack (outermost first): (filename, lineno, function, source line)."""
+def _frame(f: traceback.FrameSummary) -> tuple[str, int, str, str, str]:
+    """(filename, lineno, function, source line, the source of the instruction it runs). The last is the part of
+    the line that Python 3.11's positions (PEP 657) name, "time.sleep(1)" in ``for i in r: time.sleep(1)``, or ""
+    when it spans lines."""
+    line = (f.line or "").strip()
+    colno, end = getattr(f, "colno", None), getattr(f, "end_colno", None)
+    call = ""
+    if colno is not None and end is not None and getattr(f, "end_lineno", None) == f.lineno:
+        raw = linecache.getline(f.filename, f.lineno or 0).encode()  # the offsets count UTF-8 bytes
+        call = raw[colno:end].decode(errors="replace").strip()
+    return (f.filename, f.lineno or 0, f.name, line, call)
+
+
+def main_thread_stack(frame: types.FrameType | None) -> list[tuple[str, int, str, str, str]]:
+    """The user's part of a thread's stack (outermost first): (filename, lineno, function, source line, source of
+    the running instruction; see ``_frame``)."""
     if frame is None:
         return []
     summary = traceback.extract_stack(frame)
-    frames = [(f.filename, f.lineno or 0, f.name, (f.line or "").strip()) for f in summary]
+    frames = [_frame(f) for f in summary]
     # Drop the runtime's own frames at the bottom (main loop, dispatch).
     while frames and is_internal(frames[0][0]):
         frames.pop(0)

@@ -8,9 +8,10 @@ with the same stack into one entry whose first line reads like::
     rank 2: time.sleep at cell line 6  [last collective: gloo:all_reduce #11]
 
 "what" is the innermost Python function (or, when the innermost frame is the user's own code blocked in a C
-function, the call on that line); "where" is the innermost frame of the user's own code: "cell line N" for the
-running cell, else file:line in function. Different collective sequence numbers show which ranks skipped or
-added a collective.
+function, the call it runs: the rank sends the source of the running instruction, PEP 657 positions, and the
+first call on the line stands in when it has none); "where" is the innermost frame of the user's own code:
+"cell line N" for the running cell, else file:line in function. Different collective sequence numbers show which
+ranks skipped or added a collective.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from .state import MeshState, RankState
 
 __all__ = ["StackReport", "StackRequests", "summarize"]
 
-Frame = tuple  # (filename, lineno, function, source line)
+Frame = tuple  # (filename, lineno, function, source line[, source of the running instruction])
 
 _LIBRARY_DIRS = tuple({p for k in ("stdlib", "platstdlib", "purelib", "platlib")
                        if (p := sysconfig.get_paths().get(k))})
@@ -70,7 +71,7 @@ def cell_file(frames: list[Frame]) -> str:
 
 
 def where(frame: Frame, cell: str) -> str:
-    filename, lineno, fn, _line = frame
+    filename, lineno, fn = frame[:3]
     if filename == cell:
         return f"cell line {lineno}"
     return f"{_short(filename)}:{lineno} in {fn}"
@@ -85,7 +86,8 @@ def summarize(frames: list[Frame]) -> str:
     anchor = user[-1] if user else frames[-1]
     innermost = frames[-1]
     if innermost is anchor:
-        what = _called(str(anchor[3])) or anchor[2]
+        running = str(anchor[4]) if len(anchor) > 4 else ""
+        what = _called(running) or _called(str(anchor[3])) or anchor[2]
     else:
         what = innermost[2]
     return f"{what} at {where(anchor, cell)}"

@@ -11,6 +11,7 @@ from monarch_jupyter.kernel.routing import kept_for_death_report
 from monarch_jupyter.kernel.stacks import StackReport, summarize
 from monarch_jupyter.ranks import format_ranks as rank_list
 from monarch_worker import protocol as P
+from monarch_worker.executor import format_error, register_source
 
 C10D = "/usr/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
 LOGGER = "/usr/lib/python3.11/site-packages/torch/distributed/c10d_logger.py"
@@ -44,6 +45,20 @@ def test_report_groups_identical_stacks() -> None:
     assert "rank 4: idle" in lines and "rank 5: no answer (dead)" in lines
     assert report.summary().startswith("ranks 0,1,3: all_reduce at cell line 4  [last collective: gloo:all_reduce"
                                        " #12] / rank 2: time.sleep at cell line 6")
+
+
+def test_a_line_with_several_calls_names_the_one_running() -> None:
+    """The rank sends the source of the running instruction (PEP 657 positions): on a line with several calls,
+    the summary names the one the rank is in, not the first on the line."""
+    source = "import time\nfor i in range(3): time.sleep(-1)\n"
+    register_source("<mesh In[9]>", source)
+    try:
+        exec(compile(source, "<mesh In[9]>", "exec"), {})
+    except ValueError as e:  # raised inside time.sleep, a C function: the cell's frame is the innermost
+        frames = [f for f in format_error(e)["frames"] if f[0] == "<mesh In[9]>"]  # from the cell on, as on a rank
+    assert frames[-1][3:] == ("for i in range(3): time.sleep(-1)", "time.sleep(-1)"), frames
+    assert summarize(frames) == "time.sleep at cell line 2"
+    assert summarize([f[:4] for f in frames]) == "range at cell line 2"  # without it: the line's first call
 
 
 def test_rank_lists_read_aloud() -> None:
