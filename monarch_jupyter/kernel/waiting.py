@@ -173,9 +173,8 @@ class Waiter:
         with self.state.lock:
             results = RankMap((r, cell.values.get(r)) for r in cell.ranks
                               if r in cell.finished and r not in cell.errors)
-            if cell.all_done:
+            if cell.all_done:  # nothing more comes for it (a handle's result() still has its values)
                 self.state.cells.pop(cell.cell_id, None)
-                cell.values = {}  # the results belong to the caller now
         return mesh_interrupt(message + finished_note(results), results)
 
     def interrupt_cell(self, cell: CellHandle) -> str:

@@ -441,12 +441,16 @@ def test_the_notebooks_interrupt_keeps_the_results_of_ranks_that_had_finished(he
 
     poller = threading.Thread(target=poll, daemon=True)
     poller.start()
+    handle = mesh.run("import time\nif rank == 1:\n    time.sleep(600)\nrank * 10\n", block=False)
     with pytest.raises(KeyboardInterrupt) as info:
-        mesh.run("import time\nif rank == 1:\n    time.sleep(600)\nrank * 10\n")
+        handle.result()  # as mesh.run waits
     poller.join()
     assert str(info.value) == ("interrupted rank 1 (it keeps its state): rank 1: time.sleep at cell line 3; ranks 0,2 "
                                "had finished (their values: the exception's .results)"), str(info.value)
     assert info.value.results == {0: 0, 2: 20}
+    with pytest.raises(KeyboardInterrupt) as again:  # the handle still has them
+        handle.result(timeout=10)
+    assert again.value.results == {0: 0, 2: 20}
     assert_recovered(mesh, kept=[0, 1, 2])
 
 
