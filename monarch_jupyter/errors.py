@@ -61,9 +61,9 @@ class CellSyntaxError(MonarchError):
 
 
 class RankBusyError(MonarchError):
-    """A cell was sent to ranks still running an earlier cell that was interrupted or timed out and did not
-    stop (typically blocked in a collective): running more code there could pair its collectives with the
-    stuck ones. ``ranks`` are those ranks."""
+    """Code was sent while ranks still run an earlier cell that was interrupted or timed out and did not stop
+    (typically blocked in a collective): a collective of more code, on any rank, could pair with the stuck one and
+    give wrong results. ``ranks`` are the stuck ranks."""
 
     def __init__(self, message: str, ranks: list[int] | None = None) -> None:
         super().__init__(message)
@@ -152,17 +152,19 @@ class RankDiedError(MonarchError):
     Attributes: ``rank``; ``returncode`` (negative: killed by that signal; None: unknown, e.g. a remote rank
     lost by heartbeat); ``last_output`` (its last lines of output); ``pid``; ``reason`` (why, when the
     controller knows better than the exit status, e.g. "no heartbeat for 30 s" or "killed by %mesh interrupt
-    --force").
+    --force"); ``output_earlier`` (True: the cell that failed wrote nothing, and ``last_output`` is what earlier
+    cells wrote).
     """
 
     def __init__(self, rank: int, returncode: int | None, last_output: str = "", pid: int | None = None,
-                 reason: str = "") -> None:
-        super().__init__(rank, returncode, last_output, pid, reason)
+                 reason: str = "", output_earlier: bool = False) -> None:
+        super().__init__(rank, returncode, last_output, pid, reason, output_earlier)
         self.rank = rank
         self.returncode = returncode
         self.last_output = last_output
         self.pid = pid
         self.reason = reason
+        self.output_earlier = output_earlier
 
     def __str__(self) -> str:
         if self.returncode is None and self.reason:
@@ -176,7 +178,8 @@ class RankDiedError(MonarchError):
         if hint and not self.reason:
             lines.append(f"[rank{self.rank}] note: {hint}")
         if self.last_output:
-            lines.append(f"[rank{self.rank}] its last output:")
+            lines.append(f"[rank{self.rank}] its last output"
+                         + (" (from earlier cells: this one wrote nothing):" if self.output_earlier else ":"))
             lines += [f"[rank{self.rank}]   {line}" for line in self.last_output.rstrip("\n").splitlines()]
         return lines
 

@@ -8,7 +8,8 @@ I/O thread touches: other threads queue them in the ``outbox``.
 
 ``submit`` registers a cell with its ranks and sends it, atomically under the mesh lock and with SIGINT held
 (an interrupt must not cut a message in half on its way into a work pipe, nor leave some ranks with the cell
-and others without). It refuses, sending nothing, when a chosen rank is dead or still stuck in an abandoned cell.
+and others without). It refuses, sending nothing, when a chosen rank is dead, or still stuck in an abandoned cell
+(for code: when any rank is, as a collective of the new code would pair with the stuck one).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import contextlib
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +39,7 @@ Group = tuple[list[int], P.Message, bytes, list]  # ranks that get one message (
 
 WORK_TYPES = P.work_types()
 RECENT_CELLS = 64  # cells whose late rich output still reaches them (MeshState.recent_cells)
+QUEUE_NOTE_AFTER = 1.0  # seconds an earlier cell has run before work queued behind it gets a note
 
 
 def restart_hint(dead: list[int], world_size: int) -> str:
@@ -92,23 +95,22 @@ class Dispatcher:
         MeshError
             A chosen rank is dead (nothing was sent).
         RankBusyError
-            A chosen rank still runs an abandoned cell (nothing was sent).
+            Code (a cell or call), on any ranks, while some rank still runs an abandoned cell: a collective in it
+            would pair with the stuck one and give wrong results. Other work (a push, a pull), when a chosen rank
+            does. Nothing was sent.
 
-        Code (a cell or call) sent while ranks it leaves out still run an abandoned cell gets a note on stderr:
-        a collective in it would pair with theirs and give wrong results (a push or pull gets none).
+        Work for ranks that have run an earlier cell (``block=False``) for a second or more gets a note on stderr:
+        it starts there when that cell ends.
         """
         state = self.state
         with sigint_held(), state.lock:
-            self._check_ranks(handle)
             runs_code = any(isinstance(msg, (P.Exec, P.Call)) for _, msg, _, _ in groups)
-            stuck = self._stuck([r for r in sorted(state.ranks) if r not in handle.ranks]) if runs_code else []
-            if stuck:
-                # Ranks outside this code's sit in an abandoned cell's collective: say that this code's would pair.
-                sys.stderr.write(f"note: {ranks_text(stuck)} still {plural(stuck, 'run', 'runs')} an earlier cell "
-                                 "that did not stop (blocked in a collective?): a collective in this cell would pair "
-                                 f"with the one {plural(stuck, 'they are', 'it is')} stuck in and give wrong results;  "
-                                 f"%mesh interrupt --force --ranks {format_ranks(stuck)}  releases "
-                                 f"{plural(stuck, 'them', 'it')}\n")
+            self._check_ranks(handle, sorted(state.ranks) if runs_code else handle.ranks)
+            behind = self._running_earlier(handle.ranks)
+            if behind:  # an --async cell (block=False) still runs there: this waits, say so
+                sys.stderr.write(f"note: {ranks_text(behind)} still {plural(behind, 'run', 'runs')} an earlier cell "
+                                 f"(sent with block=False or --async); {handle.what} starts there when it ends "
+                                 "(%mesh interrupt  stops that cell;  %mesh inspect  reads values now)\n")
             if state.group_down:
                 # Cells run on survivors while the process group is broken: say that collectives fail.
                 sys.stderr.write(f"note: the process group is down ({state.group_down}): collectives fail until "
@@ -138,21 +140,27 @@ class Dispatcher:
                 if identities:
                     self.outbox.put((identities, msg, payload, buffers))
 
-    def _check_ranks(self, handle: CellHandle) -> None:
+    def _check_ranks(self, handle: CellHandle, busy_ranks: list[int]) -> None:
+        """Raise when a rank of ``handle`` is dead, or one of ``busy_ranks`` still runs an abandoned cell."""
         ranks, what, infos = handle.ranks, handle.what, self.state.ranks
         dead = [r for r in ranks if infos[r].state is RankState.DEAD]
         if dead:
             raise MeshError({r: RankDiedError(r, infos[r].returncode, "\n".join(infos[r].last_lines), infos[r].pid,
                                               infos[r].death_reason)
                              for r in dead}, what=what, hint=restart_hint(dead, self.state.nproc), not_run=True)
-        busy = self._stuck(ranks)
+        busy = self._stuck(busy_ranks)
         if busy:
-            spec = format_ranks(busy)
             raise RankBusyError(
-                f"{what} was not run: {ranks_text(busy)} still {'run' if len(busy) > 1 else 'runs'} an earlier cell "
-                "that was interrupted or timed out and did not stop (blocked in a collective?); new code there could "
-                "pair its collectives with the stuck ones. Run  %mesh stacks  to see where,  %mesh interrupt --force "
-                f"--ranks {spec}  to release them, or  %mesh restart.", busy)
+                f"{what} was not run: {ranks_text(busy)} still {plural(busy, 'run', 'runs')} an earlier cell that was "
+                "interrupted or timed out and did not stop (blocked in a collective?); a collective of new code on any "
+                f"rank would pair with the one {plural(busy, 'they are', 'it is')} stuck in and give wrong results. "
+                f"Run  %mesh stacks  to see where,  %mesh interrupt --force --ranks {format_ranks(busy)}  to release "
+                f"{plural(busy, 'them', 'it')}, or  %mesh restart  (%mesh inspect  reads values meanwhile).", busy)
+
+    def _running_earlier(self, ranks: list[int]) -> list[int]:
+        """Those of ``ranks`` that have run an earlier cell for ``QUEUE_NOTE_AFTER`` seconds or more."""
+        infos, since = self.state.ranks, time.monotonic() - QUEUE_NOTE_AFTER
+        return [r for r in ranks if any(r not in c.finished and c.submitted <= since for c in infos[r].cells)]
 
     def _stuck(self, ranks: list[int]) -> list[int]:
         """Those of ``ranks`` that still run a cell that was interrupted or timed out and did not stop (not those

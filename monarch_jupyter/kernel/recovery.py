@@ -102,7 +102,8 @@ class InterruptReport:
             out.append(f"nothing to interrupt: {ranks_text(self.idle)} idle")
         if self.stuck:
             out.append(f"{ranks_text(self.stuck)} did not stop within {self.grace:g} s: {self.stacks}")
-            out.append(f"Force with  %mesh interrupt --force --ranks {format_ranks(self.stuck)}  (SIGKILL), or "
+            out.append(f"Force with  %mesh interrupt --force --ranks {format_ranks(self.stuck)}  (it releases "
+                       "collectives, then SIGKILLs ranks still stuck), or "
                        "%mesh restart  for a fresh mesh.")
         if self.killed:
             out.append(f"killed {ranks_text(self.killed)} (did not stop within {self.grace:g} s"
@@ -137,14 +138,14 @@ class Recovery:
         info.returncode = returncode
         info.death_reason = reason
         self.state.failures.pop(info.rank, None)  # its kept traceback died with it
-        last = "\n".join(info.last_lines)
         now = time.monotonic()
         failed = []
         for cell in list(info.cells):
             if info.rank not in cell.finished:
                 if cell.death_at is None:
                     cell.death_at = now
-                cell.fail_rank(info.rank, RankDiedError(info.rank, returncode, last, info.pid, reason))
+                last, earlier = info.last_output(cell.cell_id)
+                cell.fail_rank(info.rank, RankDiedError(info.rank, returncode, last, info.pid, reason, earlier))
                 failed.append(cell)
         info.cells.clear()
         self.state.cond.notify_all()
@@ -386,9 +387,13 @@ class Recovery:
         with state.lock:
             others_dead = [r for r, i in state.ranks.items() if r not in chosen and i.state is RankState.DEAD]
         if others_dead:
+            together = sorted(set(chosen) | set(others_dead))
+            if len(together) == state.nproc:  # nothing keeps state: a fresh mesh is the same, and simpler
+                raise MonarchError(f"{ranks_text(others_dead)} {'are' if len(others_dead) > 1 else 'is'} dead too, "
+                                   "so every rank is: run  %mesh restart  (a fresh mesh)")
             raise MonarchError(
                 f"{ranks_text(others_dead)} {'are' if len(others_dead) > 1 else 'is'} dead too; restart them "
-                f"together:  %mesh restart --rank {format_ranks(sorted(set(chosen) | set(others_dead)))}")
+                f"together:  %mesh restart --rank {format_ranks(together)}")
         survivors = [r for r in range(state.nproc) if r not in chosen]
         with state.lock:
             busy = [r for r in survivors if state.ranks[r].cells]

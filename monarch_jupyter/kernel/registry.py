@@ -26,7 +26,8 @@ def current_mesh() -> Mesh:
     """
     mesh = peek_current()
     if mesh is None:
-        raise MeshNotRunningError("no mesh is running: start one with  %mesh start -n 4  (or Mesh(nproc=4))")
+        raise MeshNotRunningError("no mesh is running: start one with  %mesh start -n N  (N ranks, e.g. -n 4; "
+                                  "Mesh(nproc=N) in Python)")
     return mesh
 
 

@@ -137,8 +137,9 @@ class OutputRouter:
                 kept.append(text)
                 if len(kept) == LAST_LINES:
                     break
-        info.last_lines.extend(reversed(kept))
         target = self.cells.target(info.rank, stream, info.cells)
+        info.last_lines.extend(reversed(kept))
+        info.last_line_cells.extend([-1 if target is None else target.cell_id] * len(kept))
         if target is None:
             write_lines([(info.rank, stream, text) for text in texts])
         else:

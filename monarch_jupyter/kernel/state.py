@@ -66,6 +66,7 @@ class RankInfo:
     last_heard: float = 0.0  # time.monotonic() of its last message
     cells: deque[CellHandle] = field(default_factory=deque)  # submitted to this rank, not yet finished on it
     last_lines: deque[str] = field(default_factory=lambda: deque(maxlen=LAST_LINES))
+    last_line_cells: deque[int] = field(default_factory=lambda: deque(maxlen=LAST_LINES))  # each line's cell (-1)
     splitters: dict[str, StreamSplitter] = field(
         default_factory=lambda: {"stdout": StreamSplitter(), "stderr": StreamSplitter(records=False)})
     progress: tuple | None = None
@@ -75,6 +76,12 @@ class RankInfo:
     @property
     def alive(self) -> bool:
         return self.state not in (RankState.DEAD, RankState.STOPPED)
+
+    def last_output(self, cell_id: int) -> tuple[str, bool]:
+        """(its last lines, earlier): the lines cell ``cell_id`` wrote, or else (``earlier`` True) those of the
+        cells before it, so that a death report never passes earlier output off as the dying cell's."""
+        own = [line for line, c in zip(self.last_lines, self.last_line_cells, strict=True) if c == cell_id]
+        return ("\n".join(own), False) if own else ("\n".join(self.last_lines), bool(self.last_lines))
 
 
 class MeshState:

@@ -381,6 +381,9 @@ def _check_name(name: Any, bound: bool = False) -> None:
     not be a name the mesh defines (it would change for every later cell)."""
     if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
         raise ValueError(f"{name!r} is not a valid Python variable name for a rank's namespace")
+    if bound and name.startswith("__") and name.endswith("__"):
+        raise ValueError(f"{name!r} is a special name of a rank's namespace (like __builtins__ or __name__): binding "
+                         "it breaks every later cell there; send the value under another name (--as NAME)")
     if bound and name in MESH_NAMES:
         raise ValueError(f"{name!r} is a name the mesh defines on every rank ({', '.join(MESH_NAMES)}), and every "
                          "later cell would see the value sent instead: send it under another name (--as NAME, or "

@@ -264,6 +264,10 @@ class MeshMagics(Magics):
             return m.restart(ranks=args.ranks)
         except ValueError as e:
             raise UsageError(str(e)) from None
+        except KeyboardInterrupt:  # one line, not the restart's frames
+            where = ("the mesh is stopped and no rank is left running (%mesh restart  starts it again)"
+                     if not m.running else "%mesh status  shows where each rank is")
+            raise errors.mesh_interrupt(f"%mesh restart was interrupted; {where}") from None
 
     @magic_arguments()
     @argument("--ranks", "-r", default=None, help="ranks to interrupt (default: all)")
@@ -411,7 +415,7 @@ class MeshMagics(Magics):
         if m is None and self.meshes:
             m = self.meshes[-1]
         if m is None:
-            raise UsageError("no mesh is running: start one with  %mesh start -n 4")
+            raise UsageError("no mesh is running: start one with  %mesh start -n N  (N ranks, e.g. -n 4)")
         if require_running and not m.running and not m.listening:
             raise UsageError("the mesh is stopped: start it with  %mesh restart  (or  %mesh start -n N)")
         return m

@@ -11,10 +11,13 @@ destination instead (on the ranks for push/scatter, in the notebook for pull/gat
 
 from __future__ import annotations
 
+import types
 from typing import TYPE_CHECKING, Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments
+
+from ..kernel.mesh import Mesh
 
 if TYPE_CHECKING:
     from . import MeshMagics
@@ -35,6 +38,20 @@ def _dest(args: Any, names: list[str], sub: str) -> list[str]:
     if not args.dest.isidentifier():
         raise UsageError(f"%mesh {sub}: --as needs a Python name, got {args.dest!r}")
     return [args.dest]
+
+
+def _notebook_dests(magics: MeshMagics, dests: list[str], sub: str) -> None:
+    """Pull and gather bind notebook variables: not a special name, and not over a module or a mesh handle, which
+    the notebook's own code relies on (``%mesh pull torch``)."""
+    for dest in dests:
+        if dest.startswith("__") and dest.endswith("__"):
+            raise UsageError(f"%mesh {sub}: {dest!r} is a special name of the notebook's namespace; store the "
+                             "value under another name with  --as NAME")
+        held = magics.user_ns.get(dest)
+        if isinstance(held, (types.ModuleType, Mesh)):
+            kind = f"the module {held.__name__}" if isinstance(held, types.ModuleType) else "a Mesh"
+            raise UsageError(f"%mesh {sub}: the notebook's {dest!r} is {kind}, which the value would replace; "
+                             "store it under another name with  --as NAME")
 
 
 def _notebook_values(magics: MeshMagics, names: list[str], sub: str) -> list[Any]:
@@ -93,6 +110,7 @@ def pull(magics: MeshMagics, rest: str) -> None:
     """%mesh pull x [y ...] [--ranks SPEC] [--as NAME]: notebook x = RankMap of each rank's x."""
     args = magics.parse_args(pull, rest, "pull")
     dests = _dest(args, args.names, "pull")
+    _notebook_dests(magics, dests, "pull")
     m = magics.current()
     for name, dest in zip(args.names, dests, strict=False):
         try:
@@ -111,6 +129,7 @@ def gather(magics: MeshMagics, rest: str) -> None:
     """%mesh gather x [--dim D] [--ranks SPEC] [--as NAME]: notebook x = the ranks' x concatenated."""
     args = magics.parse_args(gather, rest, "gather")
     (dest,) = _dest(args, [args.name], "gather")
+    _notebook_dests(magics, [dest], "gather")
     m = magics.current()
     try:
         magics.user_ns[dest] = m.gather(args.name, args.dim, ranks=args.ranks, timeout=args.timeout)

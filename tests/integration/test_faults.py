@@ -258,6 +258,22 @@ def test_rank_death_ends_the_cell_and_restart_rank_recovers(healthy: Mesh, how: 
     assert_recovered(mesh, kept=[0, 2])
 
 
+def test_a_death_report_does_not_pass_earlier_output_off_as_the_cells(healthy: Mesh) -> None:
+    mesh = healthy
+    mesh.run("if rank == 1:\n    print('from an earlier cell', flush=True)")
+    with pytest.raises(MeshError) as info:
+        mesh.run("import os\nif rank == 1:\n    os._exit(9)\n")
+    shown = "\n".join(info.value._render_traceback_())
+    assert "[rank1] its last output (from earlier cells: this one wrote nothing):" in shown, shown
+    assert "[rank1]   from an earlier cell" in shown, shown
+    mesh.restart(ranks=1)
+    mesh.run("if rank == 1:\n    print('an old line', flush=True)")
+    with pytest.raises(MeshError) as info:
+        mesh.run("import os\nif rank == 1:\n    print('last words', flush=True)\n    os._exit(9)\n")
+    shown = "\n".join(info.value._render_traceback_())
+    assert "[rank1] its last output:\n[rank1]   last words" in shown and "an old line" not in shown, shown
+
+
 def test_results_of_finished_ranks_are_kept(healthy: Mesh) -> None:
     mesh = healthy
     code = "import os, time\nif rank == 1:\n    time.sleep(0.5)\n    os._exit(5)\nif rank == 2:\n" \
@@ -306,6 +322,17 @@ def test_restart_rank_refuses_when_other_ranks_are_dead(healthy: Mesh) -> None:
         mesh.restart(ranks=1)
     mesh.restart(ranks="1,2")
     assert_recovered(mesh, kept=[0])
+    # Every rank dead: the answer is a fresh mesh, not a list of every rank.
+    p = pids(mesh)
+    for r in range(WORLD):
+        os.kill(p[r], signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while any(mesh.status()[r]["state"] != "dead" for r in range(WORLD)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    with pytest.raises(Exception, match=r"^ranks 0,2 are dead too, so every rank is: run  %mesh restart  "):
+        mesh.restart(ranks=1)
+    mesh.restart()
+    assert_recovered(mesh, kept=[])
 
 
 # ---------------------------------------------------------------------------------------------------- lost ranks
@@ -421,7 +448,12 @@ def test_a_cell_queued_behind_an_async_cell_is_skipped_not_stuck(
     assert str(interrupted.value) == ("interrupted; ranks 0-2 had not started it (they still run an earlier cell, "
                                       "sent with block=False or --async) and skip it")
     assert "did not stop" not in capsys.readouterr().err
+    while time.monotonic() - first.submitted < 1.0:  # the first cell has run for a second (whatever the load)
+        time.sleep(0.05)
     later = mesh.run("'fourth'", block=False)  # not refused: the ranks are not stuck
+    assert capsys.readouterr().err == (
+        "note: ranks 0-2 still run an earlier cell (sent with block=False or --async); the cell starts there when it "
+        "ends (%mesh interrupt  stops that cell;  %mesh inspect  reads values now)\n")
     go.touch()
     assert first.result(timeout=60) == dict.fromkeys(range(WORLD), "first")
     assert later.result(timeout=60) == dict.fromkeys(range(WORLD), "fourth")

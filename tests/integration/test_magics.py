@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -233,3 +237,29 @@ def test_an_interrupted_start_says_so_in_one_line_and_leaves_nothing(tmp_path: P
            "again)" in out, out
     assert "ERROR TYPE: KeyboardInterrupt" in out and "lifecycle.py" not in out, out
     assert not wait_gone(worker_pids() - before)
+
+
+def test_an_interrupted_restart_says_so_in_one_line(shell: InteractiveShell) -> None:
+    running_mesh(shell)
+
+    def interrupt_once_it_waits_for_the_ranks() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            frame, names = sys._current_frames().get(threading.main_thread().ident), set()
+            while frame is not None:
+                names.add(frame.f_code.co_name)
+                frame = frame.f_back
+            if "wait_started" in names:
+                break
+            time.sleep(0.005)
+        os.kill(os.getpid(), signal.SIGINT)  # at the deadline too: the test then fails on what it sees
+
+    interrupter = threading.Thread(target=interrupt_once_it_waits_for_the_ranks, daemon=True)
+    interrupter.start()
+    with pytest.raises(KeyboardInterrupt) as info:
+        shell.run_line_magic("mesh", "restart")
+    interrupter.join()
+    assert info.value._render_traceback_() == [  # type: ignore[attr-defined]
+        "KeyboardInterrupt: %mesh restart was interrupted; the mesh is stopped and no rank is left running "
+        "(%mesh restart  starts it again)"]
+    assert shell.run_line_magic("mesh", "restart").run("rank") == {0: 0, 1: 1}

@@ -190,6 +190,9 @@ def test_bad_names_and_routes(tmesh: Mesh) -> None:
             tmesh.push({name: 7})
     with pytest.raises(ValueError, match="'device' is a name the mesh defines"):
         tmesh.scatter("device", torch.arange(4))
+    for name in ("__builtins__", "__name__"):  # binding one breaks every later cell on the rank
+        with pytest.raises(ValueError, match=f"'{name}' is a special name of a rank's namespace"):
+            tmesh.push({name: 7})
     assert tmesh.run("(rank, world_size)") == {r: (r, 4) for r in range(4)}
 
 
@@ -381,6 +384,16 @@ def test_magics_bad_input(shell: InteractiveShell, tmesh: Mesh) -> None:
         shell.run_line_magic("mesh", "pull a b --as c")
     with pytest.raises(UsageError, match=r"'rank' is a name the mesh defines on every rank .* \(--as NAME"):
         shell.run_line_magic("mesh", "push few --as rank")
+    # Pull and gather do not replace what the notebook's own code relies on.
+    tmesh.push(u=torch.ones(2))
+    shell.user_ns.update(torch=torch, tmesh_handle=tmesh)
+    with pytest.raises(UsageError, match="%mesh pull: the notebook's 'torch' is the module torch, which the value"):
+        shell.run_line_magic("mesh", "pull torch")
+    with pytest.raises(UsageError, match="%mesh gather: the notebook's 'tmesh_handle' is a Mesh"):
+        shell.run_line_magic("mesh", "gather u --as tmesh_handle")
+    with pytest.raises(UsageError, match="'__builtins__' is a special name of the notebook's namespace"):
+        shell.run_line_magic("mesh", "pull u --as __builtins__")
+    assert shell.user_ns["torch"] is torch and shell.user_ns["tmesh_handle"] is tmesh
     with pytest.raises(UsageError, match="%mesh gather"):
         shell.run_line_magic("mesh", "gather x --dim notanint")
     with pytest.raises(MeshError, match="pull of 'never_defined'"):
