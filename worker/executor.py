@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import itertools
 import linecache
 import os
 import sys
@@ -77,17 +78,29 @@ def _note_notebook_globals(exc: BaseException, namespace: dict) -> None:
                  "%%mesh cell.")
 
 
-def _frame(f: traceback.FrameSummary) -> tuple[str, int, str, str, str]:
+def _frame(f: traceback.FrameSummary, positions: tuple | None = None) -> tuple[str, int, str, str, str]:
     """(filename, lineno, function, source line, the source of the instruction it runs). The last is the part of
     the line that Python 3.11's positions (PEP 657) name, "time.sleep(1)" in ``for i in r: time.sleep(1)``, or ""
-    when it spans lines."""
+    when it spans lines. ``positions``: (lineno, end_lineno, colno, end_colno) of a live frame's instruction (a
+    traceback's frames carry theirs)."""
     line = (f.line or "").strip()
-    colno, end = getattr(f, "colno", None), getattr(f, "end_colno", None)
+    if positions is None:
+        positions = (f.lineno, getattr(f, "end_lineno", None), getattr(f, "colno", None),
+                     getattr(f, "end_colno", None))
+    lineno, end_lineno, colno, end = positions
     call = ""
-    if colno is not None and end is not None and getattr(f, "end_lineno", None) == f.lineno:
+    if colno is not None and end is not None and lineno == end_lineno == f.lineno:
         raw = linecache.getline(f.filename, f.lineno or 0).encode()  # the offsets count UTF-8 bytes
         call = raw[colno:end].decode(errors="replace").strip()
     return (f.filename, f.lineno or 0, f.name, line, call)
+
+
+def _positions(frame: types.FrameType) -> tuple | None:
+    """(lineno, end_lineno, colno, end_colno) of the instruction a live frame runs (``co_positions``, one entry
+    per 2-byte code unit), or None."""
+    if frame.f_lasti < 0:
+        return None
+    return next(itertools.islice(frame.f_code.co_positions(), frame.f_lasti // 2, None), None)
 
 
 def main_thread_stack(frame: types.FrameType | None) -> list[tuple[str, int, str, str, str]]:
@@ -95,8 +108,12 @@ def main_thread_stack(frame: types.FrameType | None) -> list[tuple[str, int, str
     the running instruction; see ``_frame``)."""
     if frame is None:
         return []
-    summary = traceback.extract_stack(frame)
-    frames = [_frame(f) for f in summary]
+    live = []
+    while frame is not None:
+        live.append(frame)
+        frame = frame.f_back
+    summary = traceback.extract_stack(live[0])  # outermost first, as ``reversed(live)``
+    frames = [_frame(f, _positions(fr)) for f, fr in zip(summary, reversed(live), strict=True)]
     # Drop the runtime's own frames at the bottom (main loop, dispatch).
     while frames and is_internal(frames[0][0]):
         frames.pop(0)

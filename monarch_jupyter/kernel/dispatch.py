@@ -18,7 +18,6 @@ import contextlib
 import signal
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -39,7 +38,6 @@ Group = tuple[list[int], P.Message, bytes, list]  # ranks that get one message (
 
 WORK_TYPES = P.work_types()
 RECENT_CELLS = 64  # cells whose late rich output still reaches them (MeshState.recent_cells)
-QUEUE_NOTE_AFTER = 1.0  # seconds an earlier cell has run before work queued behind it gets a note
 
 
 def restart_hint(dead: list[int], world_size: int) -> str:
@@ -98,19 +96,11 @@ class Dispatcher:
             Code (a cell or call), on any ranks, while some rank still runs an abandoned cell: a collective in it
             would pair with the stuck one and give wrong results. Other work (a push, a pull), when a chosen rank
             does. Nothing was sent.
-
-        Work for ranks that have run an earlier cell (``block=False``) for a second or more gets a note on stderr:
-        it starts there when that cell ends.
         """
         state = self.state
         with sigint_held(), state.lock:
             runs_code = any(isinstance(msg, (P.Exec, P.Call)) for _, msg, _, _ in groups)
-            self._check_ranks(handle, sorted(state.ranks) if runs_code else handle.ranks)
-            behind = self._running_earlier(handle.ranks)
-            if behind:  # an --async cell (block=False) still runs there: this waits, say so
-                sys.stderr.write(f"note: {ranks_text(behind)} still {plural(behind, 'run', 'runs')} an earlier cell "
-                                 f"(sent with block=False or --async); {handle.what} starts there when it ends "
-                                 "(%mesh interrupt  stops that cell;  %mesh inspect  reads values now)\n")
+            self._check_ranks(handle, runs_code)
             if state.group_down:
                 # Cells run on survivors while the process group is broken: say that collectives fail.
                 sys.stderr.write(f"note: the process group is down ({state.group_down}): collectives fail until "
@@ -140,15 +130,24 @@ class Dispatcher:
                 if identities:
                     self.outbox.put((identities, msg, payload, buffers))
 
-    def _check_ranks(self, handle: CellHandle, busy_ranks: list[int]) -> None:
-        """Raise when a rank of ``handle`` is dead, or one of ``busy_ranks`` still runs an abandoned cell."""
+    def _check_ranks(self, handle: CellHandle, runs_code: bool) -> None:
+        """Raise when a rank of ``handle`` is dead, or still runs an abandoned cell (for code: when any rank does)."""
         ranks, what, infos = handle.ranks, handle.what, self.state.ranks
         dead = [r for r in ranks if infos[r].state is RankState.DEAD]
         if dead:
             raise MeshError({r: RankDiedError(r, infos[r].returncode, "\n".join(infos[r].last_lines), infos[r].pid,
                                               infos[r].death_reason)
                              for r in dead}, what=what, hint=restart_hint(dead, self.state.nproc), not_run=True)
-        busy = self._stuck(busy_ranks)
+        busy = self._stuck(sorted(infos) if runs_code else ranks)
+        if busy and not runs_code:  # a push or pull: those ranks would get to it only after the stuck cell
+            others = format_ranks([r for r in ranks if r not in busy])
+            raise RankBusyError(
+                f"{what} was not run: {ranks_text(busy)} still {plural(busy, 'run', 'runs')} an earlier cell that was "
+                "interrupted or timed out and did not stop (blocked in a collective?), and would get to it only after "
+                f"that. Leave {plural(busy, 'them', 'it')} out"
+                + (f" (--ranks {others})" if others else "")
+                + f", or release {plural(busy, 'them', 'it')}:  %mesh interrupt --force --ranks {format_ranks(busy)}"
+                "  (or  %mesh restart).", busy)
         if busy:
             raise RankBusyError(
                 f"{what} was not run: {ranks_text(busy)} still {plural(busy, 'run', 'runs')} an earlier cell that was "
@@ -156,11 +155,6 @@ class Dispatcher:
                 f"rank would pair with the one {plural(busy, 'they are', 'it is')} stuck in and give wrong results. "
                 f"Run  %mesh stacks  to see where,  %mesh interrupt --force --ranks {format_ranks(busy)}  to release "
                 f"{plural(busy, 'them', 'it')}, or  %mesh restart  (%mesh inspect  reads values meanwhile).", busy)
-
-    def _running_earlier(self, ranks: list[int]) -> list[int]:
-        """Those of ``ranks`` that have run an earlier cell for ``QUEUE_NOTE_AFTER`` seconds or more."""
-        infos, since = self.state.ranks, time.monotonic() - QUEUE_NOTE_AFTER
-        return [r for r in ranks if any(r not in c.finished and c.submitted <= since for c in infos[r].cells)]
 
     def _stuck(self, ranks: list[int]) -> list[int]:
         """Those of ``ranks`` that still run a cell that was interrupted or timed out and did not stop (not those

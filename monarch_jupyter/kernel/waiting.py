@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 __all__ = ["Waiter", "Prompts", "INTERRUPT_RESEND", "MARKER_GRACE"]
 
 INTERRUPT_RESEND = 1.0  # seconds between interrupts sent to ranks that still run an interrupted cell
+QUEUE_NOTE_AFTER = 1.0  # seconds a waited-for cell waits behind an earlier one before a note says so
 MARKER_GRACE = 1.0  # seconds a rank's output marker may lag its result before the rank is finished without it
 
 
@@ -113,8 +114,8 @@ class Waiter:
         """``handle.result(timeout)``, interrupting the ranks whenever the caller is interrupted."""
         try:
             return handle.result(timeout)
-        except KeyboardInterrupt:
-            if handle.interrupted:
+        except KeyboardInterrupt as e:
+            if handle.interrupted or hasattr(e, "results"):  # the cell's own outcome: an interrupt on its ranks
                 raise
             raise self.interrupted(handle) from None
 
@@ -125,6 +126,7 @@ class Waiter:
         """
         state = self.state
         deadline = None if timeout is None else time.monotonic() + timeout
+        note_at: float | None = time.monotonic() + QUEUE_NOTE_AFTER
         try:
             with state.lock:
                 cell.set_waiting(True)
@@ -135,7 +137,15 @@ class Waiter:
                     waiting = self.recovery.waiting_for_failed(cell, time.monotonic())
                     lines = cell.pop_lines()
                     done = cell.all_done
+                    behind = []
+                    if note_at is not None and time.monotonic() >= note_at:  # once: does it wait behind a cell?
+                        note_at = None
+                        behind = [r for r in cell.ranks if r not in cell.finished and cell.queued_behind(r)]
                 write_lines(lines)
+                if behind:  # an --async cell (block=False) still runs there: say why nothing happens
+                    sys.stderr.write(f"note: {ranks_text(behind)} still {plural(behind, 'run', 'runs')} an earlier "
+                                     f"cell (sent with block=False or --async); {cell.what} starts there when it "
+                                     "ends (%mesh interrupt  stops that cell;  %mesh inspect  reads values now)\n")
                 if waiting:  # a rank raised; are the others waiting for it in a collective?
                     self.recovery.release_collective(cell, waiting)
                 if done:

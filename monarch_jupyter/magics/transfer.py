@@ -11,6 +11,8 @@ destination instead (on the ranks for push/scatter, in the notebook for pull/gat
 
 from __future__ import annotations
 
+import builtins
+import keyword
 import types
 from typing import TYPE_CHECKING, Any
 
@@ -35,18 +37,24 @@ def _dest(args: Any, names: list[str], sub: str) -> list[str]:
         return names
     if len(names) != 1:
         raise UsageError(f"%mesh {sub}: --as names one destination; give one variable, got {len(names)}")
-    if not args.dest.isidentifier():
+    if not args.dest.isidentifier() or keyword.iskeyword(args.dest):
         raise UsageError(f"%mesh {sub}: --as needs a Python name, got {args.dest!r}")
     return [args.dest]
 
 
 def _notebook_dests(magics: MeshMagics, dests: list[str], sub: str) -> None:
-    """Pull and gather bind notebook variables: not a special name, and not over a module or a mesh handle, which
-    the notebook's own code relies on (``%mesh pull torch``)."""
+    """Pull and gather bind notebook variables: not a special name, one of IPython's (``get_ipython``, ``In``) or a
+    builtin, and not over a module or a mesh handle, which the notebook's own code relies on (``%mesh pull
+    torch``)."""
     for dest in dests:
         if dest.startswith("__") and dest.endswith("__"):
             raise UsageError(f"%mesh {sub}: {dest!r} is a special name of the notebook's namespace; store the "
                              "value under another name with  --as NAME")
+        hidden = magics.shell.user_ns_hidden if magics.shell is not None else {}  # names IPython put there
+        if dest in hidden or hasattr(builtins, dest):
+            whose = "IPython's" if dest in hidden else "a Python builtin"
+            raise UsageError(f"%mesh {sub}: {dest!r} is {whose}, which the notebook (and every magic) relies on; "
+                             "store the value under another name with  --as NAME")
         held = magics.user_ns.get(dest)
         if isinstance(held, (types.ModuleType, Mesh)):
             kind = f"the module {held.__name__}" if isinstance(held, types.ModuleType) else "a Mesh"
@@ -114,9 +122,15 @@ def pull(magics: MeshMagics, rest: str) -> None:
     m = magics.current()
     for name, dest in zip(args.names, dests, strict=False):
         try:
-            magics.user_ns[dest] = m.pull(name, ranks=args.ranks, timeout=args.timeout)
+            values = m.pull(name, ranks=args.ranks, timeout=args.timeout)
         except ValueError as e:
             raise UsageError(str(e)) from None
+        if values and all(isinstance(v, types.ModuleType) for v in values.values()):
+            module = next(iter(values.values())).__name__
+            how = f"import {module}" + (f" as {name}" if module != name else "")
+            raise UsageError(f"%mesh pull: {name!r} is a module on the ranks ({module}); import it in the notebook "
+                             f"instead ({how})")
+        magics.user_ns[dest] = values
 
 
 @magic_arguments()

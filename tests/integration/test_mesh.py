@@ -289,6 +289,12 @@ def test_keyboard_interrupt_raised_by_the_code_is_an_error_not_an_interrupt(mesh
     assert isinstance(error, RemoteError) and not error.interrupted, error
     assert (error.ename, error.evalue) == ("KeyboardInterrupt", "raised by the code")
     assert info.value.results == {0: 0, 1: 1, 3: 3}
+    # A SIGINT a rank's own code sends is an interrupt there, reported as such, with the rank and where it was.
+    with pytest.raises(KeyboardInterrupt) as interrupted:
+        mesh.run("import os, signal, time\nif rank == 2:\n    os.kill(os.getpid(), signal.SIGINT)\n"
+                 "    time.sleep(60)\nrank")
+    assert str(interrupted.value).startswith("interrupted rank 2 (it keeps its state): rank 2: "), interrupted.value
+    assert interrupted.value.results == {0: 0, 1: 1, 3: 3}
 
 
 def test_rank_stuck_in_a_collective_refuses_new_cells_until_released() -> None:
@@ -307,6 +313,9 @@ def test_rank_stuck_in_a_collective_refuses_new_cells_until_released() -> None:
             assert info.value.ranks == [0]
             assert "a collective of new code on any rank would pair with the one it is stuck in" in str(info.value)
         assert m.pull("u", ranks=1) == {1: 7}  # values can still be read (a pull runs no code of the user's)
+        with pytest.raises(RankBusyError, match=r"pull of 'u' was not run: rank 0 still runs .* would get to it "
+                                                r"only after that. Leave it out \(--ranks 1\), or release it"):
+            m.pull("u")  # rank 0 would serve it only after its stuck cell
         m.interrupt(force=True)
         assert m.run("u = torch.ones(1); dist.all_reduce(u); u.item()", timeout=30) == {0: 2.0, 1: 2.0}
         assert m.run("rank", ranks=1) == {1: 1}

@@ -393,7 +393,17 @@ def test_magics_bad_input(shell: InteractiveShell, tmesh: Mesh) -> None:
         shell.run_line_magic("mesh", "gather u --as tmesh_handle")
     with pytest.raises(UsageError, match="'__builtins__' is a special name of the notebook's namespace"):
         shell.run_line_magic("mesh", "pull u --as __builtins__")
-    assert shell.user_ns["torch"] is torch and shell.user_ns["tmesh_handle"] is tmesh
+    for dest, whose in (("get_ipython", "IPython's"), ("print", "a Python builtin")):  # every magic would break
+        with pytest.raises(UsageError, match=f"%mesh pull: '{dest}' is {whose}, which the notebook"):
+            shell.run_line_magic("mesh", f"pull u --as {dest}")
+    shell.user_ns.pop("dist", None)
+    with pytest.raises(UsageError, match=r"%mesh pull: 'dist' is a module on the ranks \(torch.distributed\); "
+                                         r"import it in the notebook instead"):
+        shell.run_line_magic("mesh", "pull dist")
+    with pytest.raises(UsageError, match="--as needs a Python name, got 'class'"):
+        shell.run_line_magic("mesh", "push few --as class")
+    assert shell.user_ns["torch"] is torch and shell.user_ns["tmesh_handle"] is tmesh and "dist" not in shell.user_ns
+    assert callable(shell.user_ns["get_ipython"])
     with pytest.raises(UsageError, match="%mesh gather"):
         shell.run_line_magic("mesh", "gather x --dim notanint")
     with pytest.raises(MeshError, match="pull of 'never_defined'"):

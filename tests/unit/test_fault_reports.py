@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import pickle
+import sys
+import threading
+import time
 
 from monarch_jupyter.errors import MeshError, MeshTimeoutError, RankAbortedError, RankDiedError, RemoteError
 from monarch_jupyter.kernel.dispatch import restart_hint
@@ -11,7 +14,7 @@ from monarch_jupyter.kernel.routing import kept_for_death_report
 from monarch_jupyter.kernel.stacks import StackReport, summarize
 from monarch_jupyter.ranks import format_ranks as rank_list
 from monarch_worker import protocol as P
-from monarch_worker.executor import format_error, register_source
+from monarch_worker.executor import format_error, main_thread_stack, register_source
 
 C10D = "/usr/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
 LOGGER = "/usr/lib/python3.11/site-packages/torch/distributed/c10d_logger.py"
@@ -59,6 +62,24 @@ def test_a_line_with_several_calls_names_the_one_running() -> None:
     assert frames[-1][3:] == ("for i in range(3): time.sleep(-1)", "time.sleep(-1)"), frames
     assert summarize(frames) == "time.sleep at cell line 2"
     assert summarize([f[:4] for f in frames]) == "range at cell line 2"  # without it: the line's first call
+    # A live stack (what %mesh stacks and a timeout report show) carries it too.
+    source = "import threading, time\nfor i in range(3000): time.sleep(0.01) if not go.is_set() else None\n"
+    register_source("<mesh In[10]>", source)
+    go, started = threading.Event(), threading.Event()
+    thread = threading.Thread(target=lambda: (started.set(), exec(compile(source, "<mesh In[10]>", "exec"),
+                                                                   {"go": go})))
+    thread.start()
+    started.wait(10)
+    try:
+        deadline, seen = time.monotonic() + 10, ""
+        while time.monotonic() < deadline and seen != "time.sleep at cell line 2":  # it sleeps most of the time
+            stack = main_thread_stack(sys._current_frames()[thread.ident])
+            cell = [i for i, f in enumerate(stack) if f[0] == "<mesh In[10]>"]
+            seen = summarize(stack[cell[0]:]) if cell else ""  # from the cell on, as on a rank
+        assert seen == "time.sleep at cell line 2"
+    finally:
+        go.set()
+        thread.join(10)
 
 
 def test_rank_lists_read_aloud() -> None:
