@@ -82,6 +82,7 @@ class CellHandle:
         self.abandoned = False  # interrupted or timed out while some ranks still ran it
         # Ranks that had not started it when it was interrupted (an earlier cell still ran there): they skip it.
         self.queued_on: set[int] = set()
+        self.background = False  # the package's own work (Lightning's warm-up import): no note says a cell waits
         self.keep_outcome = False  # a handle the caller holds (block=False): result() may be asked again
         self.tracks_failures = True  # its failures are the ones post-mortem opens (not a post-mortem's own)
         self.final: tuple[Any, BaseException | None] | None = None  # the outcome, once computed
@@ -100,11 +101,12 @@ class CellHandle:
         """Every rank finished it (under the lock, or as a snapshot)."""
         return len(self.finished) == len(self.ranks)
 
-    def queued_behind(self, rank: int) -> bool:
+    def queued_behind(self, rank: int, background: bool = True) -> bool:
         """Under the lock: ``rank`` has not started it, as an earlier cell still runs there (ranks run their cells
-        in the order they were sent)."""
+        in the order they were sent); ``background`` False: an earlier cell of the user's."""
         info = self._state.ranks.get(rank)
-        return info is not None and any(c.cell_id < self.cell_id and rank not in c.finished for c in info.cells)
+        return info is not None and any(c.cell_id < self.cell_id and rank not in c.finished
+                                        and (background or not c.background) for c in info.cells)
 
     def emit(self, rank: int, stream: str, text: Any) -> None:
         """Under the lock: a line the cell's ``rank`` wrote; written now unless someone waits for the cell."""

@@ -140,7 +140,8 @@ class Waiter:
                     behind = []
                     if note_at is not None and time.monotonic() >= note_at:  # once: does it wait behind a cell?
                         note_at = None
-                        behind = [r for r in cell.ranks if r not in cell.finished and cell.queued_behind(r)]
+                        behind = [r for r in cell.ranks if r not in cell.finished
+                                  and cell.queued_behind(r, background=False)]
                 write_lines(lines)
                 if behind:  # an --async cell (block=False) still runs there: say why nothing happens
                     sys.stderr.write(f"note: {ranks_text(behind)} still {plural(behind, 'run', 'runs')} an earlier "

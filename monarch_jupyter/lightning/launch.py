@@ -154,7 +154,9 @@ def warm_up(family: str = "lightning", mesh: Mesh | None = None) -> None:
         return  # never queue behind (or in front of) the user's own work: the fit imports Lightning anyway
     _warmed[mesh] = mesh.generation
     try:
-        mesh.call(rank_side.warm_up, family, block=False)
+        handle = mesh.call(rank_side.warm_up, family, block=False)
+        assert isinstance(handle, CellHandle)
+        handle.background = True  # a cell that waits behind it gets no note: the user did not send it
     except Exception:  # noqa: BLE001 - only a head start; the fit imports Lightning anyway
         log.debug("could not warm the ranks up", exc_info=True)
 
