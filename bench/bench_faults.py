@@ -13,7 +13,11 @@ Figures (seconds; medians of --repeat runs; wall clock on a shared machine, so n
 - interrupt during start: SIGINT 0.3 s into Mesh(n), to the exception, and rank processes left;
 - restart: mesh.restart() (every rank fresh) and mesh.restart(ranks=1) after rank 1 died (a fresh process for
   rank 1, the others keep their state and regroup);
-- orphans: rank and fork-server processes alive 5 s after SIGKILL of a kernel that runs a mesh.
+- orphans: rank and fork-server processes alive 5 s after SIGKILL of a kernel that runs a mesh;
+- rank raises inside DDP: a torchrun script (DDP forward and backward) in which rank 1 raises at step 1 while the
+  others go on into DDP's next collective; from the raise (the rank prints time.time()) to the cell's MeshError
+  (`%mesh run` on a running mesh), against the same script under `torchrun --nproc-per-node N` (to torchrun's
+  exit with status 1), measured in the same run; and each one's whole run (torchrun's includes its start-up).
 Peers, live: ipyparallel (engine death detection: SIGKILL of an engine running a task, to the task failing;
 whether the engine comes back; a blocking call interrupted by SIGINT; processes left 5 s after SIGKILL of the
 process that started the cluster); torchmonarch when MJ_TORCHMONARCH_PYTHON names an interpreter that has it
@@ -161,6 +165,81 @@ def ours_api(n: int, repeat: int) -> dict[str, Any]:
     res["interrupt_during_start_s"] = _median(during)
     time.sleep(0.5)
     res["ranks_left_after_interrupted_start"] = len(_children(zygote))
+    return res
+
+
+DDP_SCRIPT = """
+import argparse, sys, time
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--fail-rank", type=int, default=-1)
+args = parser.parse_args()
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+ddp = DDP(torch.nn.Linear(64, 1))
+for step in range(20):
+    if dist.get_rank() == args.fail_rank and step == 1:
+        print("T", repr(time.time()), flush=True)
+        raise RuntimeError(f"rank {args.fail_rank} fails at step {step}")
+    ddp(torch.ones(8, 64)).sum().backward()
+dist.destroy_process_group()
+"""
+
+
+def _raised_at(text: str) -> float:
+    for line in text.splitlines():
+        if "T " in line and line.split("T ", 1)[1].strip().replace(".", "", 1).isdigit():
+            return float(line.split("T ", 1)[1])
+    raise RuntimeError(f"no time stamp in the output: {text[-2000:]}")
+
+
+def ddp_raise(n: int, repeat: int) -> dict[str, Any]:
+    """Rank 1 raises inside a DDP loop: raise -> error, on the mesh (``%mesh run``) and under torchrun."""
+    from monarch_jupyter import Mesh, MeshError
+
+    res: dict[str, Any] = {}
+    folder = tempfile.mkdtemp(prefix="bench-ddp-")
+    script = os.path.join(folder, "myddp.py")
+    with open(script, "w") as f:
+        f.write(DDP_SCRIPT)
+    mesh = Mesh(n, start_timeout=120)
+    seen: list[str] = []
+    mesh.add_listener(lambda kind, data: seen.append(data["text"]) if kind == "output" else None)
+    ours, ours_total = [], []
+    try:
+        for _ in range(repeat):
+            seen.clear()
+            t0 = time.time()
+            try:
+                mesh.run_script(script, "--fail-rank", "1", timeout=300)
+            except MeshError:
+                end = time.time()
+            else:
+                raise RuntimeError("the script did not fail")
+            mesh.events.flush()
+            ours.append(end - _raised_at("\n".join(seen)))
+            ours_total.append(end - t0)
+    finally:
+        mesh.stop()
+    theirs, theirs_total, codes = [], [], set()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_"))}
+    for _ in range(repeat):
+        t0 = time.time()
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                               str(n), script, "--fail-rank", "1"], capture_output=True, text=True, env=env,
+                              timeout=600)
+        end = time.time()
+        codes.add(proc.returncode)
+        theirs.append(end - _raised_at(proc.stdout + proc.stderr))
+        theirs_total.append(end - t0)
+    res["ddp_raise_ours_s"] = _median(ours)
+    res["ddp_raise_ours_total_s"] = _median(ours_total)
+    res["ddp_raise_torchrun_s"] = _median(theirs)
+    res["ddp_raise_torchrun_total_s"] = _median(theirs_total)
+    res["ddp_raise_torchrun_exit"] = ",".join(str(c) for c in sorted(codes))
     return res
 
 
@@ -384,15 +463,33 @@ def torchmonarch_faults(n: int) -> tuple[dict | None, str]:
 # --------------------------------------------------------------------------------------------- main
 
 
+def _row(name: str, value: Any, note: str = "") -> None:
+    v = f"{value:8.3f} s" if isinstance(value, float) else f"{value!s:>10}"
+    print(f"  {name:<52}{v}  {note}")
+
+
+def _ddp_rows(ddp: dict[str, Any]) -> None:
+    _row("rank raises inside DDP: raise -> cell's MeshError", ddp["ddp_raise_ours_s"],
+         f"torchrun (raise -> exit {ddp['ddp_raise_torchrun_exit']}): {ddp['ddp_raise_torchrun_s']:.3f} s; "
+         f"ours is {ddp['ddp_raise_torchrun_s'] / ddp['ddp_raise_ours_s']:.1f}x faster")
+    _row("rank raises inside DDP: whole %mesh run", ddp["ddp_raise_ours_total_s"],
+         f"whole torchrun run (with its start-up): {ddp['ddp_raise_torchrun_total_s']:.3f} s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=4, help="ranks")
     ap.add_argument("--repeat", type=int, default=3, help="runs per figure (median)")
     ap.add_argument("--no-peers", action="store_true", help="skip ipyparallel and torchmonarch")
     ap.add_argument("--no-kernel", action="store_true", help="skip the real-kernel figures")
+    ap.add_argument("--ddp-only", action="store_true", help="only the figures of a rank raising inside DDP")
     args = ap.parse_args()
     n = args.n
 
+    ddp = ddp_raise(n, args.repeat)
+    if args.ddp_only:
+        _ddp_rows(ddp)
+        return
     api = ours_api(n, args.repeat)
     kern = {} if args.no_kernel else ours_kernel(n, args.repeat)
     ipp: dict[str, Any] = {}
@@ -405,10 +502,7 @@ def main() -> None:
             ipp = {"skipped": str(e)}
         tm, tm_reason = torchmonarch_faults(n)
 
-    def row(name: str, value: Any, note: str = "") -> None:
-        v = f"{value:8.3f} s" if isinstance(value, float) else f"{value!s:>10}"
-        print(f"  {name:<52}{v}  {note}")
-
+    row = _row
     print(f"monarch_jupyter fault benchmark: {n} ranks, {os.cpu_count()} CPUs, python {sys.version.split()[0]}, "
           f"median of {args.repeat}")
     best = min(api[f"death_{h}_s"] for h in DEATHS)
@@ -425,6 +519,7 @@ def main() -> None:
         f"(earlier): {ACCELERATE_INTERRUPT_S / api['interrupt_during_start_s']:.0f}x")
     row("restart of one dead rank (restart --rank)", api["restart_rank_s"])
     row("restart of the whole mesh", api["restart_full_s"])
+    _ddp_rows(ddp)
     if kern:
         row("rank processes left 5 s after kernel SIGKILL", kern["orphans_after_kernel_sigkill"],
             f"(all gone {kern['kernel_sigkill_to_no_rank_s']:.3f} s after the SIGKILL)")

@@ -188,24 +188,33 @@ class RankDiedError(MonarchError):
 
 
 class RankAbortedError(MonarchError):
-    """A rank stopped its cell because other ranks died: it was interrupted, or released from a collective
-    with a dead rank, or it did not stop in time (``still_running``).
+    """A rank stopped its cell because of other ranks: they died, and it was interrupted, released from a
+    collective with them, or did not stop in time (``still_running``); or they raised (``raised``: their
+    exception's type) before a collective it waited for them in, and it was released from that collective
+    (``collective``: "gloo:all_reduce #5") when the process group was torn down.
 
-    Attributes: ``rank``; ``dead`` (the ranks that died); ``error`` (the RemoteError the rank reported, if
-    any: ``error.traceback`` has its frames); ``still_running`` (True: it had not stopped when the cell ended).
+    Attributes: ``rank``; ``dead`` (the ranks that died, or raised); ``error`` (the RemoteError the rank
+    reported, if any: ``error.traceback`` has its frames); ``still_running`` (True: it had not stopped when the
+    cell ended); ``raised``, ``collective`` (see above; "" after a death).
     """
 
     def __init__(self, rank: int, dead: list[int], error: RemoteError | None = None,
-                 still_running: bool = False) -> None:
-        super().__init__(rank, list(dead), error, still_running)
+                 still_running: bool = False, raised: str = "", collective: str = "") -> None:
+        super().__init__(rank, list(dead), error, still_running, raised, collective)
         self.rank = rank
         self.dead = list(dead)
         self.error = error
         self.still_running = still_running
+        self.raised = raised
+        self.collective = collective
 
     def summary(self) -> str:
         """What happened, without the rank number (ranks with the same summary are shown on one line)."""
         who = ranks_text(self.dead)
+        if self.raised:
+            never = plural(self.dead, "they never joined", "it never joined")
+            return (f"released from {self.collective or 'a collective'}, which {never} ({who} raised "
+                    f"{self.raised}): the process group was torn down")
         if self.still_running:
             return (f"still running when {who} died (stuck in C code?): see  %mesh stacks ;  "
                     "%mesh interrupt --force  stops it")
@@ -305,20 +314,35 @@ class MeshError(MonarchError):
 
 
 class MeshTimeoutError(MeshError):
-    """A cell ran past its timeout; ``stacks`` is the report of where each rank was."""
+    """A cell ran past its timeout; ``stacks`` is the report of where each rank was, ``late`` the ranks that had
+    not finished it. A rank that failed before the timeout (it raised, or died: often why the others waited) is
+    the root cause: first in ``errors``, shown first, and named in the message."""
 
     def __init__(self, errors: dict[int, MonarchError], results: dict[int, Any] | None = None,
-                 what: str = "the cell", stacks: str = "", timeout: float = 0.0, hint: str = "") -> None:
+                 what: str = "the cell", stacks: str = "", timeout: float = 0.0, hint: str = "",
+                 late: list[int] | None = None) -> None:
+        late = sorted(errors) if late is None else sorted(late)
+        failed = {r: e for r, e in errors.items() if r not in late}
+        errors = {**failed, **{r: e for r, e in errors.items() if r in late}}
         super().__init__(errors, results, what, hint)
         self.stacks = stacks
         self.timeout = timeout
-        self.args = (errors, results, what, stacks, timeout, hint)
+        self.late = late
+        self.failed = list(failed)
+        self.args = (errors, results, what, stacks, timeout, hint, late)
 
     def __str__(self) -> str:
-        return f"{self.what} did not finish within {self.timeout:g} s on {ranks_text(self.errors)}"
+        text = f"{self.what} did not finish within {self.timeout:g} s on {ranks_text(self.late)}"
+        if self.failed:
+            text += f"; first failure: {self.errors[self.failed[0]]}"
+        return text
 
     def _render_traceback_(self) -> list[str]:
         lines = [f"MeshTimeoutError: {self}"]
+        for rank in self.failed:
+            root = " (root cause: it failed before the timeout)" if rank == self.failed[0] else ""
+            lines.append(f"--- rank {rank}{root} ---")
+            lines += self.errors[rank].render()  # type: ignore[attr-defined]
         if self.stacks:
             lines += ["Where each rank was:", *self.stacks.splitlines()]
         if self.results:

@@ -33,6 +33,7 @@ import logging
 import os
 import socket
 import sys
+import time
 from typing import TYPE_CHECKING
 
 from . import protocol as P
@@ -47,6 +48,7 @@ __all__ = ["prepare_process", "flush_c_stdio", "GroupSockets", "abort_communicat
            "last_collective"]
 
 _IOLBF = 1  # setvbuf mode: line buffered (glibc value)
+_group_since_ns = 0  # wall clock (ns) when the current process group was made (GroupSockets)
 _fflush = None  # libc's fflush, once prepare_process found it
 
 
@@ -123,7 +125,9 @@ class GroupSockets:
         self.inodes: set[int] = set()
 
     def __enter__(self) -> GroupSockets:
+        global _group_since_ns
         self._before = _tcp_inodes()
+        _group_since_ns = time.time_ns()  # the flight recorder's entries before this are of a destroyed group
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -219,7 +223,15 @@ def regroup(rank: Rank, msg: P.Regroup, payload: bytes, bufs: list) -> None:
 
 
 def last_collective() -> dict:
-    """The newest entry of torch.distributed's flight recorder: {"name", "seq", "group", "state"} or {}.
+    """The newest entry of torch.distributed's flight recorder: {"name", "seq", "group", "state", "groups"} or {}.
+
+    ``groups`` maps each process group that has entries to ``[seq, ranks, name]``: the sequence number of the
+    newest collective this rank issued on it (``collective_seq_id``, counted per group from 1 as the rank enqueues
+    them, before they complete), the group's global ranks ([] when unknown) and that collective's name
+    ("gloo:all_reduce"). A rank that has issued a collective its
+    peer never issued waits for that peer in it, whatever Python or C++ frame it waits in (a DDP reducer's hook,
+    autograd's engine, ``Work.wait()``, a later NCCL synchronisation): the controller compares these numbers to
+    release ranks that wait for one that raised (monarch_jupyter.kernel.recovery).
 
     Safe on the I/O thread while the main thread blocks in a collective (the recorder has its own lock).
     """
@@ -237,5 +249,27 @@ def last_collective() -> dict:
         return {}
     e = max(entries, key=lambda x: (x.get("time_created_ns", 0), x.get("record_id", 0)))
     group = e.get("process_group") or ["", ""]
+    newest: dict[str, tuple[int, str]] = {}  # group name -> (seq, profiling name) of its newest collective
+    for x in entries:
+        if x.get("is_p2p") or int(x.get("time_created_ns", 0)) < _group_since_ns:
+            # Point-to-point operations are numbered apart (p2p_seq_id) and pair with one peer only; entries of a
+            # group destroyed by a regroup share the new one's name, but not its numbering.
+            continue
+        name = str((x.get("process_group") or [""])[0])
+        seq = int(x.get("collective_seq_id", 0))
+        if seq >= newest.get(name, (0, ""))[0]:
+            newest[name] = (seq, str(x.get("profiling_name", "")))
+    members = _group_ranks(dist)
     return {"name": str(e.get("profiling_name", "")), "seq": int(e.get("collective_seq_id", 0)),
-            "group": str(group[1] if len(group) > 1 else group[0]), "state": str(e.get("state", ""))}
+            "group": str(group[1] if len(group) > 1 else group[0]), "state": str(e.get("state", "")),
+            "groups": {name: [seq, members.get(name, []), what] for name, (seq, what) in newest.items()}}
+
+
+def _group_ranks(dist: object) -> dict[str, list[int]]:
+    """Process group name (as the flight recorder names it) -> its global ranks, for this rank's groups."""
+    try:
+        c10d = dist.distributed_c10d  # type: ignore[attr-defined]
+        names = dict(c10d._world.pg_names)  # a copy: the main thread may make a group meanwhile
+        return {str(name): sorted(int(r) for r in c10d.get_process_group_ranks(pg)) for pg, name in names.items()}
+    except Exception:  # noqa: BLE001 - torch's bookkeeping differs or changed meanwhile: ranks unknown
+        return {}

@@ -74,9 +74,9 @@ class CellHandle:
         self.durations: dict[int, float] = {}
         self.result_seen_at: dict[int, float] = {}  # time.monotonic() when each rank's result came
         self.death_at: float | None = None  # when the first of its ranks died (recovery.py)
-        self.failed_seen_at: float | None = None  # when a waiter first saw that one of its ranks raised
-        self.collective_checked = False  # the ranks still running it were checked for a collective (once)
+        self.collective_check_at = 0.0  # when to ask next whether its ranks wait for one that raised (recovery.py)
         self.collective_released = ""  # why the process group was torn down to release its ranks (recovery.py)
+        self.released: dict[int, str] = {}  # rank -> the collective it was released from (recovery.py)
         self.collective_hint = ""  # what the cell's error says about it (and the fresh group)
         self.interrupted = False  # its ranks were sent an interrupt
         self.abandoned = False  # interrupted or timed out while some ranks still ran it

@@ -43,14 +43,15 @@ from .state import MeshState, RankInfo, RankState
 log = logging.getLogger(__name__)
 
 __all__ = ["Recovery", "RankEvents", "InterruptReport", "where_interrupted", "keep_state", "failed_ranks",
-           "COLLECTIVE_GRACE", "RELEASE_GRACE", "EXIT_WAIT"]
+           "waiting_for", "COLLECTIVE_CHECK", "RELEASE_GRACE", "EXIT_WAIT"]
 
 #: Seconds a cell waits for surviving ranks to stop after a rank of it died, before it raises anyway.
 RELEASE_GRACE = 1.0
-COLLECTIVE_GRACE = 2.0
-"""Seconds after a rank's cell raised before the ranks still running that cell are asked whether they wait in a
-torch.distributed collective, which the failed rank will never join: then the process group is torn down to
-release them (torchrun's fail-fast, which ends every worker when one fails, kept to the cell: namespaces stay)."""
+COLLECTIVE_CHECK = 0.5
+"""Seconds between the questions, to the ranks still running a cell that another rank of it raised in, which
+collectives they have issued (``waiting_for``): a rank that issued one the raising rank never issued waits for it
+forever, so the process group is torn down to release it (torchrun's fail-fast, which ends every worker when one
+fails, kept to the cell: namespaces stay)."""
 #: Seconds to wait for a killed rank's exit to be reported.
 EXIT_WAIT = 5.0
 #: Seconds by which a survivor's error may precede the report of a death and still be its consequence: a gloo
@@ -67,6 +68,32 @@ def where_interrupted(errors: dict[int, Any]) -> str:
         frames = getattr(e, "frames", None) or []
         groups.setdefault(summarize([tuple(f) for f in frames]) if frames else "?", []).append(r)
     return " / ".join(f"{ranks_text(rs)}: {w}" for w, rs in groups.items())
+
+
+def waiting_for(failed: dict[int, dict], running: dict[int, dict]) -> dict[int, str]:
+    """Which ranks of ``running`` wait for a rank of ``failed`` in a collective it will never issue.
+
+    ``failed``, ``running``: rank -> its flight-recorder summary (``Stacks.collective``, monarch_worker.recovery
+    ``last_collective``: ``groups`` maps a process group to ``[seq, ranks, name]``). The ranks of ``failed`` raised
+    and left the cell, so their numbers are final. A running rank that has issued collective number ``seq`` on a
+    group of which a failed rank is a member, while that failed rank issued fewer there, is in (or past, for a
+    collective that completes one-sidedly) a collective that cannot complete: it waits whatever frame it waits
+    in (Python, DDP's C++ reducer, autograd's engine, ``Work.wait()``, NCCL's later synchronisation).
+
+    Returns rank -> the collective it waits in ("gloo:all_reduce #5"); ranks without a recorder summary are left
+    out (the caller falls back to their stacks).
+    """
+    out: dict[int, str] = {}
+    for r, c in running.items():
+        for group, (seq, members, name) in (c.get("groups") or {}).items():
+            peers = [f for f in failed if not members or f in members]
+            if not peers:
+                continue
+            behind = min(int(((failed[f].get("groups") or {}).get(group) or [0])[0]) for f in peers)
+            if int(seq) > behind:
+                out[r] = f"{name or 'collective'} #{seq}"
+                break
+    return out
 
 
 def keep_state(ranks: list[int] | dict) -> str:
@@ -238,55 +265,79 @@ class Recovery:
 
     # ------------------------------------------------------------------ a failed rank's peers in a collective
 
-    def waiting_for_failed(self, cell: CellHandle, now: float) -> list[int]:
-        """Under the lock: once ``COLLECTIVE_GRACE`` s passed since a rank of ``cell`` raised, the ranks still
-        running it (asked once per cell), for ``release_collective``; else []."""
-        if cell.all_done or cell.interrupted or cell.collective_checked or not cell.errors:
-            return []
-        if not failed_ranks(cell):
-            return []
-        if cell.failed_seen_at is None:
-            cell.failed_seen_at = now
-        if now - cell.failed_seen_at <= COLLECTIVE_GRACE:
-            return []
-        cell.collective_checked = True
-        return [r for r in cell.ranks if r not in cell.finished and self.state.ranks[r].state is not RankState.DEAD]
+    def waiting_for_failed(self, cell: CellHandle, now: float) -> tuple[list[int], list[int]]:
+        """Under the lock: every ``COLLECTIVE_CHECK`` s while a rank of ``cell`` has raised and others still run
+        it, (the ranks that raised, the ranks still running it) for ``release_collective``; else ([], [])."""
+        if cell.all_done or cell.interrupted or cell.collective_released or not cell.errors:
+            return [], []
+        failed = failed_ranks(cell)
+        if not failed or now < cell.collective_check_at:
+            return [], []
+        cell.collective_check_at = now + COLLECTIVE_CHECK
+        running = [r for r in cell.ranks if r not in cell.finished and self.state.ranks[r].state is not RankState.DEAD]
+        return failed, running
 
-    def release_collective(self, cell: CellHandle, running: list[int]) -> None:
-        """Lock not held: when ranks of ``running`` wait in a torch.distributed collective (their stacks say so)
-        for ranks of ``cell`` that raised, tear the process group down (``Abort`` to every rank) to release them;
-        the waiter makes a fresh group once the cell ended (``cell.collective_released`` says why)."""
+    def release_collective(self, cell: CellHandle, failed: list[int], running: list[int]) -> None:
+        """Lock not held: when ranks of ``running`` wait in a collective that ranks of ``failed`` (which raised in
+        ``cell``) never issued (``waiting_for``, from the flight recorder; from their Python stacks where it is
+        off), tear the process group down (``Abort`` to every rank) to release them; the waiter makes a fresh
+        group once the cell ended (``cell.collective_released`` says why, ``cell.released`` where they were)."""
         try:
-            report = self.stacks.ask(running, 2.0)
+            report = self.stacks.ask(failed + running, 1.0)
         except MonarchError:
             return
-        waiting = sorted(r for r, reply in report.replies.items()
-                         if any("torch/distributed/" in str(frame[0]) for frame in reply.frames))
+        replies = report.replies
+        known = {r: replies[r].collective for r in failed if r in replies}
+        recorded = {r: replies[r].collective for r in running if r in replies and "groups" in replies[r].collective}
+        waiting = waiting_for(known, recorded) if len(known) == len(failed) else {}
+        for r in running:  # no flight recorder there (TORCH_FR_BUFFER_SIZE=0): a collective's Python frames
+            if r in replies and r not in recorded and any(
+                    "torch/distributed/" in str(f[0]) or "torch/nn/parallel/" in str(f[0]) for f in replies[r].frames):
+                waiting[r] = "a collective"
         state, post = self.state, self.dispatcher.post
         with state.lock:
             failed = failed_ranks(cell)
+            waiting = {r: w for r, w in waiting.items() if r not in cell.finished}
             if not waiting or not failed or cell.all_done or cell.interrupted or state.stopping:
                 return
             first = cell.errors[failed[0]]
             reason = (f"{ranks_text(failed)} raised {getattr(first, 'ename', 'an error')} while "
-                      f"{ranks_text(waiting)} waited in a collective")
+                      f"{ranks_text(sorted(waiting))} waited for it in a collective")
             cell.collective_released = reason
+            cell.released = waiting
             state.group_down = reason
             for info in state.ranks.values():
                 if info.identity is not None and info.alive:
                     post(info.rank, P.Abort(reason=reason))
         log.info("cell %d: %s: process group torn down to release them", cell.cell_id, reason)
 
+    def fold_released(self, cell: CellHandle, errors: dict[int, Any]) -> dict[int, Any]:
+        """After ``release_collective``: the ranks that raised first (the root cause), then the released ranks'
+        errors (their collective failed as the group was torn down) as RankAbortedError."""
+        if not cell.released:
+            return errors
+        failed = [r for r in errors if r not in cell.released and isinstance(errors[r], RemoteError)]
+        raised = getattr(errors[failed[0]], "ename", "an error") if failed else "an error"
+        out = {r: errors[r] for r in failed}
+        for r, e in errors.items():
+            if r in out:
+                continue
+            if r in cell.released and isinstance(e, RemoteError) and not isinstance(e, RankAbortedError):
+                e = RankAbortedError(r, failed, e, raised=raised, collective=cell.released[r])
+            out[r] = e
+        return out
+
     def renew_group(self, cell: CellHandle) -> str:
         """Lock not held: after ``release_collective``'s cell ended, a fresh process group for every rank (as
         ``%mesh interrupt --force`` makes one). Returns the hint for the cell's error."""
+        them = plural(cell.released, "them", "it")
         try:
             self.regroup([], time.monotonic() + self.state.options.start_timeout)
         except MonarchError as e:
-            return (f"{cell.collective_released}: the process group was torn down to release them, and a fresh one "
-                    f"could not be made ({e}); %mesh restart  starts a fresh mesh")
-        return (f"{cell.collective_released}: the process group was torn down to release them and a fresh one was "
-                "made (every rank kept its namespace)")
+            return (f"{cell.collective_released}: the process group was torn down to release {them}, and a fresh "
+                    f"one could not be made ({e}); %mesh restart  starts a fresh mesh")
+        return (f"{cell.collective_released}: the process group was torn down to release {them} and a fresh one "
+                "was made (every rank kept its namespace)")
 
     # ------------------------------------------------------------------ interrupts
 

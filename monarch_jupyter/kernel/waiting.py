@@ -134,7 +134,7 @@ class Waiter:
                 with state.lock:
                     cell.wake_wait(0.05)
                     self._check_stragglers(cell)
-                    waiting = self.recovery.waiting_for_failed(cell, time.monotonic())
+                    failed, running = self.recovery.waiting_for_failed(cell, time.monotonic())
                     lines = cell.pop_lines()
                     done = cell.all_done
                     behind = []
@@ -147,8 +147,8 @@ class Waiter:
                     sys.stderr.write(f"note: {ranks_text(behind)} still {plural(behind, 'run', 'runs')} an earlier "
                                      f"cell (sent with block=False or --async); {cell.what} starts there when it "
                                      "ends (%mesh interrupt  stops that cell;  %mesh inspect  reads values now)\n")
-                if waiting:  # a rank raised; are the others waiting for it in a collective?
-                    self.recovery.release_collective(cell, waiting)
+                if running:  # a rank raised; do the others wait for it in a collective?
+                    self.recovery.release_collective(cell, failed, running)
                 if done:
                     if cell.collective_released and not cell.collective_hint:
                         cell.collective_hint = self.recovery.renew_group(cell)
@@ -239,16 +239,18 @@ class Waiter:
             waited = min(grace, time.monotonic() - started)
             sys.stderr.write(self.recovery.stuck_message(stuck, round(waited, 1)))
         # The cause of a hang is often a rank that raised before a collective the others wait in: name it.
-        cause = "; ".join(f"{ranks_text([r])} had raised {e.ename}: {e.evalue}" for r, e in failed.items()
-                          if isinstance(e, RemoteError))
-        cause = f" ({cause})" if cause else ""
-        parts = [f"interrupted {ranks_text(stopped)} ({keep_state(stopped)}): {where_interrupted(stopped)}"
+        # First, as the root cause.
+        cause = [f"{ranks_text([r])} had raised {e.ename}: {e.evalue}" for r, e in failed.items()
+                 if isinstance(e, RemoteError)]
+        if len(cause) > 1:
+            cause = [f"{cause[0]} (and {ranks_text(list(failed)[1:])} raised too)"]
+        parts = [*cause, f"interrupted {ranks_text(stopped)} ({keep_state(stopped)}): {where_interrupted(stopped)}"
                  if stopped else f"interrupted; {ranks_text(stuck)} did not stop" if stuck else "interrupted"]
         if skipped:
             parts.append(f"{ranks_text(skipped)} had not started it ({plural(skipped, 'they', 'it')} still "
                          f"{plural(skipped, 'run', 'runs')} an earlier cell, sent with block=False or --async) and "
                          f"{plural(skipped, 'skip', 'skips')} it")
-        return "; ".join(parts) + cause
+        return "; ".join(parts)
 
     def _on_timeout(self, cell: CellHandle, timeout: float) -> None:
         state = self.state
@@ -288,7 +290,7 @@ class Waiter:
                 state.cells.pop(cell.cell_id, None)
         hint = (f"%mesh interrupt --force --ranks {format_ranks(stuck)}  stops the ranks still running "
                 "(see the message above)" if stuck else "")
-        raise MeshTimeoutError(errors, results, cell.what, "\n".join(where), timeout, hint)
+        raise MeshTimeoutError(errors, results, cell.what, "\n".join(where), timeout, hint, late)
 
     def outcome(self, cell: CellHandle) -> RankMap | None:
         """The cell's results, or raise its error; computed once, then the same answer on every call."""
@@ -318,7 +320,7 @@ class Waiter:
             if all(isinstance(e, RemoteError) and e.interrupted for e in errors.values()):
                 raise mesh_interrupt(f"interrupted {ranks_text(errors)} ({keep_state(errors)}): "
                                      f"{where_interrupted(errors)}{finished_note(results)}", results)
-            errors, hint = self.recovery.fold_errors(cell, errors)
+            errors, hint = self.recovery.fold_errors(cell, self.recovery.fold_released(cell, errors))
             hint = "; ".join(h for h in (cell.collective_hint, hint) if h)
             raise MeshError(errors, results, cell.what, hint)
         if not valued:

@@ -168,7 +168,7 @@ def test_a_rank_that_raises_before_a_collective_releases_the_others(healthy: Mes
     assert str(err.errors[1]) == "[rank1] RuntimeError: rank 1 fails first"
     assert "first failure: [rank1] RuntimeError: rank 1 fails first" in str(err)
     assert sorted(err.errors) == list(range(WORLD))
-    assert "rank 1 raised RuntimeError while ranks 0,2 waited in a collective" in err.hint, err.hint
+    assert "rank 1 raised RuntimeError while ranks 0,2 waited for it in a collective" in err.hint, err.hint
     assert "a fresh one was made" in err.hint
     assert pids(mesh) == before  # nobody was killed
     assert_recovered(mesh, kept=list(range(WORLD)))
