@@ -172,3 +172,40 @@ def test_kernel_restart_and_shutdown_leave_no_rank(kernel: tuple[KernelManager, 
     pids = start_mesh(kc)
     km.shutdown_kernel(now=False)
     assert not wait_gone(pids, timeout=10), "rank processes outlived a kernel shutdown"
+
+
+def test_a_rank_raising_inside_ddp_releases_the_others_in_the_notebook(kernel: tuple[KernelManager, Any],
+                                                                       tmp_path: Any) -> None:
+    """Issue 24's case, as the notebook sees it: rank 1 raises at step 1 of a DDP loop while rank 0 waits in DDP's
+    C++ code; the cell's error comes back (not a hang until the 1,800 s collective timeout, nor a timeout), rank
+    1's traceback first, rank 0 as released, and the next cell runs a collective without --force. The same for
+    ``%mesh run --timeout 30 myddp.py --fail-rank 1``."""
+    km, kc = kernel
+    start_mesh(kc)
+    ddp = ("from torch.nn.parallel import DistributedDataParallel as DDP\nddp = DDP(torch.nn.Linear(4, 1))\n"
+           "for step in range(5):\n    if rank == 1 and step == 1:\n        raise RuntimeError('boom at step 1')\n"
+           "    ddp(torch.ones(2, 4)).sum().backward()\n")
+    r = execute(kc, "%%mesh --timeout 60\n" + ddp)
+    assert (r.status, r.ename) == ("error", "MeshError"), (r.status, r.ename, r.traceback)
+    shown = r.traceback
+    assert shown.index("--- root cause: rank 1 (first failure seen) ---") < shown.index(
+        "--- rank 0: released from gloo:"), shown
+    assert "[rank1] RuntimeError: boom at step 1" in shown, shown
+    assert "rank 1 raised RuntimeError while rank 0 waited for it in a collective" in shown, shown
+    r = execute(kc, "%%mesh\nt = torch.ones(1)\ndist.all_reduce(t)\nt.item()")
+    assert r.status == "ok" and r.results == ["{0: 2.0, 1: 2.0}"], (r.results, r.traceback)
+
+    script = tmp_path / "myddp.py"
+    script.write_text("import sys, torch, torch.distributed as dist\n"
+                      "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+                      "fail = int(sys.argv[sys.argv.index('--fail-rank') + 1])\ndist.init_process_group('gloo')\n"
+                      "ddp = DDP(torch.nn.Linear(4, 1))\nfor step in range(5):\n"
+                      "    if dist.get_rank() == fail and step == 1:\n"
+                      "        raise RuntimeError(f'rank {fail} fails at step 1')\n"
+                      "    ddp(torch.ones(2, 4)).sum().backward()\n")
+    r = execute(kc, f"%mesh run --timeout 30 {script} --fail-rank 1")
+    assert (r.status, r.ename) == ("error", "MeshError"), (r.status, r.ename, r.traceback)
+    assert "[rank1] RuntimeError: rank 1 fails at step 1" in r.traceback, r.traceback
+    assert "--- rank 0: released from gloo:" in r.traceback, r.traceback
+    r = execute(kc, "%%mesh\nt = torch.ones(1)\ndist.all_reduce(t)\nt.item()")
+    assert r.status == "ok" and r.results == ["{0: 2.0, 1: 2.0}"], (r.results, r.traceback)
