@@ -191,10 +191,16 @@ class Dispatcher:
         return [pipe.fd for pipe in list(self._pipes_waiting) if not pipe.closed]
 
     def flush_pipes(self) -> None:
-        """Write what waits in work pipes, as far as each pipe takes it (I/O thread)."""
-        for pipe in list(self._pipes_waiting):
-            if pipe.flush():
-                self._pipes_waiting.discard(pipe)
+        """Write what waits in work pipes, as far as each pipe takes it (I/O thread).
+
+        Under ``_work_lock``, as ``_send_work`` queues bytes and adds the pipe under it: between a flush that
+        emptied a pipe and dropping it from the waiting set, no send may queue new bytes there, or they would wait
+        with nobody to write them (tests/unit/test_dispatch_race.py). Writes are non-blocking: the lock is held for
+        what each pipe takes at once."""
+        with self._work_lock:
+            for pipe in list(self._pipes_waiting):
+                if pipe.flush():
+                    self._pipes_waiting.discard(pipe)
 
     def drain(self) -> list[tuple[list[Any], P.Message, bytes, list]]:
         """What other threads queued for the socket (I/O thread)."""
