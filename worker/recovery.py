@@ -266,10 +266,16 @@ def last_collective() -> dict:
 
 
 def _group_ranks(dist: object) -> dict[str, list[int]]:
-    """Process group name (as the flight recorder names it) -> its global ranks, for this rank's groups."""
+    """Process group name (as the flight recorder names it) -> its global ranks, for this rank's groups: the
+    default group always (public API), the others from torch's own table of groups (there is no public list)."""
+    out: dict[str, list[int]] = {}
     try:
+        world = dist.group.WORLD  # type: ignore[attr-defined]
+        out[str(world.group_name)] = list(range(dist.get_world_size()))  # type: ignore[attr-defined]
         c10d = dist.distributed_c10d  # type: ignore[attr-defined]
         names = dict(c10d._world.pg_names)  # a copy: the main thread may make a group meanwhile
-        return {str(name): sorted(int(r) for r in c10d.get_process_group_ranks(pg)) for pg, name in names.items()}
-    except Exception:  # noqa: BLE001 - torch's bookkeeping differs or changed meanwhile: ranks unknown
-        return {}
+        for pg, name in names.items():
+            out[str(name)] = sorted(int(r) for r in c10d.get_process_group_ranks(pg))
+    except Exception:  # noqa: BLE001 - torch's bookkeeping differs or changed meanwhile: those ranks unknown
+        pass
+    return out

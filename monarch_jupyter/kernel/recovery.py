@@ -86,8 +86,8 @@ def waiting_for(failed: dict[int, dict], running: dict[int, dict]) -> dict[int, 
     out: dict[int, str] = {}
     for r, c in running.items():
         for group, (seq, members, name) in (c.get("groups") or {}).items():
-            peers = [f for f in failed if not members or f in members]
-            if not peers:
+            peers = [f for f in failed if f in members]
+            if not peers:  # a group without the raising ranks (or whose ranks are unknown): not waiting for them
                 continue
             behind = min(int(((failed[f].get("groups") or {}).get(group) or [0])[0]) for f in peers)
             if int(seq) > behind:

@@ -247,5 +247,7 @@ def test_waiting_for_compares_the_collectives_each_rank_issued() -> None:
     # A group without the raising rank does not count; one it never used does (it issued nothing there).
     assert waiting_for(failed, {0: summary(**{"0": (3, [0, 1, 2]), "7": (9, [0, 2])})}) == {}
     assert waiting_for(failed, {0: summary(**{"0": (4, [0, 1, 2]), "8": (1, [0, 1])})}) == {0: "gloo:all_reduce #1"}
+    # A group whose ranks the rank could not tell is not counted (it may not hold the raising rank).
+    assert waiting_for(failed, {0: summary(**{"0": (4, [0, 1, 2]), "9": (5, [])})}) == {}
     # A rank with no recorder summary is left to the caller's fallback (its stacks).
     assert waiting_for(failed, {0: {}}) == {}

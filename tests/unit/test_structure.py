@@ -111,6 +111,7 @@ ALLOWED_PRIVATE = {
     "sys._current_frames", "sys._getframe", "os._exit",  # the stdlib's documented functions
     "dist.distributed_c10d._abort_process_group",  # the only way to abort NCCL communicators (torch has no public)
     "c10d._dump_fr_trace_json",  # torch's flight recorder dump
+    "c10d._world",  # torch's table of process groups (pg_names; no public list): their ranks, for the recorder's names
     "pub._hooks",  # ipykernel's display hooks (ipywidgets' Output capture), run as ipykernel's publish() does
 }
 # Lightning names its launcher API with underscores; a third-party strategy must use it (as Ray's does).
