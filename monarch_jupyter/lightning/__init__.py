@@ -123,6 +123,12 @@ def _register_one(family: str, kind: str) -> bool:
             registry.register("mesh", _Unavailable(family, e), description="(unavailable: see its error)",
                               override=True)
         _registered.add((family, kind))
+    try:
+        from .reports import install_ddp_hint
+
+        install_ddp_hint()  # in a notebook: strategy="ddp" gets a line pointing to strategy="mesh"
+    except Exception:  # noqa: BLE001 - a hint only
+        log.debug("no ddp hint", exc_info=True)
     if kind == "trainer":
         try:
             from .launch import warm_up

@@ -31,6 +31,8 @@ from ..errors import MeshError, MeshNotRunningError, MeshTimeoutError, RankDiedE
 from ..ranks import format_ranks, ranks_text
 from . import rank as rank_side
 from .errors import MeshLightningError, TrainingInterrupted, UnpicklableJobError, fabric_interrupt
+from .predictions import assemble_predictions
+from .reports import FoldedRemoteError, cell_names, name_cells
 from .shipping import KeptObjects, pickle_job
 
 log = logging.getLogger(__name__)
@@ -255,6 +257,7 @@ def _run(mesh: Mesh, strategy: Any, job: rank_side.Job) -> RankMap:
         handle = mesh.call(rank_side.run_job, shipment.data, shipment.slots, new, kept.take_dropped(),
                            shipment.tokens, shipment.sources, job.family, block=False)
         assert isinstance(handle, CellHandle)
+        names = cell_names(shipment.sources)
         released: list[int] = []
         try:
             released = _watch(mesh, handle)
@@ -262,13 +265,14 @@ def _run(mesh: Mesh, strategy: Any, job: rank_side.Job) -> RankMap:
         except KeyboardInterrupt as e:
             if not handle.done():  # some ranks are blocked in a collective that the others left
                 report = mesh.interrupt(force=True)
-                print(f"strategy='mesh': released the ranks still running after the interrupt: {report.text}",
-                      file=sys.stderr)
-            raise _Interrupted(str(e), list(handle.ranks)) from None
+                print(f"strategy='mesh': released the ranks still running after the interrupt: "
+                      f"{name_cells(report.text, names)}", file=sys.stderr)
+            raise _Interrupted(name_cells(str(e), names), list(handle.ranks)) from None
         except MeshError as e:
             if isinstance(e, MeshTimeoutError):
                 raise
-            errors = dict(e.errors)
+            errors = {r: FoldedRemoteError.of(err, names) if type(err) is RemoteError else err
+                      for r, err in e.errors.items()}
             failed = [r for r in errors if r not in released]
             for r in released:
                 if r in errors and failed:
@@ -351,9 +355,14 @@ def launch_trainer(strategy: Any, family: str, function: Any, args: tuple, kwarg
         try:
             results = _run(mesh, strategy, job)
         except _Interrupted as e:
+            _recover_partial(mesh, trainer)
             raise TrainingInterrupted(
                 f"{e} ; trainer.interrupted is True and the ranks keep running: the next fit works as usual",
                 e.ranks) from None
+        except MeshError as e:
+            if not isinstance(e, MeshTimeoutError):  # after a timeout, ranks may still run the job
+                _recover_partial(mesh, trainer)
+            raise
         output = results.get(0)
         if trainer is None or not isinstance(output, rank_side.WorkerOutput):
             return output
@@ -432,6 +441,26 @@ def _recover(trainer: Any, out: rank_side.WorkerOutput) -> None:
                 pass
 
 
+PARTIAL_TIMEOUT = 30.0
+"""Seconds the notebook waits for rank 0's counters after a failed or interrupted fit (then it goes without)."""
+
+
+def _recover_partial(mesh: Mesh, trainer: Any) -> None:
+    """After a failed or interrupted job: rank 0's counters, metrics, callback states and weights so far into the
+    notebook's Trainer and model, as a local Trainer holds them after an exception (``global_step`` counts the
+    steps that ran). Nothing when rank 0 is gone or busy; never raises (the job's own error is what the cell
+    shows)."""
+    if trainer is None or not mesh.running:
+        return
+    try:
+        got = mesh.call(rank_side.take_partial, ranks=[0], timeout=PARTIAL_TIMEOUT)
+        output = got.get(0) if isinstance(got, RankMap) else None
+        if isinstance(output, rank_side.WorkerOutput):
+            _recover(trainer, output)
+    except BaseException:  # noqa: BLE001 - an interrupt here, a dead or busy rank 0: the counters stay as they were
+        log.debug("no counters from rank 0 after the failed job", exc_info=True)
+
+
 def _restore_progress(loop: Any, state: dict, prefix: str) -> None:
     """Rank 0's progress counters into a loop of the notebook's Trainer and its child loops (current_epoch,
     global_step...). Not ``loop.load_state_dict``: that marks the loops as resumed from a checkpoint, and the next
@@ -445,84 +474,3 @@ def _restore_progress(loop: Any, state: dict, prefix: str) -> None:
     extra = state.get(prefix + "state_dict") or {}
     if "_batches_that_stepped" in extra and hasattr(loop, "_batches_that_stepped"):
         loop._batches_that_stepped = extra["_batches_that_stepped"]  # the logging step
-
-
-def _split(value: Any, n: int) -> list | None:
-    """``value`` (a batch's prediction) as ``n`` per-sample values, or None when it has no batch dimension."""
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return list(value.unbind(0)) if value.dim() > 0 and value.shape[0] == n else None
-    if isinstance(value, dict):
-        split = {k: _split(v, n) for k, v in value.items()}
-        cols = {k: p for k, p in split.items() if p is not None}
-        if len(cols) < len(split):
-            return None
-        return [type(value)((k, cols[k][i]) for k in value) for i in range(n)]
-    if isinstance(value, (list, tuple)) and not (isinstance(value, list) and len(value) == n and not value):
-        pieces = [_split(v, n) for v in value]
-        known = [p for p in pieces if p is not None]
-        if not pieces or len(known) < len(pieces):
-            return list(value) if isinstance(value, list) and len(value) == n else None
-        items = [[p[i] for p in known] for i in range(n)]
-        return [type(value)(*it) if hasattr(value, "_fields") else type(value)(it) for it in items]
-    return None
-
-
-def _join(samples: list) -> Any:
-    import torch
-
-    first = samples[0]
-    if isinstance(first, torch.Tensor):
-        return torch.stack(samples)
-    if isinstance(first, dict):
-        return type(first)((k, _join([s[k] for s in samples])) for k in first)
-    if isinstance(first, tuple):
-        joined = [_join([s[i] for s in samples]) for i in range(len(first))]
-        return type(first)(*joined) if hasattr(first, "_fields") else type(first)(joined)
-    if isinstance(first, list) and all(isinstance(s, list) and len(s) == len(first) for s in samples):
-        if first and isinstance(first[0], torch.Tensor):
-            return [_join([s[i] for s in samples]) for i in range(len(first))]
-    return list(samples)
-
-
-def assemble_predictions(outputs: list[rank_side.PredictOutput]) -> Any:
-    """Every rank's predictions as one list in dataloader order (a list per dataloader when there are several).
-
-    Each rank predicted an interleaved share of the samples (Lightning's UnrepeatedDistributedSampler); the
-    batches are cut into samples along their first dimension, ordered by dataset index and re-batched with the
-    ranks' batch size. Predictions without a batch dimension (a float per batch, say) come back batch by batch,
-    ordered by their first sample's index.
-    """
-    if not outputs:
-        return None
-    first = outputs[0].predictions
-    if first is None:
-        return None
-    several = outputs[0].num_dataloaders > 1
-    n_loaders = len(first) if several else 1
-    assembled = []
-    for d in range(n_loaders):
-        batches: list[tuple[list, Any]] = []
-        for out in outputs:
-            preds = out.predictions[d] if several else out.predictions
-            indices = out.batch_indices.get(d, [])
-            batches += list(zip(indices, preds or [], strict=False))
-        assembled.append(_reorder(batches))
-    return assembled if several else assembled[0]
-
-
-def _reorder(batches: list[tuple[list, Any]]) -> list:
-    if not batches:
-        return []
-    samples: dict[int, Any] = {}
-    batch_size = max(len(ix) for ix, _ in batches)
-    for indices, pred in batches:
-        parts = _split(pred, len(indices)) if indices else None
-        if parts is None:
-            return [p for _ix, p in sorted(batches, key=lambda b: b[0][0] if b[0] else 0)]
-        for i, part in zip(indices, parts, strict=False):
-            samples.setdefault(int(i), part)
-    order = sorted(samples)
-    return [_join([samples[i] for i in order[k:k + batch_size]]) for k in range(0, len(order), batch_size)]
-

@@ -32,7 +32,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["run_job", "warm_up", "in_job", "Job", "WorkerOutput", "Missing", "PredictOutput", "MIN_REPORT_INTERVAL"]
+__all__ = ["run_job", "warm_up", "in_job", "take_partial", "Job", "WorkerOutput", "Missing", "PredictOutput",
+           "MIN_REPORT_INTERVAL"]
 
 MIN_REPORT_INTERVAL = 0.1  # seconds between two progress reports of the progress bar callback
 
@@ -292,6 +293,7 @@ def _run_trainer(job: Job, rank: int) -> Any:
     states = importlib.import_module(f"{pl}.trainer.states")
     apply_func = importlib.import_module(f"{FABRIC[job.family]}.utilities.apply_func")
     trainer = job.trainer
+    _PARTIAL.clear()
     if job.progress:
         _replace_progress_bar(trainer, job.family)
     recorder = None
@@ -309,6 +311,9 @@ def _run_trainer(job: Job, rank: int) -> Any:
         with contextlib.suppress(Exception):
             trainer._teardown()
         trainer.state.stage = None
+        if rank == 0:
+            with contextlib.suppress(Exception):
+                _PARTIAL[0] = _partial_output(trainer, job.family, states, apply_func)
         raise
     finally:
         if recorder is not None:
@@ -338,6 +343,30 @@ def _run_trainer(job: Job, rank: int) -> Any:
         results=None if recorder is not None else apply_func.move_data_to_device(results, "cpu"),
         predictions=predictions,
     )
+
+
+_PARTIAL: dict[int, WorkerOutput] = {}  # 0 -> rank 0's output of its last job, when that job raised
+
+
+def _partial_output(trainer: Any, family: str, states: Any, apply_func: Any) -> WorkerOutput:
+    """What rank 0 had when its job raised (an interrupt, an error here or on a peer): the counters, metrics and
+    callback states a local Trainer would hold, and the weights trained so far. The weights are read from the
+    parameters and buffers themselves, not ``state_dict()``: its hooks may sync (torchmetrics) with peers that
+    are gone."""
+    module = trainer.lightning_module
+    weights = None
+    if module is not None and trainer.state.fn == states.TrainerFn.FITTING:
+        weights = {name: t.detach().cpu().clone() for name, t in
+                   [*module.named_parameters(), *module.named_buffers()]}
+    return WorkerOutput(trainer_state=trainer.state, weights=weights, loops=_loop_states(trainer),
+                        callbacks=_callback_states(trainer, family), metrics=_metrics(trainer, apply_func),
+                        logger_versions=[getattr(lg, "_version", None) for lg in trainer.loggers], results=None)
+
+
+def take_partial() -> WorkerOutput | None:
+    """Rank 0's output of its last job if that job raised (then forgotten), else None. The notebook asks for it
+    after a failed or interrupted fit, so that its Trainer's counters are true (as after a local fit)."""
+    return _PARTIAL.pop(0, None)
 
 
 def _loop_states(trainer: Any) -> dict:

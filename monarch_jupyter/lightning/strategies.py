@@ -11,7 +11,9 @@ are made per family by ``build_trainer`` / ``build_fabric`` and live as attribut
 - ``MeshStrategy`` (Trainer) and ``MeshFabricStrategy`` (Fabric): Lightning's DDP strategies whose launcher
   runs the job on the mesh's ranks instead of starting processes. Lightning's ``_init_dist_connection`` finds
   the group initialized and leaves it; Lightning's DDP teardown never destroys it.
-- ``MeshLauncher`` / ``MeshFabricLauncher`` (Lightning's ``_Launcher`` interface, interactive-compatible).
+- ``MeshLauncher`` / ``MeshFabricLauncher`` (Lightning's ``_Launcher`` interface, interactive-compatible). The
+  Fabric one is registered as a virtual subclass of Lightning's spawn launcher (an ABC), so that ``Fabric.launch()``
+  without a function raises Lightning's own TypeError for spawn launchers (the ranks are other processes).
 """
 
 from __future__ import annotations
@@ -234,5 +236,10 @@ def build_fabric(family: str, environment: type) -> dict[str, type]:
         def register_strategies(cls, strategy_registry: Any) -> None:
             strategy_registry.register("mesh", cls, description="DDP on the ranks of a monarch_jupyter mesh",
                                        override=True)
+
+    # Fabric.launch() without a function: what Lightning raises for its spawn launchers (its own check, its own
+    # TypeError; fabric.setup() then asks for launch() as Lightning does), not a silent no-op in the notebook.
+    spawn = importlib.import_module(f"{fab}.strategies.launchers.multiprocessing")._MultiProcessingLauncher
+    spawn.register(MeshFabricLauncher)
 
     return {"MeshFabricLauncher": MeshFabricLauncher, "MeshFabricStrategy": MeshFabricStrategy}

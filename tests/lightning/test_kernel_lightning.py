@@ -113,9 +113,11 @@ class Kernel:
     def __init__(self, km: Any, kc: Any) -> None:
         self.km, self.kc = km, kc
 
-    def run(self, code: str, *, answers: list[str] | None = None, interrupt_when: str | None = None) -> Outcome:
+    def run(self, code: str, *, answers: list[str] | None = None, interrupt_when: str | None = None,
+            interrupt_on_output: tuple[str, ...] = ()) -> Outcome:
         """Run ``code``; answer pdb prompts from ``answers``; interrupt the kernel once ``interrupt_when`` shows up
-        in the cell's comm (dashboard) messages."""
+        in the cell's comm (dashboard) messages, or once every string of ``interrupt_on_output`` is in its
+        output."""
         kc, answers = self.kc, list(answers or [])
         # stop_on_error=False: a cell of its own, not aborted after an earlier error (test_kernel.execute)
         msg_id = kc.execute(code, allow_stdin=answers is not None and bool(answers), stop_on_error=False)
@@ -149,7 +151,8 @@ class Kernel:
                     out.errors.append(content)
                 elif kind == "status" and content["execution_state"] == "idle":
                     idle = True
-            if interrupt_when and not interrupted and interrupt_when in out.comms:
+            printed = interrupt_on_output and all(t in out.stdout + out.stderr for t in interrupt_on_output)
+            if not interrupted and ((interrupt_when and interrupt_when in out.comms) or printed):
                 self.km.interrupt_kernel()
                 interrupted = True
             if kc.shell_channel.msg_ready():
@@ -268,7 +271,17 @@ def test_error_in_training_step_shows_the_ranks_frames_and_the_mesh_survives(ker
     assert "MeshError" in tb and "trainer.fit failed" in tb and "[rank1]" in tb
     assert "ValueError: bad batch on purpose" in tb and 'raise ValueError("bad batch on purpose")' in tb
     assert "in training_step" in tb
-    assert kernel.value("bad.interrupted") is True
+    # Short, and the user's frame first: the package's runner and Lightning's and torch's ~36 frames are one line,
+    # the cell is named as the notebook names it (not ipykernel's temporary file).
+    assert len(tb.splitlines()) < 40, tb
+    root = tb.split("--- root cause", 1)[1]
+    frames = [line for line in root.splitlines() if '  File "' in line]
+    assert frames[0].startswith('[rank1]   File "<cell In[') and "in training_step" in frames[0], tb
+    assert "frames in monarch_jupyter, lightning, torch: %mesh debug --rank 1 shows them]" in tb
+    assert "lightning/rank.py" not in tb and "ipykernel_" not in tb
+    # Counters as a local Trainer holds them after the exception: rank 0 finished step 0, then was released from
+    # step 1's gradient all_reduce (rank 1 raised in its forward).
+    assert kernel.value("[bad.interrupted, bad.global_step, bad.current_epoch]") == [True, 1, 0]
     kernel.ok("ok = new_trainer(limit_train_batches=2, limit_val_batches=0)\nok.fit(Net(), datamodule=dm)")
 
 
@@ -277,6 +290,33 @@ def test_interrupt_stops_every_rank_and_the_next_fit_works(kernel: Kernel) -> No
                      "slow.fit(Net(sleep=0.01), datamodule=dm)", interrupt_when="train_loss=")
     assert not out.ok and "TrainingInterrupted" in out.traceback
     assert kernel.value("[slow.interrupted, slow.current_epoch < 999]") == [True, True]
+    kernel.ok("ok = new_trainer(limit_train_batches=2, limit_val_batches=0)\nok.fit(Net(), datamodule=dm)")
+    assert kernel.value("ok.global_step") == 2
+
+
+def test_interrupt_names_the_cell_and_brings_the_counters_back(kernel: Kernel) -> None:
+    # Both ranks wait in the cell's training_step at batch 3 (after 3 steps) when the interrupt comes.
+    kernel.ok(textwrap.dedent('''
+        class Hang(Net):
+            def training_step(self, batch, batch_idx):
+                if batch_idx == 3:
+                    print(f"hanging on rank {self.global_rank}", flush=True)
+                    time.sleep(600)
+                return super().training_step(batch, batch_idx)
+        hang = Hang(); h0 = {k: v.clone() for k, v in hang.state_dict().items()}
+        hung = new_trainer(max_epochs=5, limit_train_batches=None, limit_val_batches=0)
+    '''))
+    out = kernel.run("hung.fit(hang, datamodule=dm)",
+                     interrupt_on_output=("[rank0]: hanging on rank 0", "[rank1]: hanging on rank 1"))
+    assert not out.ok and "TrainingInterrupted" in out.traceback
+    assert "time.sleep at <cell In[" in out.traceback and "in training_step" in out.traceback, out.traceback
+    assert "ipykernel_" not in out.traceback
+    # Rank 0's counters, metrics and weights so far, as Lightning's launcher recovers them.
+    state = kernel.value("dict(i=hung.interrupted, step=hung.global_step, epoch=hung.current_epoch, "
+                         "batches=hung.fit_loop.epoch_loop.batch_progress.current.completed, "
+                         "metrics=sorted(hung.callback_metrics), "
+                         "changed=not all(torch.equal(h0[k], v) for k, v in hang.state_dict().items()))")
+    assert state == {"i": True, "step": 3, "epoch": 0, "batches": 3, "metrics": ["train_loss"], "changed": True}
     kernel.ok("ok = new_trainer(limit_train_batches=2, limit_val_batches=0)\nok.fit(Net(), datamodule=dm)")
     assert kernel.value("ok.global_step") == 2
 
@@ -307,6 +347,29 @@ def test_fabric_launch_returns_rank_zero_or_every_rank(kernel: Kernel) -> None:
         print(fabric.launch(work, 10), dict(fabric.strategy.rank_results))
     '''))
     assert out.stdout.strip().endswith("(21.0, 0) {0: (21.0, 0), 1: (21.0, 1)}")
+
+
+def test_fabric_launch_without_a_function_raises_what_lightning_raises_for_spawn(kernel: Kernel) -> None:
+    out = kernel.run("fab0 = L.Fabric(strategy='mesh', accelerator='cpu', devices=2)\nfab0.launch()")
+    assert not out.ok and out.errors[0]["ename"] == "TypeError"
+    assert out.errors[0]["evalue"] == ("To spawn processes with the `MeshFabricStrategy` strategy, `.launch()` needs "
+                                       "to be called with a function that contains the code to launch in processes.")
+    # As after Lightning's own TypeError: setup asks for launch() (not a missing process group)...
+    out = kernel.run("fab0.setup(Net())")
+    assert out.errors[0]["ename"] == "RuntimeError" and "you must call `.launch()`" in out.errors[0]["evalue"]
+    # ...and launch with a function works.
+    assert kernel.value("fab0.launch(lambda f: f.world_size)") == 2
+
+
+def test_ddp_in_a_notebook_with_a_mesh_points_to_strategy_mesh(kernel: Kernel) -> None:
+    out = kernel.run("L.Trainer(strategy='ddp', accelerator='cpu', devices=2)")
+    assert not out.ok and out.errors[0]["ename"] == "MisconfigurationException"
+    assert "ddp_notebook" in out.errors[0]["evalue"]
+    hints = [line for line in out.stderr.splitlines() if 'strategy="mesh"' in line]
+    assert hints == ['monarch: a mesh of 2 ranks runs in this notebook: Trainer(strategy="mesh", devices=2) runs '
+                     'DDP on its ranks from this cell, without forking the kernel (docs/lightning.md)'], out.stderr
+    out = kernel.run("L.Fabric(strategy='ddp', accelerator='cpu', devices=2)")
+    assert not out.ok and 'Fabric(strategy="mesh", devices=2)' in out.stderr
 
 
 def test_bad_input_names_the_fix_and_changes_nothing(kernel: Kernel) -> None:
@@ -348,3 +411,5 @@ def test_mesh_stopped_gives_a_clear_error(kernel: Kernel) -> None:
     kernel.ok("%mesh stop")
     out = kernel.run("new_trainer()")
     assert "MeshNotRunningError" in out.traceback and "%mesh" in out.traceback
+    out = kernel.run("L.Trainer(strategy='ddp', accelerator='cpu', devices=2)")  # no mesh: Lightning's advice only
+    assert "ddp_notebook" in out.errors[0]["evalue"] and 'strategy="mesh"' not in out.stderr

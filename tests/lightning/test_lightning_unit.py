@@ -198,3 +198,42 @@ def test_strategy_pickles_without_its_mesh() -> None:
     s._configure_launcher()
     clone = pickle.loads(pickle.dumps(s))
     assert clone.mesh is None and clone._launcher is None and type(clone) is MeshStrategy
+
+
+def test_folded_traceback_keeps_the_users_frames_and_where_a_library_raised() -> None:
+    import os
+
+    import lightning
+
+    from monarch_jupyter.lightning import reports
+
+    lib = os.path.dirname(lightning.__file__)
+    ours = os.path.dirname(rank_side.__file__)
+
+    def frame(path: str, fn: str) -> str:
+        return f'  File "{path}", line 1, in {fn}\n    {fn}()\n    ^^^^\n'
+
+    text = ("Traceback (most recent call last):\n" + frame(f"{ours}/rank.py", "run_job")
+            + "".join(frame(f"{lib}/trainer/trainer.py", f"f{i}") for i in range(20))
+            + frame("/tmp/ipykernel_1/2.py", "training_step")
+            + "".join(frame(f"{os.path.dirname(torch.__file__)}/nn/x.py", f"t{i}") for i in range(5))
+            + "RuntimeError: boom\n")
+    folded = reports.fold_traceback(text, rank=1)
+    lines = folded.splitlines()
+    assert lines[1] == "  [... 21 frames in monarch_jupyter, lightning: %mesh debug --rank 1 shows them]"
+    assert lines[2] == '  File "/tmp/ipykernel_1/2.py", line 1, in training_step'
+    assert lines[5] == "  [... 2 frames in torch: %mesh debug --rank 1 shows them]"
+    assert [line for line in lines if "File" in line][-3:] == [
+        f'  File "{os.path.dirname(torch.__file__)}/nn/x.py", line 1, in t{i}' for i in (2, 3, 4)]
+    assert lines[-1] == "RuntimeError: boom"
+    # The rendered error: folded, the cell named; the full traceback stays, and it pickles.
+    err = reports.FoldedRemoteError.of(launch.RemoteError(1, "RuntimeError", "boom", text),
+                                       {"/tmp/ipykernel_1/2.py": "<cell In[4]>"})
+    rendered = err.render()
+    assert rendered[2] == '[rank1]   File "<cell In[4]>", line 1, in training_step' and len(rendered) == len(lines)
+    assert pickle.loads(pickle.dumps(err)).render() == rendered and err.traceback == text
+    # Not a traceback, or only library frames: unchanged but for the fold.
+    assert reports.fold_traceback("ValueError: x") == "ValueError: x"
+    only_lib = reports.fold_traceback("Traceback (most recent call last):\n" + frame(f"{lib}/a.py", "a") * 5
+                                      + "ValueError: x\n")
+    assert only_lib.count('  File "') == 3 and "[... 2 frames in lightning: %mesh debug shows them]" in only_lib

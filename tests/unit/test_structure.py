@@ -118,6 +118,7 @@ ALLOWED_PRIVATE = {
 LIGHTNING_PRIVATE = {
     "_Launcher",  # the launcher base a strategy's launcher implements
     "_GlobalStateSnapshot",  # what Lightning's spawn launcher ships to keep the notebook's seeds
+    "_MultiProcessingLauncher",  # Fabric.launch() raises its TypeError for these: MeshFabricLauncher registers with it
     "_interrupt", "_teardown",  # what Lightning's _call_and_handle_interrupt calls on an interrupt
     "_set_world_ranks",  # Lightning < 2.6 spelling of set_world_ranks
     "_version",  # torch's tensor version counter and a Lightning logger's version (kept across fits)
