@@ -6,9 +6,10 @@ ipywidgets or monarch_jupyter. Start a rank that joins a listening controller wi
 
 from __future__ import annotations
 
+from .freshstate import reset_state
 from .live import progress
 from .reaper import keep_alive
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "progress", "keep_alive"]
+__all__ = ["__version__", "progress", "keep_alive", "reset_state"]

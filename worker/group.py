@@ -15,19 +15,24 @@ accelerate's teardown), so while a cell runs the two functions of ``torch.distri
   up (the mesh's group was torn down after a fault) it raises ``MeshGroupError`` too, naming the command that
   brings the group back: never a rendezvous that waits for peers that will not come.
 - ``destroy_process_group()`` (or of ``group.WORLD``) leaves the mesh's group up: harmless, so the next cell, the
-  next run of the script, and ``%mesh status`` all see the group that is really there. Rank 0 says so once per
-  process. Destroying a group of the user's own (``new_group``) is passed through.
+  next run of the script, and ``%mesh status`` all see the group that is really there. Rank 0 says so once in
+  each cell (or run) that does it. Destroying a group of the user's own (``new_group``) is passed through.
+
+While a script runs (``watch_guards``), ``torch.distributed.is_initialized`` is wrapped too: a call of it from code
+outside torch (a framework's ``if not dist.is_initialized(): dist.init_process_group()``, or the script's own) is
+counted, so that scripts.py says "would fail under torchrun" only of scripts that would.
 
 Outside cells (the rank runtime itself: joining, Regroup, Abort) both functions are torch's own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -36,10 +41,12 @@ from .addresses import address_toward
 
 log = logging.getLogger(__name__)
 
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
 __all__ = ["MeshGroup", "MeshGroupError", "DESTROY_NOTE", "default_backend", "installed"]
 
 DESTROY_NOTE = ("monarch: destroy_process_group() left the mesh's process group up: the mesh owns it, and the next "
-                "cells and runs use it (docs/torchrun.md). This note shows once.\n")
+                "cells and runs use it (docs/torchrun.md). This note shows once per cell or run.\n")
 
 
 _installed: list[MeshGroup] = []  # the MeshGroup whose wrappers this process runs (at most one)
@@ -85,7 +92,10 @@ class MeshGroup:
         self.store: Any = None  # rank 0's TCPStore: kept for the generation (MASTER_PORT stays reachable)
         self.sockets: Any = None  # recovery.GroupSockets recording the connections the group opens
         self.init_calls = 0  # calls of init_process_group by user code (scripts report when there were none)
-        self._noted = False
+        self.guard_calls = 0  # calls of dist.is_initialized() from outside torch while guards are watched
+        #: The id of the cell (or call, or script run) the main thread runs; the rank runtime sets it (startup.py).
+        self.current_cell: Callable[[], int] = lambda: -1
+        self._noted_in: int | None = None  # the cell in which rank 0 last showed DESTROY_NOTE
         self._original_init: Callable[..., Any] | None = None
         self._original_destroy: Callable[..., Any] | None = None
 
@@ -234,9 +244,37 @@ class MeshGroup:
         if not (self.in_cell() and default):
             self._original_destroy(group)
             return
-        if self.rank == 0 and not self._noted:
-            self._noted = True
+        cell = self.current_cell()
+        if self.rank == 0 and self._noted_in != cell:
+            self._noted_in = cell
             sys.stderr.write(DESTROY_NOTE)
+
+    @contextlib.contextmanager
+    def watch_guards(self) -> Iterator[None]:
+        """Count calls of ``torch.distributed.is_initialized()`` made by code outside torch and this package
+        (``guard_calls``) until the block ends; the first such call puts torch's own function back (one is enough
+        to know, and nothing is left wrapped for ``torch.compile`` to trace)."""
+        import torch
+        import torch.distributed as dist
+
+        original = dist.is_initialized
+        skip = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep, _PACKAGE_DIR)
+
+        @functools.wraps(original)
+        def is_initialized() -> bool:
+            caller = sys._getframe(1).f_code.co_filename
+            if self.in_cell() and not caller.startswith(skip) and not caller.startswith("<frozen "):
+                self.guard_calls += 1
+                if dist.is_initialized is is_initialized:
+                    dist.is_initialized = original
+            return original()
+
+        dist.is_initialized = is_initialized
+        try:
+            yield
+        finally:
+            if dist.is_initialized is is_initialized:
+                dist.is_initialized = original
 
 
 def _backend_for(requested: Any, mesh_backend: str) -> str:

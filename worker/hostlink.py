@@ -27,7 +27,7 @@ from typing import Any
 
 from . import protocol as P
 from .pipes import WorkPipe
-from .streams import StreamSplitter
+from .streams import LINE_LIMIT, StreamSplitter, temp_file_sink
 
 __all__ = ["ForkServerClient", "LocalRank", "EventBatch", "FORK_SERVER_LOG_LINES", "read_segment"]
 
@@ -178,10 +178,16 @@ class LocalRank:
     err_fd: int = -1
     ident: bytes = b""  # its socket's identity on the agent's rank socket (from its Hello)
     alive: bool = False
-    splitters: dict[str, StreamSplitter] = field(
-        default_factory=lambda: {"stdout": StreamSplitter(), "stderr": StreamSplitter(records=False)})
+    splitters: dict[str, StreamSplitter] = field(init=False)
     record_parts: list[bytes] = field(default_factory=list)
     beat: tuple | None = None  # the last heartbeat it sent: (rss, cuda_allocated, cuda_reserved)
+
+    def __post_init__(self) -> None:
+        # A line over LINE_LIMIT bytes is cut here, on the agent, and kept whole in a file on this host.
+        host = socket.gethostname()
+        self.splitters = {stream: StreamSplitter(records=stream == "stdout", line_limit=LINE_LIMIT,
+                                                 sink=temp_file_sink(f"monarch-rank{self.rank}-{stream}-", host))
+                          for stream in ("stdout", "stderr")}
 
 
 class EventBatch:

@@ -69,6 +69,14 @@ class MeshOptions:
                                "byte for byte alike at about the same time (within 0.1 s) is shown once with their "
                                "ranks, `[rank0-63]: epoch 1 done`; lines that differ in any character never fold. "
                                "0: never fold.", unit="ranks", trait="output_fold")
+    oversubscribe: bool = _option(False, "Start local ranks past what this host can carry (more than 32 per CPU "
+                                  "core, or more memory or open files than it has); refused otherwise, with what to "
+                                  "expect (`%mesh start --force`).")
+    output_line_limit: int = _option(65536, "Bytes of one line of rank output shown in the notebook: a longer line "
+                                     "shows its first bytes and a note with its size and the file that holds it "
+                                     "whole (in the system's temporary folder; on a rank's own host for ranks "
+                                     "behind a host agent, which cut at 65,536). 0: no limit.", unit="bytes",
+                                     trait="output_line_limit")
 
     def check(self) -> MeshOptions:
         """Validate every value; returns self.

@@ -223,59 +223,89 @@ def regroup(rank: Rank, msg: P.Regroup, payload: bytes, bufs: list) -> None:
 
 
 def last_collective() -> dict:
-    """The newest entry of torch.distributed's flight recorder: {"name", "seq", "group", "state", "groups"} or {}.
+    """What this rank issued on its process groups: {"name", "seq", "group", "state", "groups", "source"} or {}.
 
-    ``groups`` maps each process group that has entries to ``[seq, ranks, name]``: the sequence number of the
-    newest collective this rank issued on it (``collective_seq_id``, counted per group from 1 as the rank enqueues
-    them, before they complete), the group's global ranks ([] when unknown) and that collective's name
-    ("gloo:all_reduce"). A rank that has issued a collective its
-    peer never issued waits for that peer in it, whatever Python or C++ frame it waits in (a DDP reducer's hook,
-    autograd's engine, ``Work.wait()``, a later NCCL synchronisation): the controller compares these numbers to
-    release ranks that wait for one that raised (monarch_jupyter.kernel.recovery).
+    ``groups`` maps each process group to ``[seq, ranks, name]``: the sequence number of the newest collective
+    this rank issued on it (counted per group as the rank enqueues them, before they complete), the group's global
+    ranks ([] when unknown) and that collective's name ("gloo:all_reduce"). A rank that has issued a collective
+    its peer never issued waits for that peer in it, whatever Python or C++ frame it waits in (a DDP reducer's
+    hook, autograd's engine, ``Work.wait()``, a later NCCL synchronisation): the controller compares these numbers
+    to release ranks that wait for one that raised (monarch_jupyter.kernel.recovery).
 
-    Safe on the I/O thread while the main thread blocks in a collective (the recorder has its own lock).
+    ``source`` says where the numbers come from:
+
+    - "recorder": torch.distributed's flight recorder (``collective_seq_id`` of its entries; gloo records from
+      torch 2.8 on, with TORCH_FR_BUFFER_SIZE, which the controller sets). Point-to-point operations are left
+      out (numbered apart, they pair with one peer only), and "name", "seq", "group" and "state" describe the
+      newest entry, for stack reports.
+    - "sequence": each group's own count (``ProcessGroup._get_sequence_number_for_group``, in every torch this
+      package supports), where the recorder has nothing: it counts point-to-point operations too, so the
+      controller also asks that the count stood still between two questions. "name" is "gloo:collective".
+
+    Safe on the I/O thread while the main thread blocks in a collective (the recorder has its own lock; a group's
+    count is one integer).
     """
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return {}
+    groups = _group_table(dist)
     try:
         from torch._C import _distributed_c10d as c10d
 
         dump = c10d._dump_fr_trace_json  # type: ignore[attr-defined]  # the flight recorder; not in torch's stubs
         entries = json.loads(dump(True, False)).get("entries") or []
     except Exception:  # noqa: BLE001 - recorder off (TORCH_FR_BUFFER_SIZE=0) or not in this torch build
-        return {}
-    if not entries:
-        return {}
+        entries = []
+    entries = [x for x in entries if int(x.get("time_created_ns", 0)) >= _group_since_ns]
+    if not entries:  # entries of a group destroyed by a regroup share the new one's name, not its numbering
+        return _sequence_summary(dist, groups)
     e = max(entries, key=lambda x: (x.get("time_created_ns", 0), x.get("record_id", 0)))
     group = e.get("process_group") or ["", ""]
     newest: dict[str, tuple[int, str]] = {}  # group name -> (seq, profiling name) of its newest collective
     for x in entries:
-        if x.get("is_p2p") or int(x.get("time_created_ns", 0)) < _group_since_ns:
-            # Point-to-point operations are numbered apart (p2p_seq_id) and pair with one peer only; entries of a
-            # group destroyed by a regroup share the new one's name, but not its numbering.
+        if x.get("is_p2p"):
             continue
         name = str((x.get("process_group") or [""])[0])
         seq = int(x.get("collective_seq_id", 0))
         if seq >= newest.get(name, (0, ""))[0]:
             newest[name] = (seq, str(x.get("profiling_name", "")))
-    members = _group_ranks(dist)
     return {"name": str(e.get("profiling_name", "")), "seq": int(e.get("collective_seq_id", 0)),
             "group": str(group[1] if len(group) > 1 else group[0]), "state": str(e.get("state", "")),
-            "groups": {name: [seq, members.get(name, []), what] for name, (seq, what) in newest.items()}}
+            "source": "recorder",
+            "groups": {name: [seq, groups[name][1] if name in groups else [], what]
+                       for name, (seq, what) in newest.items()}}
 
 
-def _group_ranks(dist: object) -> dict[str, list[int]]:
-    """Process group name (as the flight recorder names it) -> its global ranks, for this rank's groups: the
-    default group always (public API), the others from torch's own table of groups (there is no public list)."""
-    out: dict[str, list[int]] = {}
+def _sequence_summary(dist: object, groups: dict[str, tuple[object, list[int]]]) -> dict:
+    """``last_collective`` from each group's own count of the operations this rank issued on it ({} when this
+    torch has no such count)."""
+    out: dict[str, list] = {}
+    for name, (pg, ranks) in groups.items():
+        try:
+            seq = int(pg._get_sequence_number_for_group())  # type: ignore[attr-defined]
+            backend = str(dist.get_backend(pg))  # type: ignore[attr-defined]
+        except Exception:  # noqa: BLE001 - a backend without a count, or a group being destroyed meanwhile
+            continue
+        if seq:
+            out[name] = [seq, ranks, f"{backend}:collective"]
+    if not out:
+        return {}
+    name, (seq, _, what) = max(out.items(), key=lambda kv: kv[1][0])
+    return {"name": what, "seq": seq, "group": name, "state": "", "source": "sequence", "groups": out}
+
+
+def _group_table(dist: object) -> dict[str, tuple[object, list[int]]]:
+    """Process group name (as the flight recorder names it) -> (the group, its global ranks), for this rank's
+    groups: the default group always (public API), the others from torch's own table of groups (there is no
+    public list)."""
+    out: dict[str, tuple[object, list[int]]] = {}
     try:
         world = dist.group.WORLD  # type: ignore[attr-defined]
-        out[str(world.group_name)] = list(range(dist.get_world_size()))  # type: ignore[attr-defined]
+        out[str(world.group_name)] = (world, list(range(dist.get_world_size())))  # type: ignore[attr-defined]
         c10d = dist.distributed_c10d  # type: ignore[attr-defined]
         names = dict(c10d._world.pg_names)  # a copy: the main thread may make a group meanwhile
         for pg, name in names.items():
-            out[str(name)] = sorted(int(r) for r in c10d.get_process_group_ranks(pg))
+            out[str(name)] = (pg, sorted(int(r) for r in c10d.get_process_group_ranks(pg)))
     except Exception:  # noqa: BLE001 - torch's bookkeeping differs or changed meanwhile: those ranks unknown
         pass
     return out

@@ -45,6 +45,7 @@ def run_rank(config: RankConfig) -> int:
     rank = Rank(config)
     signal.signal(signal.SIGINT, rank.on_sigint)
     live.install(rank.send, lambda: rank.current_cell)
+    rank.group.current_cell = lambda: rank.current_cell  # its notes show once per cell
     if relay is not None:
         relay.start(rank.outbox)
         rank.relay = relay

@@ -3,15 +3,41 @@
 The notebook kernel splits the output pipes of its local ranks, and a host agent those of the ranks of its host, with
 the same splitter: records (protocol.RECORD_PREFIX) and sync markers (protocol.SYNC_PREFIX) are told apart from text
 that merely looks like them.
+
+A line longer than the splitter's ``line_limit`` (bytes) is never held whole: its first
+``line_limit`` bytes are kept, everything after them is written to a file as it arrives (``LongLineSink``), and the
+line comes out as its head plus a note with its size and that file's path. What a splitter holds is then bounded by
+the limit, whatever a rank prints.
 """
 
 from __future__ import annotations
 
 import codecs
+import os
+import tempfile
+from collections.abc import Callable
+from typing import BinaryIO
 
 from . import protocol as P
 
-__all__ = ["StreamSplitter", "terminal_view"]
+__all__ = ["StreamSplitter", "terminal_view", "LongLineSink", "long_line_note", "temp_file_sink", "LINE_LIMIT"]
+
+#: Opens the file that receives a long line: returns it (binary, writable) and its path; the splitter closes it.
+LongLineSink = Callable[[], tuple[BinaryIO, str]]
+
+LINE_LIMIT = 1 << 16
+"""Bytes (UTF-8) of one output line shown in the notebook; a longer line shows its first ``LINE_LIMIT`` bytes and
+a note, and is written whole to a file (the controller's option ``output_line_limit``; host agents use this)."""
+
+
+def temp_file_sink(prefix: str, where: str = "") -> LongLineSink:
+    """A sink that writes each long line to a new file in the system's temporary folder (``tempfile.mkstemp``,
+    named ``prefix...txt``), kept for the user after the line is shown. ``where``: put before the path in the note
+    (a host agent's host name: the file is on that host)."""
+    def open_file() -> tuple[BinaryIO, str]:
+        fd, path = tempfile.mkstemp(prefix=prefix, suffix=".txt")
+        return os.fdopen(fd, "wb"), f"{where}:{path}" if where else path
+    return open_file
 
 # Markers and records start alike (protocol.SYNC_PREFIX, protocol.RECORD_PREFIX).
 _ESCAPE = b"\x1b]monarch-"
@@ -24,15 +50,24 @@ assert P.SYNC_PREFIX.startswith(_ESCAPE) and P.RECORD_PREFIX.startswith(_ESCAPE)
 class StreamSplitter:
     """Incremental splitter for one rank's stream: bytes in, complete lines and sync markers out.
 
-    Not thread-safe; each (rank, stream) has one, fed from one thread.
+    Not thread-safe; each (rank, stream) has one, fed from one thread. ``line_limit``: bytes (UTF-8) a line may
+    have before it is cut (0: no limit): its first ``line_limit`` bytes are shown with a note
+    (``long_line_note``), and the whole line goes to the file ``sink`` opens (None: nowhere, the note only says
+    its size).
     """
 
-    def __init__(self, records: bool = True) -> None:
+    def __init__(self, records: bool = True, line_limit: int = 0, sink: LongLineSink | None = None) -> None:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._raw = b""
         self._line = ""
         self._records = records  # only a rank's stdout carries records; on stderr their prefix is text
         self._more = False  # the last record said more parts of its message follow
+        self.line_limit = line_limit  # bytes a line may have before it is cut (0: no limit)
+        self._sink = sink
+        self._spill: BinaryIO | None = None  # the file of the long line being written, while it lasts
+        self._spill_path = ""
+        self._spill_bytes = 0  # bytes of that line so far (its head included)
+        self._spill_head = 0  # bytes of its head (what is shown)
 
     def feed(self, data: bytes) -> list[tuple[str, object]]:
         """Returns events in order: ("line", text) for a complete line, ("sync", cell_id) for a marker, and
@@ -120,12 +155,83 @@ class StreamSplitter:
     def _text(self, data: bytes, events: list) -> None:
         if not data:
             return
+        if self._spill_bytes:  # inside a long line: its bytes go to its file up to its newline
+            j = data.find(b"\n")
+            self._spill_write(data if j < 0 else data[:j])
+            if j < 0:
+                return
+            events.append(("line", self._end_long()))
+            data = data[j + 1:]
+            if not data:
+                return
         text = self._line + self._decoder.decode(data)
         *lines, self._line = text.split("\n")
-        for line in lines:
-            events.append(("line", terminal_view(line)))
+        limit = self.line_limit
+        if limit and lines and max(map(len, lines)) * 4 > limit:  # only then can a line be over the limit
+            rest = self._line
+            for line in lines:
+                line = _collapse(line)
+                if len(line) * 4 > limit and len(line.encode()) > limit:
+                    self._start_long(line, complete=True)
+                    events.append(("line", self._end_long()))
+                else:
+                    events.append(("line", terminal_view(line)))
+            self._line = rest
+        else:
+            for line in lines:
+                events.append(("line", terminal_view(line)))
+        if limit and len(self._line) * 4 > limit:
+            self._line = _collapse(self._line)  # a progress bar's updates: only its last one shows
+            if len(self._line.encode()) > limit:
+                self._start_long(self._line, complete=False)
+
+    def _start_long(self, line: str, complete: bool) -> None:
+        """``line`` (all of a line, or the start of the one being read) is over the limit: keep its head in
+        ``_line``, send all of it to a file."""
+        raw = line.encode()
+        head = raw[:self.line_limit].decode("utf-8", "ignore")  # cut at a character boundary
+        self._line = head
+        self._spill_head = len(head.encode())
+        self._spill_bytes = 0
+        if self._sink is not None:
+            try:
+                self._spill, self._spill_path = self._sink()
+            except OSError:
+                self._spill, self._spill_path = None, ""
+        self._spill_write(raw)
+        if not complete:
+            pending = self._decoder.getstate()[0]  # a character cut by the read: its bytes are the line's too
+            if pending:
+                self._spill_write(pending)
+            self._decoder.reset()
+
+    def _spill_write(self, data: bytes) -> None:
+        self._spill_bytes += len(data)
+        if self._spill is not None and data:
+            try:
+                self._spill.write(data)
+            except OSError:  # the disk is full, or the file was removed: the note says the size only
+                self._close_spill()
+
+    def _close_spill(self) -> None:
+        spill, self._spill = self._spill, None
+        if spill is not None:
+            try:
+                spill.close()
+            except OSError:
+                self._spill_path = ""
+
+    def _end_long(self) -> str:
+        """The long line ends: its head and the note, as the line to show."""
+        self._close_spill()
+        text = terminal_view(self._line) + long_line_note(self._spill_bytes, self._spill_head, self._spill_path)
+        self._line, self._spill_bytes, self._spill_path = "", 0, ""
+        return text
 
     def _flush_partial(self, events: list) -> None:
+        if self._spill_bytes:
+            events.append(("line", self._end_long()))
+            return
         rest = self._line + self._decoder.decode(b"", final=True)
         self._line = ""
         if rest:
@@ -134,7 +240,7 @@ class StreamSplitter:
     def end_line(self) -> list[tuple[str, object]]:
         """The line written so far without a newline, as a ("line", text) event (its cell ended): bytes held back
         because they might have begun a marker are part of it."""
-        if not self._line and not self._raw and not self._decoder.getstate()[0]:
+        if not self._line and not self._raw and not self._decoder.getstate()[0] and not self._spill_bytes:
             return []
         events: list[tuple[str, object]] = []
         self._text(self._raw, events)
@@ -149,6 +255,19 @@ class StreamSplitter:
         self._raw = b""
         self._flush_partial(events)
         return events
+
+
+def long_line_note(size: int, shown: int, path: str) -> str:
+    """What follows the head of a line cut at the limit: its size in bytes, and where it is whole (``path``; "" when
+    it could not be written)."""
+    where = f"the whole line: {path}" if path else "it was not kept (see output_line_limit)"
+    return f" ... [line of {size:,} bytes truncated to its first {shown:,}; {where}]"
+
+
+def _collapse(line: str) -> str:
+    """``line`` without the updates a carriage return overwrote (what ``terminal_view`` shows is unchanged)."""
+    k = line.rstrip("\r").rfind("\r")
+    return line[k:] if k > 0 else line
 
 
 def terminal_view(line: str) -> str:

@@ -77,6 +77,7 @@ class CellHandle:
         self.collective_check_at = 0.0  # when to ask next whether its ranks wait for one that raised (recovery.py)
         self.collective_released = ""  # why the process group was torn down to release its ranks (recovery.py)
         self.released: dict[int, str] = {}  # rank -> the collective it was released from (recovery.py)
+        self.counts_seen: dict[int, dict] = {}  # rank -> its groups' operation counts at the last check (recovery.py)
         self.collective_hint = ""  # what the cell's error says about it (and the fresh group)
         self.interrupted = False  # its ranks were sent an interrupt
         self.abandoned = False  # interrupted or timed out while some ranks still ran it

@@ -36,6 +36,7 @@ from .iothread import IOThread
 from .launch.base import LauncherEvents
 from .launch.listener import Listener
 from .launch.local import LocalLauncher
+from .output import fold_lines, write_lines
 from .routing import OutputRouter
 from .state import MeshState, RankState
 from .transfer import Transfers
@@ -43,6 +44,7 @@ from .transfer import Transfers
 __all__ = ["Lifecycle", "STOP_GRACE"]
 
 STOP_GRACE = 3.0  # seconds ranks get to exit after Shutdown before they are killed
+HOLD = 0.5  # seconds lines of starting ranks are held, so that the same line of many ranks shows once
 
 
 class Lifecycle:
@@ -92,6 +94,9 @@ class Lifecycle:
         self.transfers.open()
         self.io.start()
         deadline = t0 + state.options.start_timeout
+        if 0 < state.options.output_fold < state.nproc:  # what many ranks print alike while starting shows once
+            with state.lock:
+                state.held_output = []
         try:
             if self.listener is not None:  # ranks that join (launch/listener.py)
                 assert self.sink is not None
@@ -113,8 +118,23 @@ class Lifecycle:
         except BaseException:
             self.teardown(graceful=False)
             raise
+        finally:
+            self.release_held(final=True)
         self.mark_started(t0)
         return True
+
+    def release_held(self, final: bool) -> None:
+        """Write the lines held while ranks start (``MeshState.held_output``), identical lines of several ranks
+        once (``[rank0-999]: frame #3: ...``: a failed start of many ranks prints the same C++ trace on each);
+        ``final``: stop holding."""
+        state = self.state
+        with state.lock:
+            held = state.held_output
+            if held is None:
+                return
+            state.held_output = None if final else []
+            if held:
+                write_lines(fold_lines(held))
 
     def wait_ready(self, timeout: float | None) -> bool:
         """Wait up to ``timeout`` seconds (None: until the start timeout passed) for every rank of a listening
@@ -157,6 +177,7 @@ class Lifecycle:
         """Wait until every rank is idle (joined the process group), or raise MeshStartError for the first that
         failed or, at ``deadline``, for those that did not join."""
         state = self.state
+        release_at = time.monotonic() + HOLD
         with state.lock:
             while True:
                 failed = [i for i in state.ranks.values() if i.start_error or i.state is RankState.DEAD]
@@ -175,6 +196,9 @@ class Lifecycle:
                                          detail.strip("\n"))
                 if all(i.state is RankState.IDLE for i in state.ranks.values()):
                     return
+                if state.held_output and time.monotonic() >= release_at:
+                    release_at = time.monotonic() + HOLD
+                    self.release_held(final=False)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     waiting = [i.rank for i in state.ranks.values() if i.state is not RankState.IDLE]

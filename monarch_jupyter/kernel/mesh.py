@@ -21,6 +21,7 @@ from . import config, hints, registry, scripts
 from .cells import CellHandle
 from .compiling import compile_cell, notebook_refs, sources_of
 from .launch import JoinCommands, launcher_for
+from .launch.capacity import check_host_capacity
 from .parts import build
 from .recovery import InterruptReport
 from .stacks import StackReport
@@ -47,7 +48,8 @@ class Mesh:
         Any option of ``monarch_worker.options.MeshOptions`` (docs/configuration.md lists them with units and
         defaults): ``backend``, ``start_timeout`` (s), ``timeout`` (s, a cell's default), ``heartbeat_timeout``
         (s), ``heartbeat_interval`` (s), ``pg_timeout`` (s), ``interrupt_grace`` (s), ``env``, ``address``,
-        ``port``, ``encrypt``, ``secret_file``. Each is also an attribute: ``mesh.interrupt_grace = 2``.
+        ``port``, ``encrypt``, ``secret_file``, ``output_fold``, ``output_line_limit`` (bytes),
+        ``oversubscribe``. Each is also an attribute: ``mesh.interrupt_grace = 2``.
 
     Ranks see RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT as torchrun sets them,
     and names ``rank``, ``world_size``, ``local_rank``, ``device``, ``dist`` and ``torch`` in their namespace.
@@ -58,7 +60,8 @@ class Mesh:
         A rank failed to start or to join within ``start_timeout`` (its error and output are in the message);
         every process started is gone when it is raised.
     TypeError, ValueError
-        An unknown option, or a value that does not fit it.
+        An unknown option, or a value that does not fit it; more local ranks than this host can carry, unless
+        ``oversubscribe`` (launch/capacity.py: the message says what to expect).
     """
 
     def __init__(self, nproc: int = 4, *, start: bool = True, launcher: Any = "local", **options: Any) -> None:
@@ -68,6 +71,8 @@ class Mesh:
         if self.options.backend == "nccl":
             config.check_gpus(nproc)
         join_launcher = launcher_for(launcher, nproc)
+        if join_launcher is None and not self.options.oversubscribe:
+            check_host_capacity(nproc)
         if join_launcher is None and (self.options.address not in (None, "", "127.0.0.1", "localhost")
                                       or self.options.encrypt):
             raise ValueError("address and encrypt are for ranks that join (launcher 'join', 'torchrun' or 'slurm'); "
@@ -294,13 +299,16 @@ class Mesh:
         return self._finish(handle, timeout, block)
 
     def run_script(self, path: Any, *args: Any, module: bool = False, ranks: str | int | Iterable[int] | None = None,
-                   timeout: float | None = None, order: str = "arrival") -> RankMap:
+                   timeout: float | None = None, order: str = "arrival", env: dict[str, Any] | None = None,
+                   keep_state: bool = False) -> RankMap:
         """Run a torchrun script (``module``: ``python -m path``) unchanged on ``ranks`` as torchrun would (docs/
-        torchrun.md); returns rank -> exit status (0). Raises FileNotFoundError (no such script here; nothing runs),
-        and as ``run``: MeshError when it raised or exited with a non-zero status (``ScriptExit``) on some ranks."""
+        torchrun.md), with frameworks' state fresh (``keep_state``: as the cells left it) and ``env`` added to the
+        environment for this run; returns rank -> exit status (0). Raises FileNotFoundError (no such script here;
+        nothing runs), and as ``run``: MeshError when it raised or exited with a non-zero status (``ScriptExit``)
+        on some ranks."""
         self._check_running()
         return scripts.run_script(self.state, self.waiter, path, args, module=module, local=not self.lifecycle.joined,
-                                  ranks=ranks, timeout=timeout, order=order)
+                                  ranks=ranks, timeout=timeout, order=order, keep_state=keep_state, env=env)
 
     def _finish(self, handle: CellHandle, timeout: float | None, block: bool) -> RankMap | None | CellHandle:
         if not block:

@@ -15,11 +15,11 @@ from collections import Counter, deque
 from collections.abc import Sequence
 from typing import Any
 
-from monarch_worker.streams import StreamSplitter
+from monarch_worker.streams import StreamSplitter, temp_file_sink
 
 from ..ranks import format_ranks
 
-__all__ = ["StreamSplitter", "label", "write_lines", "fold_lines", "FOLD_WINDOW"]
+__all__ = ["StreamSplitter", "temp_file_sink", "label", "write_lines", "fold_lines", "FOLD_WINDOW", "MESSAGE_LIMIT"]
 
 
 FOLD_WINDOW = 0.1
@@ -123,7 +123,7 @@ def write_lines(lines: Sequence[tuple[Who, str, Any]], ctx: contextvars.Context 
             other = sys.stderr if stream == "stdout" else sys.stdout
             if _last_written[0] is other:
                 _flush(other)  # what the other stream holds came first: it is shown first
-            target.write(text)
+            _write_capped(target, text)
             _last_written[0] = target
             if not _flushes_itself(target):
                 _flush(target)
@@ -135,6 +135,28 @@ def write_lines(lines: Sequence[tuple[Who, str, Any]], ctx: contextvars.Context 
 
 
 _last_written: list[Any] = [None]  # the stream the last write_lines wrote to (an order, not a resource)
+
+MESSAGE_LIMIT = 1 << 18
+"""Characters of rank output (at most 1 MiB of UTF-8) in one stream message to the frontend: a longer batch of
+lines is sent as several messages, cut at line ends where it can be (a kernel's output stream sends what it holds
+as one message when flushed). One line is at most ``output_line_limit`` bytes and a note."""
+
+
+def _write_capped(target: Any, text: str) -> None:
+    """``target.write(text)``, as messages of at most ``MESSAGE_LIMIT`` characters."""
+    if len(text) <= MESSAGE_LIMIT:
+        target.write(text)
+        return
+    _flush(target)  # what it holds goes first, in a message of its own
+    start, n = 0, len(text)
+    while start < n:
+        end = min(start + MESSAGE_LIMIT, n)
+        if end < n:
+            cut = text.rfind("\n", start, end)
+            end = cut + 1 if cut > start else end  # a line longer than the limit (no line limit): cut inside it
+        target.write(text[start:end])
+        _flush(target)
+        start = end
 
 
 def _by_stream(lines: Sequence[tuple[Who, str, Any]]) -> list[tuple[str, str]]:

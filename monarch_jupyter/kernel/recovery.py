@@ -117,6 +117,7 @@ class InterruptReport:
     killed: list[int] = field(default_factory=list)  # SIGKILLed (force)
     idle: list[int] = field(default_factory=list)  # had nothing to interrupt
     regrouped: bool = False  # force: the process group was re-created
+    dead: list[int] = field(default_factory=list)  # force: dead ranks of the mesh, so no group was re-created
     stacks: str = ""  # where the stuck ranks were
     grace: float = 0.0  # seconds the ranks had
 
@@ -136,6 +137,9 @@ class InterruptReport:
             out.append(f"killed {ranks_text(self.killed)} (did not stop within {self.grace:g} s"
                        + (f": {self.stacks}" if self.stacks else "") + ")")
             out.append(restart_hint(self.killed, self.world_size))
+        if self.dead:
+            out.append(f"the process group was torn down; no fresh one was made, since {ranks_text(self.dead)} "
+                       f"{plural(self.dead, 'are', 'is')} dead: {restart_hint(self.dead, self.world_size)}")
         if self.regrouped:
             out.append("the process group was re-created (collectives in flight were abandoned); "
                        "every rank kept its namespace")
@@ -238,13 +242,25 @@ class Recovery:
             self.after_death(rank, reason, cells, notify=True)
 
     def fold_errors(self, cell: CellHandle, errors: dict[int, Any]) -> tuple[dict[int, Any], str]:
-        """When ranks of ``cell`` died: deaths first (the root cause), and errors of survivors that stopped
-        because of them (reported after, or ``DEATH_SKEW`` s before, the first death) become RankAbortedError.
-        Returns (errors, hint)."""
+        """When ranks of ``cell`` died: errors that came before the first death and are not its consequence (more
+        than ``DEATH_SKEW`` s before it, or the raising ranks that a release tore the group down for) stay first,
+        then the deaths (the root cause when nothing came before), and errors of survivors that stopped because of
+        them (reported after, or ``DEATH_SKEW`` s before, the first death) become RankAbortedError. Returns
+        (errors, hint)."""
         dead = [r for r, e in errors.items() if isinstance(e, RankDiedError)]
         if not dead or cell.death_at is None:
             return errors, ""
-        out: dict[int, Any] = {r: errors[r] for r in dead}
+
+        death_at = cell.death_at
+
+        def before(r: int, e: Any) -> bool:
+            seen = cell.result_seen_at.get(r, death_at)
+            if cell.collective_released and r not in cell.released and isinstance(e, RemoteError):
+                return seen <= death_at  # it raised; the release (and what followed) came of it
+            return isinstance(e, RemoteError) and seen < death_at - DEATH_SKEW
+
+        out: dict[int, Any] = {r: e for r, e in errors.items() if before(r, e)}
+        out.update((r, errors[r]) for r in dead)
         for r, e in errors.items():
             if r in out:
                 continue
@@ -290,6 +306,13 @@ class Recovery:
         known = {r: replies[r].collective for r in failed if r in replies}
         recorded = {r: replies[r].collective for r in running if r in replies and "groups" in replies[r].collective}
         waiting = waiting_for(known, recorded) if len(known) == len(failed) else {}
+        # A group's own count (no flight recorder: torch before 2.8 with gloo) holds point-to-point operations
+        # too, which another peer may be serving: such a rank waits only when its count stood still since the
+        # last question (COLLECTIVE_CHECK s before).
+        counts = {r: c["groups"] for r, c in recorded.items() if c.get("source") == "sequence"}
+        with self.state.lock:
+            waiting = {r: w for r, w in waiting.items() if r not in counts or cell.counts_seen.get(r) == counts[r]}
+            cell.counts_seen = counts
         for r in running:  # no flight recorder there (TORCH_FR_BUFFER_SIZE=0): a collective's Python frames
             if r in replies and r not in recorded and any(
                     "torch/distributed/" in str(f[0]) or "torch/nn/parallel/" in str(f[0]) for f in replies[r].frames):
@@ -331,6 +354,10 @@ class Recovery:
         """Lock not held: after ``release_collective``'s cell ended, a fresh process group for every rank (as
         ``%mesh interrupt --force`` makes one). Returns the hint for the cell's error."""
         them = plural(cell.released, "them", "it")
+        dead = self.dead_ranks()
+        if dead:  # a rank of the mesh died meanwhile: no group can be made without it (its restart makes one)
+            return (f"{cell.collective_released}: the process group was torn down to release {them}; no fresh one "
+                    f"was made, since {ranks_text(dead)} {plural(dead, 'are', 'is')} dead")
         try:
             self.regroup([], time.monotonic() + self.state.options.start_timeout)
         except MonarchError as e:
@@ -399,10 +426,17 @@ class Recovery:
         if stuck:
             self.kill_ranks(stuck, "killed by %mesh interrupt --force")
             report.killed = stuck
+        elif busy and (dead := self.dead_ranks()):  # no group can be made without them: restarting them makes one
+            report.dead = dead
         elif busy:
             self.regroup([], time.monotonic() + state.options.start_timeout)
             report.regrouped = True
         return report
+
+    def dead_ranks(self) -> list[int]:
+        """The ranks of the mesh that are dead (a fresh process group needs them restarted first)."""
+        with self.state.lock:
+            return [r for r, info in self.state.ranks.items() if info.state is RankState.DEAD]
 
     def kill_ranks(self, ranks: list[int], why: str) -> None:
         """SIGKILL ``ranks`` and wait (``EXIT_WAIT`` s) until their exits are reported (a remote rank that is
@@ -466,15 +500,20 @@ class Recovery:
     def regroup(self, fresh: list[int], deadline: float) -> None:
         """Start fresh processes for ``fresh`` and have every other rank join a new process group with them.
 
-        Raises MeshStartError when a rank fails to join before ``deadline`` (then  %mesh restart  is the way).
+        Raises MonarchError when a rank that is not in ``fresh`` is dead (it would never join); MeshStartError when
+        a rank fails to join before ``deadline`` (then  %mesh restart  is the way).
         """
         state = self.state
         survivors = [r for r in range(state.nproc) if r not in fresh]
+        dead = [r for r in self.dead_ranks() if r in survivors]
+        if dead:  # they would never join: fail now, not after the start timeout
+            raise MonarchError(f"a process group cannot be made while {ranks_text(dead)} "
+                               f"{plural(dead, 'are', 'is')} dead: {restart_hint(dead, state.nproc)}")
         with state.lock:
             state.store_port = None
             state.regrouping = set(survivors)
             for r in fresh:
-                state.ranks[r] = RankInfo(r)
+                state.ranks[r] = state.rank_info(r)
                 state.killing.pop(r, None)
             for r in survivors:
                 info = state.ranks[r]

@@ -140,7 +140,9 @@ class OutputRouter:
         target = self.cells.target(info.rank, stream, info.cells)
         info.last_lines.extend(reversed(kept))
         info.last_line_cells.extend([-1 if target is None else target.cell_id] * len(kept))
-        if target is None:
+        if target is None and self.state.held_output is not None:  # a start of many ranks: folded later
+            self.state.held_output.extend((info.rank, stream, text) for text in texts)
+        elif target is None:
             write_lines([(info.rank, stream, text) for text in texts])
         else:
             target.emit_lines(info.rank, stream, texts)

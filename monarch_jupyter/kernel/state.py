@@ -24,7 +24,7 @@ from monarch_worker.options import MeshOptions
 from ..errors import MeshNotRunningError
 from ..ranks import ranks_text
 from .events import EventBus
-from .output import StreamSplitter
+from .output import StreamSplitter, temp_file_sink
 
 if TYPE_CHECKING:
     from .cells import CellHandle
@@ -67,8 +67,7 @@ class RankInfo:
     cells: deque[CellHandle] = field(default_factory=deque)  # submitted to this rank, not yet finished on it
     last_lines: deque[str] = field(default_factory=lambda: deque(maxlen=LAST_LINES))
     last_line_cells: deque[int] = field(default_factory=lambda: deque(maxlen=LAST_LINES))  # each line's cell (-1)
-    splitters: dict[str, StreamSplitter] = field(
-        default_factory=lambda: {"stdout": StreamSplitter(), "stderr": StreamSplitter(records=False)})
+    splitters: dict[str, StreamSplitter] = field(default_factory=dict)  # "stdout", "stderr" (MeshState.rank_info)
     progress: tuple | None = None
     progress_seq: int = 0  # Progress.seq of the newest report taken from this rank process
     record_parts: list[bytes] = field(default_factory=list)  # bodies of a record message not complete yet
@@ -112,18 +111,30 @@ class MeshState:
         self.run_id = str(uuid.uuid4())  # torchrun's TORCHELASTIC_RUN_ID of ranks it did not start (one per mesh)
         # rank -> (cell id, order) of its last failed cell, for post-mortem (CellTable.on_result keeps it)
         self.failures: dict[int, tuple[int, int]] = {}
+        # Lines of ranks that belong to no cell, held while a start of many ranks runs, to be shown folded
+        # (identical lines of several ranks once: Lifecycle.release_held); None: written as they come.
+        self.held_output: list[tuple[int, str, str]] | None = None
 
     def new_generation(self, secret: bytes) -> None:
         """Fresh rank handles and secret for a start or restart (under no lock: nothing else runs yet)."""
         self.secret = secret
         self.generation += 1
         self.failures = {}
-        self.ranks = {r: RankInfo(r) for r in range(self.nproc)}
+        self.ranks = {r: self.rank_info(r) for r in range(self.nproc)}
         self.store_port = None
         self.group_down = ""
         self.regrouping = set()
         self.killing = {}
         self.stopping = False
+
+    def rank_info(self, rank: int) -> RankInfo:
+        """A fresh handle of ``rank``, its output splitters cutting lines at ``options.output_line_limit`` bytes
+        (the whole line goes to a file: monarch_worker.streams)."""
+        limit = self.options.output_line_limit
+        return RankInfo(rank, splitters={
+            stream: StreamSplitter(records=stream == "stdout", line_limit=limit,
+                                   sink=temp_file_sink(f"monarch-rank{rank}-{stream}-"))
+            for stream in ("stdout", "stderr")})
 
     def status(self) -> dict[int, dict[str, Any]]:
         """rank -> {"state", "pid", "host", "device", "rss", "cuda_allocated", "cuda_reserved" (bytes),

@@ -145,6 +145,8 @@ class MeshMagics(Magics):
     @argument("--address", default=None, help="slurm/torchrun: interface or address the ranks connect to")
     @argument("--port", type=int, default=0, help="slurm/torchrun: TCP port to listen on (0: any)")
     @argument("--encrypt", action="store_true", help="slurm/torchrun: encrypt connections (CurveZMQ)")
+    @argument("--force", action="store_true",
+              help="local: start even more ranks than this host can carry (oversubscribe)")
     def _start(self, rest: str) -> Mesh:
         """%mesh start [-n N] [--backend gloo|nccl] [--timeout S] [--launcher local|torchrun|slurm] [...]: start N
         ranks on this host, under torchrun, or with srun inside a SLURM allocation."""
@@ -174,9 +176,12 @@ class MeshMagics(Magics):
                 start_timeout=args.timeout if args.timeout is not None else self.option("start_timeout"),
                 timeout=self.option("timeout"),
                 heartbeat_timeout=self.option("heartbeat_timeout"),
+                output_fold=self.option("output_fold"),
+                output_line_limit=self.option("output_line_limit"),
                 address=address if args.launcher != "local" else None,
                 port=args.port,
                 encrypt=args.encrypt,
+                oversubscribe=args.force,
             )
         except ValueError as e:
             raise UsageError(str(e)) from None

@@ -110,3 +110,27 @@ def test_a_flood_of_output_reaches_the_cell_and_the_listeners_whole_and_in_order
                               "print(all(got[r] == [f'F {r} {i}' for i in range(5000)] for r in (0, 1)))")
     assert reply["status"] == "ok", reply
     assert streams(msgs, "stdout").strip() == "True"
+
+
+def test_a_huge_line_is_cut_with_its_size_and_file_and_messages_stay_bounded(kc: Any) -> None:
+    """A rank prints one 40 MB line (issue 24, 6b): the cell shows its first ``output_line_limit`` bytes and a note
+    with its size and the file that holds it whole; no stream message to the frontend is larger than the cap, and
+    the lines around it show as they are."""
+    code = ("%%mesh --ranks 1\nimport sys\nprint('before')\n"
+            "sys.stdout.write('H' + 'x' * 39_999_998 + 'T\\n')\nprint('after')\n")
+    reply, msgs = execute(kc, code)
+    assert reply["status"] == "ok", reply
+    sizes = [len(m["content"]["text"]) for m in msgs if m["msg_type"] == "stream"]
+    assert max(sizes) <= 1 << 18, sizes
+    shown = lines(msgs)
+    assert shown[0] == "[rank1]: before" and shown[2] == "[rank1]: after", [s[:80] for s in shown]
+    m = re.search(r"^\[rank1\]: Hx+ \.\.\. \[line of 40,000,000 bytes truncated to its first 65,536; the whole "
+                  r"line: (\S+)\]$", shown[1])
+    assert m and len(shown[1]) < 65_536 + 200, shown[1][-200:]
+    path = m[1]
+    try:
+        assert os.path.getsize(path) == 40_000_000
+        with open(path, "rb") as f:
+            assert f.read(1) == b"H" and (f.seek(-1, 2), f.read(1))[1] == b"T"
+    finally:
+        os.unlink(path)

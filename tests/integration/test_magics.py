@@ -263,3 +263,27 @@ def test_an_interrupted_restart_says_so_in_one_line(shell: InteractiveShell) -> 
         "KeyboardInterrupt: %mesh restart was interrupted; the mesh is stopped and no rank is left running "
         "(%mesh restart  starts it again)"]
     assert shell.run_line_magic("mesh", "restart").run("rank") == {0: 0, 1: 1}
+
+
+def test_more_ranks_than_the_host_carries_need_force(shell: InteractiveShell, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 24, 6a: ``%mesh start -n N`` past this host's cores is refused before anything starts (no process,
+    no mesh), saying what to expect; ``--force`` starts them anyway. The limit is lowered here to 1 rank per core
+    so that the forced start stays small."""
+    from monarch_jupyter.kernel.launch import capacity
+
+    running_mesh(shell).stop()  # %mesh start needs none running
+    cores = capacity.host_limits()[0]
+    before = worker_pids()
+    with pytest.raises(UsageError) as info:
+        shell.run_line_magic("mesh", f"start -n {capacity.RANKS_PER_CORE * cores + 1}")
+    assert "local ranks are more than this host can carry" in str(info.value), str(info.value)
+    assert "%mesh start --force" in str(info.value)
+    assert worker_pids() - before == set()
+    monkeypatch.setattr(capacity, "RANKS_PER_CORE", 1)
+    with pytest.raises(UsageError, match=f"{cores + 1} ranks on {cores} CPU"):
+        shell.run_line_magic("mesh", f"start -n {cores + 1}")
+    m = shell.run_line_magic("mesh", f"start -n {cores + 1} --force")
+    try:
+        assert m.run("world_size") == dict.fromkeys(range(cores + 1), cores + 1)
+    finally:
+        m.stop()

@@ -142,8 +142,15 @@ CASES = {
 }
 
 
+NEEDS = {"fsdp2": ("torch.distributed.fsdp", "fully_shard"), "dtensor": ("torch.distributed.tensor", "Replicate")}
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_rank_that_raises_releases_the_others(healthy: Mesh, case: str) -> None:
+    if case in NEEDS:  # public from torch 2.6 on (the oldest environment has 2.4)
+        module, name = NEEDS[case]
+        if not hasattr(__import__(module, fromlist=[name]), name):
+            pytest.skip(f"{module}.{name} is not in torch {__import__('torch').__version__}")
     mesh = healthy
     before = {r: s["pid"] for r, s in mesh.status().items()}
     with pytest.raises(MeshError) as info:
@@ -152,6 +159,26 @@ def test_a_rank_that_raises_releases_the_others(healthy: Mesh, case: str) -> Non
     assert_released(info.value, message)
     assert {r: s["pid"] for r, s in mesh.status().items()} == before  # nobody was killed
     assert_recovered(mesh)
+
+
+def test_without_the_flight_recorder_each_groups_count_decides(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Torch before 2.8 records no gloo collectives (and TORCH_FR_BUFFER_SIZE=0 turns the recorder off): the
+    ranks then report each group's own count of the operations they issued, and the release works the same."""
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "0")
+    mesh = Mesh(WORLD, interrupt_grace=1.5, start_timeout=120)
+    try:
+        mesh.run("marker = rank * 10")
+        summary = mesh.run("from monarch_worker.recovery import last_collective\n"
+                           "t = torch.ones(1); dist.all_reduce(t); c = last_collective(); (c['source'], c['name'])")
+        assert summary == dict.fromkeys(range(WORLD), ("sequence", "gloo:collective")), summary
+        with pytest.raises(MeshError) as info:
+            mesh.run(textwrap.dedent(CASES["ddp_backward"]), timeout=LIMIT)
+        message = textwrap.dedent(CASES["ddp_backward"]).split('RuntimeError("', 1)[1].split('")', 1)[0]
+        assert_released(info.value, message)
+        assert info.value.errors[0].collective.startswith("gloo:collective #"), info.value.errors[0].collective
+        assert_recovered(mesh)
+    finally:
+        mesh.stop()
 
 
 def test_a_torchrun_script_that_raises_in_ddp_releases_the_others(healthy: Mesh, tmp_path: object) -> None:
@@ -229,6 +256,33 @@ def test_an_interrupt_names_the_rank_that_raised_first(healthy: Mesh) -> None:
     assert str(info.value).startswith("rank 1 had raised ValueError: the real cause; interrupted rank 0"), \
         str(info.value)
     assert_recovered(healthy)
+
+
+def test_a_rank_that_dies_once_released_gets_no_group_without_it(healthy: Mesh) -> None:
+    """Rank 0 is released from the all_reduce rank 1 never joins, and then exits: the controller must not make a
+    fresh group that waits for the dead rank (it hung the start timeout, then left every rank 'starting' and the
+    next  %mesh restart --rank  failing). The raising rank stays the root cause, ahead of the death."""
+    code = textwrap.dedent("""
+        import os
+        t = torch.ones(1)
+        if rank == 1:
+            raise RuntimeError("boom before the all_reduce")
+        try:
+            dist.all_reduce(t)
+        except Exception:
+            os._exit(3)
+        """)
+    with pytest.raises(MeshError) as info:
+        healthy.run(code, timeout=LIMIT)
+    err = info.value
+    assert not isinstance(err, MeshTimeoutError)
+    assert list(err.errors) == [1, 0], list(err.errors)
+    assert str(err.errors[1]) == "[rank1] RuntimeError: boom before the all_reduce"
+    assert "no fresh one was made, since rank 0 is dead" in err.hint, err.hint
+    assert "%mesh restart --rank 0" in err.hint, err.hint
+    assert {r: s["state"] for r, s in healthy.status().items()} == {0: "dead", 1: "idle"}
+    healthy.restart(ranks=[0])
+    assert healthy.run("t = torch.ones(1); dist.all_reduce(t); int(t.item())") == {0: 2, 1: 2}
 
 
 # ------------------------------------------------------------------------------- the decision, on recorder data
