@@ -21,7 +21,6 @@ from . import config, hints, registry, scripts
 from .cells import CellHandle
 from .compiling import compile_cell, notebook_refs, sources_of
 from .launch import JoinCommands, launcher_for
-from .launch.capacity import check_host_capacity
 from .parts import build
 from .recovery import InterruptReport
 from .stacks import StackReport
@@ -41,9 +40,8 @@ class Mesh:
         Start at once (default). Otherwise call ``start()``.
     launcher:
         "local" (default: a fork server on this host), "join" (ranks started elsewhere join; see ``listen``),
-        "torchrun" (torchrun on this host), "slurm" (srun inside an allocation), or a launcher object
-        (``JoinLauncher``, ``TorchrunLauncher(...)``, ``SlurmLauncher(nodes=..., srun_args=...)``);
-        docs/multihost.md explains each.
+        "torchrun" (torchrun on this host), "slurm" (srun inside an allocation), or a launcher object (``JoinLauncher``,
+        ``TorchrunLauncher(...)``, ``SlurmLauncher(nodes=..., srun_args=...)``); docs/multihost.md explains each.
     **options:
         Any option of ``monarch_worker.options.MeshOptions`` (docs/configuration.md lists them with units and
         defaults): ``backend``, ``start_timeout`` (s), ``timeout`` (s, a cell's default), ``heartbeat_timeout``
@@ -71,8 +69,6 @@ class Mesh:
         if self.options.backend == "nccl":
             config.check_gpus(nproc)
         join_launcher = launcher_for(launcher, nproc)
-        if join_launcher is None and not self.options.oversubscribe:
-            check_host_capacity(nproc)
         if join_launcher is None and (self.options.address not in (None, "", "127.0.0.1", "localhost")
                                       or self.options.encrypt):
             raise ValueError("address and encrypt are for ranks that join (launcher 'join', 'torchrun' or 'slurm'); "
@@ -301,11 +297,10 @@ class Mesh:
     def run_script(self, path: Any, *args: Any, module: bool = False, ranks: str | int | Iterable[int] | None = None,
                    timeout: float | None = None, order: str = "arrival", env: dict[str, Any] | None = None,
                    keep_state: bool = False) -> RankMap:
-        """Run a torchrun script (``module``: ``python -m path``) unchanged on ``ranks`` as torchrun would (docs/
-        torchrun.md), with frameworks' state fresh (``keep_state``: as the cells left it) and ``env`` added to the
-        environment for this run; returns rank -> exit status (0). Raises FileNotFoundError (no such script here;
-        nothing runs), and as ``run``: MeshError when it raised or exited with a non-zero status (``ScriptExit``)
-        on some ranks."""
+        """Run a torchrun script (``module``: ``python -m path``) unchanged on ``ranks`` as torchrun would, frameworks'
+        state fresh (``keep_state``: as cells left it), ``env`` added for this run (docs/torchrun.md); rank -> exit
+        status (0). Raises FileNotFoundError (no such script here; nothing runs), and as ``run``: MeshError when it
+        raised or exited with a non-zero status (``ScriptExit``) on some ranks."""
         self._check_running()
         return scripts.run_script(self.state, self.waiter, path, args, module=module, local=not self.lifecycle.joined,
                                   ranks=ranks, timeout=timeout, order=order, keep_state=keep_state, env=env)

@@ -18,6 +18,7 @@ from .debugger import MeshDebugger
 from .dispatch import Dispatcher
 from .events import EventBus
 from .iothread import IOThread
+from .launch.capacity import check_host_capacity
 from .launch.hosts import HostLinks
 from .launch.join import JoinLauncher
 from .launch.listener import Listener
@@ -55,7 +56,11 @@ class Parts:
 
 
 def build(nproc: int, options: MeshOptions, join_launcher: JoinLauncher | None) -> Parts:
-    """Make and wire the parts of a mesh of ``nproc`` ranks; ``join_launcher``: None for local ranks."""
+    """Make and wire the parts of a mesh of ``nproc`` ranks; ``join_launcher``: None for local ranks.
+
+    Raises ValueError for more local ranks than this host can carry, unless ``options.oversubscribe``."""
+    if join_launcher is None and not options.oversubscribe:
+        check_host_capacity(nproc)
     events = EventBus()
     state = MeshState(nproc, options, events)
     dispatcher = Dispatcher(state)

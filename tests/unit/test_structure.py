@@ -113,6 +113,11 @@ ALLOWED_PRIVATE = {
     "c10d._dump_fr_trace_json",  # torch's flight recorder dump
     "c10d._world",  # torch's table of process groups (pg_names; no public list): their ranks, for the recorder's names
     "pub._hooks",  # ipykernel's display hooks (ipywidgets' Output capture), run as ipykernel's publish() does
+    # A process group's own count of the operations issued on it: the release decision where the flight recorder
+    # has nothing (gloo before torch 2.8); present in every torch the package supports.
+    "pg._get_sequence_number_for_group",
+    # accelerate's own reset of its per-process singletons (its tests call them between runs): a fresh %mesh run.
+    "state.AcceleratorState._reset_state", "state.GradientState._reset_state",
 }
 # Lightning names its launcher API with underscores; a third-party strategy must use it (as Ray's does).
 LIGHTNING_PRIVATE = {
