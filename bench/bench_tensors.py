@@ -82,7 +82,7 @@ def monarch_ops(n: int, reps: int) -> dict[str, float]:
         assert torch.equal(m.gather("s"), x)
         m.push(y=x, ranks=0)
         res["pull_64MiB_first_s"], res["pull_64MiB_s"] = timed(lambda: m.pull("y", ranks=0), reps)
-        stats = m.transfers.pool.stats()
+        stats = m.transfers.segments.pool.stats()
         res["segments_allocated"] = float(stats.get("allocated", 0))
         res["segments_reused"] = float(stats.get("reused", 0))
     return res

@@ -7,7 +7,6 @@ many ranks' failures fold into one ``MeshError`` whose root cause is the first f
 
 from __future__ import annotations
 
-import functools
 import signal
 from collections.abc import Mapping
 from typing import Any
@@ -23,6 +22,7 @@ __all__ = [
     "RankAbortedError",
     "MeshError",
     "MeshTimeoutError",
+    "MeshInterrupt",
     "RankBusyError",
     "CellSyntaxError",
     "mesh_interrupt",
@@ -305,6 +305,11 @@ class MeshError(MonarchError):
             lines += err.render()  # type: ignore[attr-defined]
         for summary, ranks in aborted.items():
             lines.append(f"--- {ranks_text(ranks)}: {summary} ---")
+        return lines + self._tail()
+
+    def _tail(self) -> list[str]:
+        """The last lines of the rendering: where the finished ranks' values are, and the hint."""
+        lines = []
         if self.results:
             lines.append(f"({ranks_text(self.results)} finished; "
                          f"{plural(self.results, 'their results are', 'its result is')} in .results of this error)")
@@ -345,26 +350,34 @@ class MeshTimeoutError(MeshError):
             lines += self.errors[rank].render()  # type: ignore[attr-defined]
         if self.stacks:
             lines += ["Where each rank was:", *self.stacks.splitlines()]
-        if self.results:
-            lines.append(f"({ranks_text(self.results)} finished; "
-                         f"{plural(self.results, 'their results are', 'its result is')} in .results of this error)")
-        if self.hint:
-            lines.append(self.hint)
-        return lines
+        return lines + self._tail()
 
 
-def _render_interrupt(message: str) -> list[str]:
-    return [f"KeyboardInterrupt: {message}"]
-
-
-def mesh_interrupt(message: str, results: Mapping[int, Any] | None = None) -> KeyboardInterrupt:
+class MeshInterrupt(KeyboardInterrupt):
     """The KeyboardInterrupt a cell raises when the notebook's interrupt stopped it on the ranks.
 
-    A plain KeyboardInterrupt (so "Run All" stops and ``except KeyboardInterrupt`` works), which IPython shows
-    as one line (``message``: where each rank stopped) instead of the controller's own frames. Its ``results``
-    (a RankMap) holds the values of the ranks that finished the cell before it was interrupted on the others.
+    A KeyboardInterrupt (so "Run All" stops and ``except KeyboardInterrupt`` works), which IPython shows as one
+    line (its message: where each rank stopped) instead of the controller's own frames. ``results`` (a RankMap)
+    holds the values of the ranks that finished the cell before it was interrupted on the others.
     """
-    exc = KeyboardInterrupt(message)
-    exc.results = RankMap(dict(results or {}))  # type: ignore[attr-defined]
-    exc._render_traceback_ = functools.partial(_render_interrupt, message)  # type: ignore[attr-defined]
-    return exc
+
+    def __init__(self, message: str, results: Mapping[int, Any] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.results = RankMap(dict(results or {}))
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (self.message, dict(self.results)))
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"KeyboardInterrupt: {self.message}"]
+
+
+# The notebook names an error by its type's __name__ (the execute_reply's ename): an interrupt reads as one.
+# Pickling finds the class by its __qualname__, which stays MeshInterrupt.
+MeshInterrupt.__name__ = "KeyboardInterrupt"
+
+
+def mesh_interrupt(message: str, results: Mapping[int, Any] | None = None) -> MeshInterrupt:
+    """A ``MeshInterrupt`` with ``message`` and the finished ranks' ``results``."""
+    return MeshInterrupt(message, results)

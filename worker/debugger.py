@@ -22,6 +22,7 @@ from __future__ import annotations
 import bdb
 import cmd
 import code
+import contextlib
 import io
 import itertools
 import logging
@@ -32,13 +33,14 @@ import sys
 import threading
 import traceback
 import types
+from collections.abc import Callable, Iterator
 from typing import IO, TYPE_CHECKING, Any, cast
 
 from . import protocol as P
 from .executor import is_internal, main_thread_stack
 
 if TYPE_CHECKING:
-    from .runtime import Rank
+    from .rankside import RankSide
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +78,7 @@ class _DebugStdout(io.TextIOBase):
             head, nl, tail = text.rpartition("\n")
             self._buf = [tail] if tail else []
         if head or nl:
-            self._dbg._send(P.DebugOutput(text=head + nl))
+            self._dbg.send(P.DebugOutput(text=head + nl))
 
     def take(self) -> str:
         with self._lock:
@@ -147,7 +149,7 @@ class RemotePdb(pdb.Pdb):
                 break
             f = f.f_back
         self.set_step()
-        self._dbg._traced = True
+        self._dbg.traced()
         sys.settrace(self.trace_dispatch)
 
     def trace_dispatch(self, frame: types.FrameType, event: str, arg: Any) -> Any:
@@ -185,28 +187,13 @@ class RemotePdb(pdb.Pdb):
         super().set_quit()
 
     def interaction(self, frame: types.FrameType | None, tb: types.TracebackType | None) -> None:
-        dbg = self._dbg
-        with dbg._interaction:
-            with dbg._lock:
-                dbg._detach = dbg._raise = False  # left over from an interrupt that came as it ended
-            dbg._active = self
-            self._how = "continue"
-            try:
-                super().interaction(frame, tb)
-            finally:
-                dbg._active = None
-                # An interrupt that comes while the rank reports leaving the prompt is held (runtime.on_sigint) and
-                # raised below, at the line where it stopped, not inside the report.
-                dbg.leaving = True
-                try:
-                    raise_now = dbg._end_interaction(self._how)
-                finally:
-                    dbg.leaving = False
-                raise_now, dbg.sigint_pending = raise_now or dbg.sigint_pending, False
-        if raise_now:
+        self._how = "continue"
+        with self._dbg.prompting(self, lambda: self._how) as raise_now:
+            super().interaction(frame, tb)
+        if raise_now[0]:
             if tb is None:
                 self.set_continue()
-            dbg._rank.note_interrupt(dbg._rank.current_cell)  # an interrupt, not the cell's own exception
+            self._dbg.note_interrupt()
             raise KeyboardInterrupt("interrupted at the debugger prompt")
 
     def do_interact(self, arg: str) -> None:
@@ -226,7 +213,7 @@ class RemotePdb(pdb.Pdb):
 class RankDebugger:
     """The debugging side of one rank (see the module docstring for the threads)."""
 
-    def __init__(self, rank: Rank) -> None:
+    def __init__(self, rank: RankSide) -> None:
         self._rank = rank
         self.stdout = _DebugStdout(self)
         self.stdin = _DebugStdin(self)
@@ -300,7 +287,7 @@ class RankDebugger:
         text = self.stdout.take()
         body, nl, prompt = text.rpartition("\n")
         if body or nl:
-            self._send(P.DebugOutput(text=body + nl))
+            self.send(P.DebugOutput(text=body + nl))
         with self._lock:
             if self._detach:
                 return self._leave(kind)
@@ -310,7 +297,7 @@ class RankDebugger:
         active = self._active
         if active is not None and active.stack:
             frame, lineno = active.stack[active.curindex]  # pdb's current frame (after u/d) and its line
-        self._send(P.DebugPrompt(
+        self.send(P.DebugPrompt(
             prompt_id=prompt_id, prompt=prompt, kind=kind, cell_id=self._rank.current_cell,
             filename=frame.f_code.co_filename if frame else "", lineno=lineno,
             function=frame.f_code.co_name if frame else ""))
@@ -336,14 +323,46 @@ class RankDebugger:
         """pdb left its prompt: report it; True when the program should raise KeyboardInterrupt now."""
         rest = self.stdout.take()
         if rest:
-            self._send(P.DebugOutput(text=rest if rest.endswith("\n") else rest + "\n"))
+            self.send(P.DebugOutput(text=rest if rest.endswith("\n") else rest + "\n"))
         with self._lock:
             raise_now, self._raise, self._detach = self._raise, False, False
-        self._send(P.DebugResumed(how="raise" if raise_now else how))
+        self.send(P.DebugResumed(how="raise" if raise_now else how))
         return raise_now
 
-    def _send(self, msg: P.Message) -> None:
+    def send(self, msg: P.Message) -> None:
+        """Send a debug message to the controller (any thread)."""
         self._rank.send(msg)
+
+    def traced(self) -> None:
+        """A pdb of this rank set a trace: the next cell's end removes it."""
+        self._traced = True
+
+    @contextlib.contextmanager
+    def prompting(self, active: RemotePdb, how: Callable[[], str]) -> Iterator[list[bool]]:
+        """One pdb interaction of ``active`` (one at a time in this process); on leaving, the rank reports how the
+        program goes on (``how()``) and the yielded list holds whether to raise KeyboardInterrupt at the line where
+        it stopped (an interrupt came, or is held: runtime.on_sigint)."""
+        raise_now = [False]
+        with self._interaction:
+            with self._lock:
+                self._detach = self._raise = False  # left over from an interrupt that came as it ended
+            self._active = active
+            try:
+                yield raise_now
+            finally:
+                self._active = None
+                # An interrupt that comes while the rank reports leaving the prompt is held (runtime.on_sigint) and
+                # raised at the line where it stopped, not inside the report.
+                self.leaving = True
+                try:
+                    raise_now[0] = self._end_interaction(how())
+                finally:
+                    self.leaving = False
+                raise_now[0], self.sigint_pending = raise_now[0] or self.sigint_pending, False
+
+    def note_interrupt(self) -> None:
+        """The KeyboardInterrupt about to be raised at a prompt is an interrupt, not the cell's own exception."""
+        self._rank.note_interrupt(self._rank.current_cell)
 
     # ---- cells (main thread, called by the runtime)
 
@@ -414,7 +433,7 @@ class RankDebugger:
     def on_clear(self, msg: P.DebugClear, payload: bytes, bufs: list) -> None:
         had = self.error is not None
         self.error = None
-        self._send(P.DebugReply(msg.request_id, True, "cleared" if had else "none"))
+        self.send(P.DebugReply(msg.request_id, True, "cleared" if had else "none"))
 
     def on_inspect(self, msg: P.Inspect, payload: bytes, bufs: list) -> None:
         threading.Thread(target=self._inspect, args=(msg,), name="monarch-inspect", daemon=True).start()
@@ -424,7 +443,10 @@ class RankDebugger:
         cell = rank.current_cell
         main = sys._current_frames().get(rank.main_ident or -1)
         stack = main_thread_stack(main) if cell >= 0 else []
-        where = f"{stack[-1][0]} line {stack[-1][1]}, in {stack[-1][2]}" if stack else ""
+        # Where in the notebook's code (a library call it is in, like os.path.exists, is not where the user looks).
+        in_cell = _innermost_cell_frame(main) if main is not None and cell >= 0 else None
+        where = _where(in_cell) if in_cell is not None else (
+            f"{stack[-1][0]} line {stack[-1][1]}, in {stack[-1][2]}" if stack else "")
         active = self._active
         if active is not None and active.curframe is not None:
             where = _where(active.curframe)
@@ -443,7 +465,7 @@ class RankDebugger:
         if len(text) > MAX_REPR:
             text = text[:MAX_REPR] + f"... ({len(text) - MAX_REPR} more characters)"
         state = ("debugging" if active is not None else "running") if cell >= 0 else "idle"
-        self._send(P.DebugReply(msg.request_id, ok, text, state, where, cell))
+        self.send(P.DebugReply(msg.request_id, ok, text, state, where, cell))
 
 
 class _Keeping:

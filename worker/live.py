@@ -26,10 +26,7 @@ This module imports neither tqdm nor torch: tqdm is patched when (and if) the ra
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import logging
-import sys
 import threading
 import time
 import weakref
@@ -38,6 +35,7 @@ from types import ModuleType
 from typing import Any
 
 from . import protocol as P
+from .hooks import after_import
 
 log = logging.getLogger(__name__)
 
@@ -214,47 +212,9 @@ def _patch_tqdm(std: ModuleType) -> None:
     cls._monarch_patched = True
 
 
-class _Loader(importlib.abc.Loader):
-    """Wraps tqdm.std's loader: run the module, then patch it."""
-
-    def __init__(self, inner: importlib.abc.Loader) -> None:
-        self.inner = inner
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self.inner.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        self.inner.exec_module(module)
-        try:
-            _patch_tqdm(module)
-        except Exception:  # noqa: BLE001 - never break `import tqdm`
-            log.debug("could not hook tqdm", exc_info=True)
-
-
-class _Finder(importlib.abc.MetaPathFinder):
-    """Finds tqdm.std with the other finders and hands back a spec whose loader patches it."""
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname != "tqdm.std":
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _Loader(spec.loader)
-                return spec
-        return None
-
-
 def _install_tqdm_hook() -> None:
     global _hook_installed
     if _hook_installed:
         return
     _hook_installed = True
-    std = sys.modules.get("tqdm.std")
-    if std is not None:
-        _patch_tqdm(std)
-    else:
-        sys.meta_path.insert(0, _Finder())
+    after_import("tqdm.std", _patch_tqdm)  # at once if tqdm is imported already

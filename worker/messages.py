@@ -27,6 +27,13 @@ class Message:
     """Base of every message. ``TYPE`` is the wire name; ``payload`` (if any) is sent pickled."""
 
     TYPE: ClassVar[str] = ""
+    #: A rank's message to the controller: the controller's route that handles it (the kernel's parts.py maps each
+    #: route to one handler); "" for messages the controller sends or the handshake handles itself.
+    ROUTE: ClassVar[str] = ""
+    #: A rank's main thread may send it as a record behind its output in its stdout pipe (protocol.record_types).
+    RECORD: ClassVar[bool] = False
+    #: The controller sends it through a rank's work pipe, straight to the main thread (protocol.work_types).
+    WORK: ClassVar[bool] = False
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {}
@@ -127,6 +134,7 @@ class Exec(Message):
     """
 
     TYPE: ClassVar[str] = "exec"
+    WORK: ClassVar[bool] = True
     cell_id: int
     code: str
     filename: str
@@ -140,6 +148,7 @@ class Call(Message):
     """Run ``payload = (fn, args, kwargs)`` on the rank; the result comes back as a ``Result``."""
 
     TYPE: ClassVar[str] = "call"
+    WORK: ClassVar[bool] = True
     cell_id: int
     sources: dict = field(default_factory=dict)
     payload: Any = None
@@ -221,6 +230,7 @@ class Shutdown(Message):
     """Leave the process group and exit."""
 
     TYPE: ClassVar[str] = "shutdown"
+    WORK: ClassVar[bool] = True
 
 
 # ---- results and events (rank -> controller)
@@ -238,6 +248,8 @@ class Result(Message):
     """
 
     TYPE: ClassVar[str] = "result"
+    ROUTE: ClassVar[str] = "results"
+    RECORD: ClassVar[bool] = True
     cell_id: int
     status: str
     has_value: bool = False
@@ -252,6 +264,7 @@ class Stream(Message):
     """Raw output bytes of a rank (``name`` is "stdout" or "stderr") relayed by the rank itself."""
 
     TYPE: ClassVar[str] = "stream"
+    ROUTE: ClassVar[str] = "streams"
     name: str
     data: str
 
@@ -267,6 +280,7 @@ class Stacks(Message):
     """
 
     TYPE: ClassVar[str] = "stacks"
+    ROUTE: ClassVar[str] = "stacks"
     request_id: int
     cell_id: int
     frames: list
@@ -285,6 +299,8 @@ class Progress(Message):
     """
 
     TYPE: ClassVar[str] = "progress"
+    ROUTE: ClassVar[str] = "progress"
+    RECORD: ClassVar[bool] = True
     cell_id: int
     n: float
     total: float | None
@@ -324,6 +340,7 @@ class Push(Message):
     """
 
     TYPE: ClassVar[str] = "push"
+    WORK: ClassVar[bool] = True
     cell_id: int
     items: list
     device: str | None = None
@@ -336,6 +353,7 @@ class Pull(Message):
     """Controller -> rank: send back the value bound to ``name``; ``shm``: the reply may use shared memory."""
 
     TYPE: ClassVar[str] = "pull"
+    WORK: ClassVar[bool] = True
     cell_id: int
     name: str
     shm: bool = False
@@ -351,6 +369,7 @@ class PullReply(Message):
     """
 
     TYPE: ClassVar[str] = "pull_reply"
+    ROUTE: ClassVar[str] = "pull_replies"
     cell_id: int
     status: str
     error: dict | None = None
@@ -365,6 +384,7 @@ class ShmRelease(Message):
     """Either direction: the sender no longer maps the shared memory segments ``ids`` that the receiver wrote."""
 
     TYPE: ClassVar[str] = "shm_release"
+    ROUTE: ClassVar[str] = "segments"
     ids: list
 
 
@@ -377,6 +397,8 @@ class DebugOutput(Message):
     """Rank -> controller: text pdb wrote on the rank (complete lines, or what came before a prompt)."""
 
     TYPE: ClassVar[str] = "debug_output"
+    ROUTE: ClassVar[str] = "debugger"
+    RECORD: ClassVar[bool] = True
     text: str
 
 
@@ -390,6 +412,8 @@ class DebugPrompt(Message):
     """
 
     TYPE: ClassVar[str] = "debug_prompt"
+    ROUTE: ClassVar[str] = "debugger"
+    RECORD: ClassVar[bool] = True
     prompt_id: int
     prompt: str
     kind: str = "pdb"
@@ -405,6 +429,8 @@ class DebugResumed(Message):
     """Rank -> controller: the rank left its pdb prompt and runs again (``how``: continue, step, quit, raise)."""
 
     TYPE: ClassVar[str] = "debug_resumed"
+    ROUTE: ClassVar[str] = "debugger"
+    RECORD: ClassVar[bool] = True
     how: str = "continue"
 
 
@@ -430,6 +456,7 @@ class DebugPostMortem(Message):
     failed cell; the outcome comes back as a ``Result`` whose value is ``{"debugged": bool, "reason": str}``."""
 
     TYPE: ClassVar[str] = "debug_post_mortem"
+    WORK: ClassVar[bool] = True
     cell_id: int
 
 
@@ -464,6 +491,7 @@ class DebugReply(Message):
     """
 
     TYPE: ClassVar[str] = "debug_reply"
+    ROUTE: ClassVar[str] = "inspections"
     request_id: int
     ok: bool
     text: str
@@ -500,6 +528,8 @@ class Display(Message):
     """
 
     TYPE: ClassVar[str] = "display"
+    ROUTE: ClassVar[str] = "displays"
+    RECORD: ClassVar[bool] = True
     cell_id: int
     kind: str = "display"
     data: dict = field(default_factory=dict)
@@ -531,6 +561,7 @@ class CompleteReply(Message):
     the object's signature and docstring ("" when the name is not found)."""
 
     TYPE: ClassVar[str] = "complete_reply"
+    ROUTE: ClassVar[str] = "completions"
     request_id: int
     matches: list = field(default_factory=list)
     cursor_start: int = 0

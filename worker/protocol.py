@@ -38,58 +38,17 @@ import marshal
 import os
 import struct
 
-# The message classes are part of the protocol: protocol.Exec, protocol.Result, protocol.Forward, ...
-from .hostmessages import AgentHello, AgentWelcome, Forward, HostEvents, Signal, Spawn
-from .messages import (
-    MESSAGE_TYPES,
-    PROTOCOL_VERSION,
-    Abort,
-    Call,
-    Complete,
-    CompleteReply,
-    DebugClear,
-    DebugInput,
-    DebugOutput,
-    DebugPostMortem,
-    DebugPrompt,
-    DebugReply,
-    DebugResumed,
-    Display,
-    Exec,
-    Goodbye,
-    Heartbeat,
-    Hello,
-    Inspect,
-    Interrupt,
-    Message,
-    Ping,
-    Progress,
-    Pull,
-    PullReply,
-    Push,
-    Ready,
-    Regroup,
-    Rejected,
-    Result,
-    ShmRelease,
-    Shutdown,
-    Stacks,
-    StacksRequest,
-    StartFailed,
-    StoreReady,
-    Stream,
-    Welcome,
-)
+# The message classes are part of the protocol: protocol.Exec, protocol.Result, protocol.Forward, ... They are
+# listed once, in their modules' __all__ (tests/unit/test_protocol.py checks those against the registry).
+from . import hostmessages, messages
+from .hostmessages import *  # noqa: F403
+from .messages import *  # noqa: F403
+from .messages import MESSAGE_TYPES, Message
 from .pipes import receive_buffers
 
-__all__ = [
-    "ProtocolError", "Signer", "PROTOCOL_VERSION", "Message", "MESSAGE_TYPES", "Hello", "Welcome", "StoreReady",
-    "Ready", "StartFailed", "Exec", "Call", "Interrupt", "StacksRequest", "Abort", "Regroup", "Ping", "Rejected",
-    "Shutdown", "Result", "Stream", "Stacks", "Progress", "Heartbeat", "Push", "Pull", "PullReply", "ShmRelease",
-    "DebugOutput", "DebugPrompt", "DebugResumed", "DebugInput", "DebugPostMortem", "Inspect", "DebugClear",
-    "DebugReply", "Goodbye", "Display", "Complete", "CompleteReply", "AgentHello", "AgentWelcome", "Forward",
-    "HostEvents", "Spawn", "Signal",
-]
+__all__ = ["ProtocolError", "Signer"]
+__all__ += messages.__all__
+__all__ += hostmessages.__all__
 
 MAGIC = b"MJ\x01"
 
@@ -233,7 +192,7 @@ RECORD_BODY_START = _FRAME_LEN.pack(len(MAGIC)) + MAGIC
 
 def record_types() -> tuple[type[Message], ...]:
     """The messages a rank's main thread sends as records (their kernel handlers may run on any thread)."""
-    return (Result, Progress, DebugOutput, DebugPrompt, DebugResumed, Display)
+    return tuple(cls for cls in MESSAGE_TYPES.values() if cls.RECORD)
 
 
 def pack_frames(frames: list) -> bytes:
@@ -299,7 +258,7 @@ WORK_HEADER = struct.Struct("!Q")
 
 def work_types() -> tuple[type[Message], ...]:
     """The messages a kernel sends through a rank's work pipe when it has one."""
-    return (Exec, Call, Push, Pull, DebugPostMortem, Shutdown)
+    return tuple(cls for cls in MESSAGE_TYPES.values() if cls.WORK)
 
 
 def work_message(frames: list) -> list:

@@ -40,7 +40,7 @@ from . import protocol as P
 from .executor import format_error
 
 if TYPE_CHECKING:
-    from .runtime import Rank
+    from .rankside import RankSide
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +182,7 @@ def abort_communicators(reason: str, sockets: GroupSockets | None = None) -> Non
         log.exception("aborting the process group failed")
 
 
-def destroy_group(rank: Rank, msg: P.Abort, payload: bytes, bufs: list) -> None:
+def destroy_group(rank: RankSide, msg: P.Abort, payload: bytes, bufs: list) -> None:
     """Main thread: leave the broken process group (closing its connections releases waiting peers)."""
     import torch.distributed as dist
 
@@ -197,7 +197,7 @@ def destroy_group(rank: Rank, msg: P.Abort, payload: bytes, bufs: list) -> None:
     log.info("rank %d left its process group: %s", rank.rank, msg.reason)
 
 
-def regroup(rank: Rank, msg: P.Regroup, payload: bytes, bufs: list) -> None:
+def regroup(rank: RankSide, msg: P.Regroup, payload: bytes, bufs: list) -> None:
     """Main thread: leave the current process group, join a fresh one, answer Ready (or StartFailed)."""
     import torch.distributed as dist
 

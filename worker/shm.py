@@ -253,6 +253,17 @@ class SegmentPool:
         self.allocated = 0  # segments created (for tests and benchmarks)
         self.reused = 0  # acquisitions served from the cache
 
+    def acquire_filled(self, buffers: list, layout: Any, nbytes: int) -> Segment:
+        """``acquire(nbytes)`` with ``buffers`` written at ``layout`` (``layout_of``); the segment is closed again
+        when the write fails. Raises ShmError as ``acquire`` does."""
+        seg = self.acquire(nbytes)
+        try:
+            seg.write(buffers, layout)
+        except BaseException:
+            seg.close()
+            raise
+        return seg
+
     def acquire(self, nbytes: int) -> Segment:
         """A segment of at least ``nbytes`` bytes: a cached one within 25% of the size, else a new one.
 

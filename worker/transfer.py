@@ -1,6 +1,6 @@
 """The rank's side of push, scatter, pull and gather (``Push``/``Pull`` messages; see protocol.py).
 
-Both handlers run on the rank's main thread, in order with cells, through ``Rank._run``: a push binds its values
+Both handlers run on the rank's main thread, in order with cells, through ``Rank.run_work``: a push binds its values
 between the cells around it, a pull sees what the cells before it left, and either can be interrupted like a
 cell. The bytes of a value arrive in one of three ways, chosen by the controller:
 
@@ -23,7 +23,7 @@ from . import shm
 from .serialize import SerializationError, dumps, loads
 
 if TYPE_CHECKING:
-    from .runtime import Rank
+    from .rankside import RankSide
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +74,8 @@ _current: RankTransfers | None = None
 
 def pool_stats() -> dict[str, int]:
     """Statistics of this rank's pool of pull-reply segments (see SegmentPool.stats); call it from a cell."""
-    if _current is None or _current._pool is None:
-        return {"lent": 0, "lent_bytes": 0, "cached": 0, "cached_bytes": 0, "allocated": 0, "reused": 0}
-    return _current._pool.stats()
+    stats = None if _current is None else _current.pool_stats()
+    return stats or {"lent": 0, "lent_bytes": 0, "cached": 0, "cached_bytes": 0, "allocated": 0, "reused": 0}
 
 
 def _writable(buf: Any) -> Any:
@@ -88,7 +87,7 @@ def _writable(buf: Any) -> Any:
 class RankTransfers:
     """Transfer handlers of one rank; ``push``/``pull`` on the main thread, ``on_release`` on the I/O thread."""
 
-    def __init__(self, rank: Rank) -> None:
+    def __init__(self, rank: RankSide) -> None:
         global _current
         self.rank = rank
         self._pool: shm.SegmentPool | None = None
@@ -100,6 +99,10 @@ class RankTransfers:
         if self._pool is None:
             self._pool = shm.SegmentPool(cache_bytes=RANK_CACHE_BYTES)
         return self._pool
+
+    def pool_stats(self) -> dict[str, int] | None:
+        """Statistics of the pool of pull-reply segments (SegmentPool.stats); None before the first pull reply."""
+        return None if self._pool is None else self._pool.stats()
 
     # ---- push (main thread)
 
@@ -229,12 +232,7 @@ class RankTransfers:
         layout, total = shm.layout_of(memoryview(b).nbytes for b in buffers)
         if msg.shm and total >= shm.SHM_THRESHOLD and shm.supported():
             try:
-                seg = self.pool.acquire(total)
-                try:
-                    seg.write(buffers, layout)
-                except BaseException:
-                    seg.close()
-                    raise
+                seg = self.pool.acquire_filled(buffers, layout, total)
             except shm.ShmError as e:
                 log.warning("pull of %r goes over the socket, not through shared memory: %s", msg.name, e)
             else:

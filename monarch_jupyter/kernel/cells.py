@@ -1,47 +1,46 @@
-"""Cells in flight: ``CellHandle`` (one cell, call or transfer submitted to some ranks) and ``CellTable`` (the
-cells by id, and what ranks report about them).
+"""Cells in flight: ``CellTable``, the one owner and writer of every cell's record, and ``CellHandle``, the view of a
+cell its submitter holds (what ``Mesh.run(..., block=False)`` returns).
 
-A handle collects each rank's value or error, its output lines and when it finished. Output lines are written by
-whoever waits for the cell (``wait``/``result``) or, when nobody waits, by the thread that delivers them, inside
-the context captured when the cell was submitted, so they land in the cell that caused them.
-
-Locking: methods documented "under the lock" expect the caller to hold the mesh lock (``MeshState.lock``); the
-others take it themselves. Other parts of the controller read a handle's state through the locked methods
-(``done``, ``snapshot``, ``take_lines``), never through its private fields.
+Records (records.CellRecord) change only through the table's methods, each called with the mesh lock held (it
+asserts so): a result arrived (``on_result``, ``on_done``), a rank's output reached the cell's end (``on_sync``), a
+rank finished or failed (``finish_rank``, ``fail_rank``, ``rank_died``), the cell was interrupted, abandoned or
+its ranks released (``mark_interrupted``, ``abandon``, ``mark_released``), and the lines it collects for whoever
+waits for it (``emit_lines``, ``pop_lines``, ``set_waiting``). Lines of a cell nobody waits for go to the mesh's
+``OutputWriter`` (output.py), never written under the lock.
 """
 
 from __future__ import annotations
 
-import contextvars
 import itertools
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Iterable
+from typing import Any, Protocol
 
 from monarch_worker import protocol as P
 from monarch_worker.serialize import loads
 
 from ..errors import MonarchError, RankDiedError, RemoteError
 from ..ranks import RankMap, format_ranks
-from .output import FOLD_WINDOW, Who, fold_lines, write_lines
+from .output import FOLD_WINDOW, OutputWriter, fold_lines
+from .records import CellRecord, Line
 from .state import MeshState, RankState
 
-if TYPE_CHECKING:
-    from collections.abc import Iterable
+__all__ = ["CellHandle", "CellTable", "CellWaiter", "CellSnapshot", "RECENT_CELLS"]
 
-__all__ = ["CellHandle", "CellTable", "CellWaiter", "CellSnapshot"]
+RECENT_CELLS = 64  # cells whose late rich output still reaches them (MeshState.recent_cells)
 
 
 class CellWaiter(Protocol):
-    """What waits for a handle (``waiting.Waiter``)."""
+    """What waits for a cell (``waiting.Waiter``)."""
 
-    def wait(self, cell: CellHandle, timeout: float | None, raise_on_timeout: bool) -> bool: ...
+    def wait(self, cell: CellRecord, timeout: float | None, raise_on_timeout: bool) -> bool: ...
 
-    def outcome(self, cell: CellHandle) -> RankMap | None: ...
+    def outcome(self, cell: CellRecord) -> RankMap | None: ...
 
 
 class CellSnapshot:
-    """A consistent copy of a handle's progress (for views): finished ranks, errors and durations (seconds)."""
+    """A consistent copy of a cell's progress (for views): finished ranks, errors and durations (seconds)."""
 
     __slots__ = ("finished", "errors", "durations")
 
@@ -50,212 +49,37 @@ class CellSnapshot:
 
 
 class CellHandle:
-    """One cell (or call) submitted to some ranks; what ``Mesh.run(..., block=False)`` returns.
+    """One cell (or call) submitted to some ranks, as its submitter sees it: ``cell_id``, ``ranks``, ``what`` and
+    ``done()``, ``wait()``, ``result()``, ``snapshot()``. It reads the controller's record of the cell (``record``,
+    internal) under the mesh lock and never changes it."""
 
-    Public: ``cell_id``, ``ranks``, ``what`` and the methods ``done``, ``wait``, ``result``.
-    """
+    __slots__ = ("record", "cell_id", "ranks", "what", "_state", "_waiter")
 
-    def __init__(self, state: MeshState, waiter: CellWaiter, cell_id: int, ranks: list[int], what: str,
-                 order: str) -> None:
+    def __init__(self, record: CellRecord, state: MeshState, waiter: CellWaiter) -> None:
+        self.record = record
+        self.cell_id, self.ranks, self.what = record.cell_id, record.ranks, record.what
         self._state = state
         self._waiter = waiter
-        self.cell_id = cell_id
-        self.ranks = ranks
-        self.what = what
-        self.order = order
-        self.ctx = contextvars.copy_context()
-        self.submitted = time.monotonic()
-        self.values: dict[int, Any] = {}
-        self.has_value: dict[int, bool] = {}
-        self.errors: dict[int, MonarchError] = {}
-        self.results_in: set[int] = set()
-        self.synced: dict[int, set[str]] = {r: set() for r in ranks}  # streams whose end marker came, per rank
-        self.finished: set[int] = set()
-        self.durations: dict[int, float] = {}
-        self.result_seen_at: dict[int, float] = {}  # time.monotonic() when each rank's result came
-        self.death_at: float | None = None  # when the first of its ranks died (recovery.py)
-        self.collective_check_at = 0.0  # when to ask next whether its ranks wait for one that raised (recovery.py)
-        self.collective_released = ""  # why the process group was torn down to release its ranks (recovery.py)
-        self.released: dict[int, str] = {}  # rank -> the collective it was released from (recovery.py)
-        self.counts_seen: dict[int, dict] = {}  # rank -> its groups' operation counts at the last check (recovery.py)
-        self.collective_hint = ""  # what the cell's error says about it (and the fresh group)
-        self.interrupted = False  # its ranks were sent an interrupt
-        self.abandoned = False  # interrupted or timed out while some ranks still ran it
-        # Ranks that had not started it when it was interrupted (an earlier cell still ran there): they skip it.
-        self.queued_on: set[int] = set()
-        self.background = False  # the package's own work (Lightning's warm-up import): no note says a cell waits
-        self.keep_outcome = False  # a handle the caller holds (block=False): result() may be asked again
-        self.tracks_failures = True  # its failures are the ones post-mortem opens (not a post-mortem's own)
-        self.final: tuple[Any, BaseException | None] | None = None  # the outcome, once computed
-        self._lines: list[tuple[int, str, Any]] = []
-        self._lines_since = 0.0  # when the oldest line in _lines came
-        # Many ranks: identical lines of several ranks show once (output.fold_lines), gathered for FOLD_WINDOW s.
-        self.fold = 0 < state.options.output_fold < len(ranks)
-        self._held: dict[int, list] = {r: [] for r in ranks} if order == "rank" else {}  # lines not yet released
-        self._wake = threading.Condition(state.lock)  # notified when lines arrive for a waiter, or when done
-        self._waiting = False
-
-    # ------------------------------------------------------------------ under the lock
-
-    @property
-    def all_done(self) -> bool:
-        """Every rank finished it (under the lock, or as a snapshot)."""
-        return len(self.finished) == len(self.ranks)
-
-    def queued_behind(self, rank: int, background: bool = True) -> bool:
-        """Under the lock: ``rank`` has not started it, as an earlier cell still runs there (ranks run their cells
-        in the order they were sent); ``background`` False: an earlier cell of the user's."""
-        info = self._state.ranks.get(rank)
-        return info is not None and any(c.cell_id < self.cell_id and rank not in c.finished
-                                        and (background or not c.background) for c in info.cells)
-
-    def emit(self, rank: int, stream: str, text: Any) -> None:
-        """Under the lock: a line the cell's ``rank`` wrote; written now unless someone waits for the cell."""
-        self.emit_lines(rank, stream, [text])
-
-    def emit_lines(self, rank: int, stream: str, texts: list[Any]) -> None:
-        """Under the lock: lines the cell's ``rank`` wrote, in order; written now unless someone waits for the cell."""
-        if self.order == "rank" and not self._released(rank):
-            self._held[rank].extend((rank, stream, text) for text in texts)
-        else:
-            if not self._lines:
-                self._lines_since = time.monotonic()
-            self._lines.extend((rank, stream, text) for text in texts)
-        if not self._waiting:
-            self.deliver()
-        else:
-            self._wake.notify()
-
-    def deliver(self) -> None:
-        """Under the lock: write the lines collected so far, in the cell's context."""
-        lines, self._lines = self._lines, []
-        write_lines(fold_lines(lines) if self.fold else lines, self.ctx)
-
-    def _released(self, rank: int) -> bool:
-        for r in self.ranks:
-            if r == rank:
-                return True
-            if r not in self.finished:
-                return False
-        return True
-
-    def finish_rank(self, rank: int) -> None:
-        """Under the lock: ``rank`` is done with this cell (result and output in, or it died)."""
-        if rank in self.finished:
-            return
-        self.finished.add(rank)
-        info = self._state.ranks.get(rank)
-        if info is not None:
-            if self in info.cells:
-                info.cells.remove(self)
-            if not info.cells and info.state is RankState.RUNNING:
-                info.state = RankState.IDLE
-        if self.order == "rank":
-            for r in self.ranks:
-                if self._held[r] and self._released(r):
-                    self._lines.extend(self._held[r])
-                    self._held[r] = []
-            if not self._waiting:
-                self.deliver()
-        if self.all_done or self._lines:
-            self._wake.notify_all()
-        if self.all_done:
-            self._state.events.emit("cell_done", cell_id=self.cell_id, handle=self)
-
-    def finish_ranks(self, ranks: list[int]) -> None:
-        """Under the lock: ``finish_rank`` for each of ``ranks`` whose result is in (no output markers to wait for:
-        a host agent's ranks), with one wake-up of the waiter."""
-        launcher = self._state.launcher
-        if launcher is not None and launcher.relays_output or self.order == "rank":
-            for rank in ranks:
-                self.check_rank(rank)
-            return
-        infos = self._state.ranks
-        for rank in ranks:
-            if rank in self.finished:
-                continue
-            self.finished.add(rank)
-            info = infos.get(rank)
-            if info is not None:
-                if info.cells and info.cells[0] is self:
-                    info.cells.popleft()
-                elif self in info.cells:
-                    info.cells.remove(self)
-                if not info.cells and info.state is RankState.RUNNING:
-                    info.state = RankState.IDLE
-        if self.all_done or self._lines:
-            self._wake.notify_all()
-        if self.all_done:
-            self._state.events.emit("cell_done", cell_id=self.cell_id, handle=self)
-
-    def check_rank(self, rank: int) -> None:
-        """Under the lock: finish ``rank`` once its result is in and, where the launcher reads output pipes, both
-        of its streams reached the cell's end."""
-        launcher = self._state.launcher
-        relays = launcher is not None and launcher.relays_output
-        if rank in self.results_in and (not relays or self.synced[rank] >= {"stdout", "stderr"}):
-            self.finish_rank(rank)
-
-    def fail_rank(self, rank: int, error: MonarchError) -> None:
-        """Under the lock: ``rank`` will not finish the cell (it died, or the mesh stopped)."""
-        self.errors.setdefault(rank, error)
-        self.finish_rank(rank)
-
-    def wake_all(self) -> None:
-        """Under the lock: wake whoever waits for the cell (something changed, e.g. a rank stopped in pdb)."""
-        self._wake.notify_all()
-
-    def wake_wait(self, timeout: float) -> None:
-        """Under the lock: sleep until lines arrive or the cell is done, at most ``timeout`` seconds."""
-        if self.all_done:
-            return
-        if not self._lines:
-            self._wake.wait(timeout)
-        elif self.fold:  # lines wait for the same line from other ranks
-            left = self._lines_since + FOLD_WINDOW - time.monotonic()
-            if left > 0:
-                self._wake.wait(min(timeout, left))
-
-    def pop_lines(self) -> list[tuple[Who, str, Any]]:
-        """Under the lock: the lines collected for the waiter, now taken (folded where the cell folds; the lines of
-        a folding cell are held until they are ``FOLD_WINDOW`` seconds old or the cell is done)."""
-        if (self.fold and self._lines and not self.all_done
-                and time.monotonic() - self._lines_since < FOLD_WINDOW):
-            return []
-        lines, self._lines = self._lines, []
-        return fold_lines(lines) if self.fold else list(lines)
-
-    def set_waiting(self, waiting: bool) -> None:
-        """Under the lock: whether a thread waits for the cell (it then writes the lines itself)."""
-        self._waiting = waiting
-        if not waiting:
-            self.deliver()
-
-    # ------------------------------------------------------------------ any thread
 
     @property
     def waited(self) -> bool:
         """A thread waits for the cell now (it writes the cell's lines; a snapshot)."""
-        return self._waiting
-
-    def take_lines(self) -> list[tuple[Who, str, Any]]:
-        """The lines collected for the waiter, now taken (takes the lock)."""
-        with self._state.lock:
-            return self.pop_lines()
+        return self.record.waiting
 
     def snapshot(self) -> CellSnapshot:
         """Finished ranks, errors and durations, copied under the lock."""
+        rec = self.record
         with self._state.lock:
-            return CellSnapshot(set(self.finished), dict(self.errors), dict(self.durations))
+            return CellSnapshot(set(rec.finished), dict(rec.errors), dict(rec.durations))
 
     def done(self) -> bool:
         """True when every rank has finished this cell (or died)."""
         with self._state.lock:
-            return self.all_done
+            return self.record.all_done
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait up to ``timeout`` seconds (None: forever) for the cell to finish; True when it has."""
-        return self._waiter.wait(self, timeout, False)
+        return self._waiter.wait(self.record, timeout, False)
 
     def result(self, timeout: float | None = None) -> RankMap | None:
         """Wait for the cell and return rank -> value of its last expression (None when no rank had one).
@@ -272,8 +96,8 @@ class CellHandle:
             The cell was interrupted (``%mesh interrupt``, the notebook's interrupt, a timeout); ``.results`` holds
             the values of the ranks that had finished it. Not an ``Exception``: ``except Exception`` does not catch it.
         """
-        self._waiter.wait(self, timeout, True)
-        return self._waiter.outcome(self)
+        self._waiter.wait(self.record, timeout, True)
+        return self._waiter.outcome(self.record)
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "running"
@@ -281,19 +105,63 @@ class CellHandle:
 
 
 class CellTable:
-    """The cells of one mesh by id (in ``MeshState.cells``), and the results ranks report for them."""
+    """The cells of one mesh (in ``MeshState.cells``): their records, and every change of their state."""
 
-    def __init__(self, state: MeshState) -> None:
+    def __init__(self, state: MeshState, writer: OutputWriter) -> None:
         self.state = state
+        self.writer = writer
         self._order = itertools.count()  # the order results came in (which failure was first)
 
-    def get(self, cell_id: int) -> CellHandle | None:
-        """Under the lock: the cell, while some rank has not finished it."""
+    # ------------------------------------------------------------------ new cells
+
+    def new(self, cell_id: int, ranks: list[int], what: str, order: str, waiter: CellWaiter,
+            tracks_failures: bool = True, background: bool = False) -> CellHandle:
+        """A record for a cell about to be sent, and its handle (no lock: nobody else sees it yet)."""
+        fold = 0 < self.state.options.output_fold < len(ranks)
+        rec = CellRecord(cell_id, ranks, what, order, fold, tracks_failures, background)
+        rec.wake = threading.Condition(self.state.lock)  # type: ignore[arg-type]  # MeshLock: what Condition needs
+        rec.handle = CellHandle(rec, self.state, waiter)
+        return rec.handle
+
+    def register(self, rec: CellRecord) -> None:
+        """``rec`` is sent now: its ranks run it after what they run already."""
+        self.state.assert_locked()
+        state = self.state
+        state.assert_locked()
+        state.cells[rec.cell_id] = rec
+        state.last_cell = rec
+        state.recent_cells[rec.cell_id] = rec  # late rich output still finds its cell (rich.py)
+        while len(state.recent_cells) > RECENT_CELLS:
+            state.recent_cells.pop(next(iter(state.recent_cells)))
+        for r in rec.ranks:
+            info = state.ranks[r]
+            info.cells.append(rec)
+            info.state = RankState.RUNNING
+
+    def mark_background(self, handle: CellHandle) -> None:
+        """The package's own work (not the user's): a cell that waits behind it gets no note."""
+        with self.state.lock:
+            handle.record.background = True
+
+    def get(self, cell_id: int) -> CellRecord | None:
+        """The cell, while some rank has not finished it."""
+        self.state.assert_locked()
         return self.state.cells.get(cell_id)
 
-    def lookup(self, cell_id: int) -> CellHandle | None:
-        """Under the lock: the cell, also after it ended (one of the last cells submitted), else None."""
+    def lookup(self, cell_id: int) -> CellRecord | None:
+        """The cell, also after it ended (one of the last cells submitted), else None."""
+        self.state.assert_locked()
         return self.state.cells.get(cell_id) or self.state.recent_cells.get(cell_id)
+
+    def queued_behind(self, rec: CellRecord, rank: int, background: bool = True) -> bool:
+        """``rank`` has not started ``rec``, as an earlier cell still runs there (ranks run their
+        cells in the order they were sent); ``background`` False: an earlier cell of the user's."""
+        self.state.assert_locked()
+        info = self.state.ranks.get(rank)
+        return info is not None and any(c.cell_id < rec.cell_id and rank not in c.finished
+                                        and (background or not c.background) for c in info.cells)
+
+    # ------------------------------------------------------------------ what ranks report (any thread)
 
     def on_result(self, rank: int, msg: P.Result, payload: bytes, bufs: list) -> None:
         """A rank's Result (I/O thread or output reader): its value is unpickled here, outside the lock."""
@@ -310,23 +178,23 @@ class CellTable:
                                 err.get("traceback", ""), err.get("module", ""), err.get("frames"),
                                 bool(err.get("interrupted")))
         with self.state.lock:
-            cell = self.state.cells.get(msg.cell_id)
-            if cell is None:
+            rec = self.state.cells.get(msg.cell_id)
+            if rec is None:
                 return
-            cell.durations[rank] = msg.duration
-            if cell.tracks_failures:
+            rec.durations[rank] = msg.duration
+            if rec.tracks_failures:
                 if msg.status == "error":
                     self.state.failures[rank] = (msg.cell_id, next(self._order))
                 else:
                     self.state.failures.pop(rank, None)
-            cell.results_in.add(rank)
-            cell.result_seen_at[rank] = time.monotonic()
+            rec.results_in.add(rank)
+            rec.result_seen_at[rank] = time.monotonic()
             if error is not None:
-                cell.errors[rank] = error
+                rec.errors[rank] = error
             else:
-                cell.values[rank] = value
-                cell.has_value[rank] = msg.has_value
-            cell.check_rank(rank)
+                rec.values[rank] = value
+                rec.has_value[rank] = msg.has_value
+            self.check_rank(rec, rank)
         self.state.events.emit("rank_result", rank=rank, cell_id=msg.cell_id, status=msg.status,
                                error=None if error is None else str(error), duration=msg.duration,
                                ename=getattr(error, "ename", ""), evalue=getattr(error, "evalue", ""))
@@ -336,19 +204,24 @@ class CellTable:
         ``durations`` in seconds, in the same order): what ``on_result`` does for each, under one lock."""
         state = self.state
         with state.lock:
-            cell = state.cells.get(cell_id)
-            if cell is None:
+            rec = state.cells.get(cell_id)
+            if rec is None:
                 return
             now = time.monotonic()
-            if cell.tracks_failures and state.failures:
+            if rec.tracks_failures and state.failures:
                 for rank in ranks:
                     state.failures.pop(rank, None)
-            cell.durations.update(zip(ranks, durations, strict=True))
-            cell.results_in.update(ranks)
-            cell.result_seen_at.update(dict.fromkeys(ranks, now))
-            cell.values.update(dict.fromkeys(ranks))
-            cell.has_value.update(dict.fromkeys(ranks, False))
-            cell.finish_ranks(ranks)
+            rec.durations.update(zip(ranks, durations, strict=True))
+            rec.results_in.update(ranks)
+            rec.result_seen_at.update(dict.fromkeys(ranks, now))
+            rec.values.update(dict.fromkeys(ranks))
+            rec.has_value.update(dict.fromkeys(ranks, False))
+            launcher = state.launcher
+            if launcher is not None and launcher.relays_output:  # output markers to wait for, rank by rank
+                for rank in ranks:
+                    self.check_rank(rec, rank)
+            else:
+                self.finish_ranks(rec, ranks)
         if state.events.listening:
             for rank, duration in zip(ranks, durations, strict=True):
                 state.events.emit("rank_result", rank=rank, cell_id=cell_id, status="ok", error=None,
@@ -356,24 +229,220 @@ class CellTable:
 
     def on_sync(self, rank: int, stream: str, cell_id: int) -> None:
         """Under the lock: ``rank``'s ``stream`` reached the end of cell ``cell_id`` (a sync marker)."""
-        cell = self.state.cells.get(cell_id)
-        if cell is not None and rank in cell.synced:
-            cell.synced[rank].add(stream)
-            cell.check_rank(rank)
+        self.state.assert_locked()
+        rec = self.state.cells.get(cell_id)
+        if rec is not None and rank in rec.synced:
+            rec.synced[rank].add(stream)
+            self.check_rank(rec, rank)
 
-    def target(self, rank: int, stream: str, cells: Iterable[CellHandle]) -> CellHandle | None:
-        """Under the lock: the cell a line of ``rank`` on ``stream`` belongs to: the oldest of its ``cells`` whose
+    def end_output(self, rec: CellRecord, rank: int) -> None:
+        """Under the lock: both of ``rank``'s streams reached the end of ``rec`` (its Result came as a record, which
+        the rank writes after its stderr)."""
+        self.state.assert_locked()
+        if rank in rec.synced:
+            rec.synced[rank].update(("stdout", "stderr"))
+
+    def target(self, rank: int, stream: str, cells: Iterable[CellRecord]) -> CellRecord | None:
+        """The cell a line of ``rank`` on ``stream`` belongs to: the oldest of its ``cells`` whose
         output on that stream is not complete, else the last cell submitted."""
-        for cell in cells:
-            synced = cell.synced.get(rank)
+        self.state.assert_locked()
+        for rec in cells:
+            synced = rec.synced.get(rank)
             if synced is not None and stream not in synced:
-                return cell
+                return rec
         return self.state.last_cell
 
+    # ------------------------------------------------------------------ finishing (under the lock)
+
+    def check_rank(self, rec: CellRecord, rank: int) -> None:
+        """Finish ``rank`` once its result is in and, where the launcher reads output pipes, both
+        of its streams reached the cell's end."""
+        self.state.assert_locked()
+        launcher = self.state.launcher
+        relays = launcher is not None and launcher.relays_output
+        if rank in rec.results_in and (not relays or rec.synced[rank] >= {"stdout", "stderr"}):
+            self.finish_rank(rec, rank)
+
+    def finish_rank(self, rec: CellRecord, rank: int) -> None:
+        """``rank`` is done with the cell (result and output in, or it died)."""
+        self.state.assert_locked()
+        self.finish_ranks(rec, [rank])
+
+    def finish_ranks(self, rec: CellRecord, ranks: list[int]) -> None:
+        """Each of ``ranks`` is done with the cell, with one wake-up of its waiter (a host agent's
+        summary finishes many ranks at once: no output markers to wait for there)."""
+        self.state.assert_locked()
+        state = self.state
+        state.assert_locked()
+        infos = state.ranks
+        for rank in ranks:
+            if rank in rec.finished:
+                continue
+            rec.finished.add(rank)
+            info = infos.get(rank)
+            if info is not None:
+                if info.cells and info.cells[0] is rec:
+                    info.cells.popleft()
+                elif rec in info.cells:
+                    info.cells.remove(rec)
+                if not info.cells and info.state is RankState.RUNNING:
+                    info.state = RankState.IDLE
+        if rec.order == "rank":
+            for r in rec.ranks:
+                if rec.held[r] and self._released(rec, r):
+                    rec.lines.extend(rec.held[r])
+                    rec.held[r] = []
+            if not rec.waiting:
+                self._deliver(rec)
+        if rec.all_done or rec.lines:
+            rec.wake.notify_all()
+        if rec.all_done:
+            state.events.emit("cell_done", cell_id=rec.cell_id, handle=rec.handle)
+
+    def fail_rank(self, rec: CellRecord, rank: int, error: MonarchError) -> None:
+        """``rank`` will not finish the cell (it died, the mesh stopped, or it was given up on)."""
+        self.state.assert_locked()
+        rec.errors.setdefault(rank, error)
+        self.finish_rank(rec, rank)
+
+    def rank_died(self, rec: CellRecord, rank: int, error: RankDiedError, now: float) -> None:
+        """``rank``'s process is gone while it ran the cell (``now``: time.monotonic())."""
+        self.state.assert_locked()
+        if rec.death_at is None:
+            rec.death_at = now
+        self.fail_rank(rec, rank, error)
+
     def stop_all(self) -> None:
-        """Under the lock: the mesh stopped; every cell ends, each unfinished rank with a RankDiedError."""
-        for cell in list(self.state.cells.values()):
-            for r in cell.ranks:
-                if r not in cell.finished:
-                    cell.fail_rank(r, RankDiedError(r, None, reason="the mesh was stopped"))
-        self.state.cells.clear()
+        """The mesh stopped; every cell ends, each unfinished rank with a RankDiedError."""
+        self.state.assert_locked()
+        for rec in list(self.state.cells.values()):
+            for r in rec.ranks:
+                if r not in rec.finished:
+                    self.fail_rank(rec, r, RankDiedError(r, None, reason="the mesh was stopped"))
+
+    # ------------------------------------------------------------------ interrupts and releases (under the lock)
+
+    def mark_interrupted(self, rec: CellRecord) -> tuple[list[int], set[int]]:
+        """Under the lock: the cell is interrupted; returns (the ranks still running it, those of them that had
+        not started it: an earlier cell still runs there, and they skip it)."""
+        self.state.assert_locked()
+        rec.interrupted = True
+        running = [r for r in rec.ranks if r not in rec.finished]
+        rec.queued_on = {r for r in running if self.queued_behind(rec, r)}
+        return running, rec.queued_on
+
+    def abandon(self, rec: CellRecord) -> list[int]:
+        """Under the lock: nobody waits for the cell any more; returns the ranks that still run it (later cells
+        must not queue behind it there: dispatch.py refuses code while a rank is stuck in it)."""
+        self.state.assert_locked()
+        left = [r for r in rec.ranks if r not in rec.finished]
+        rec.abandoned = bool(left)
+        return left
+
+    def mark_released(self, rec: CellRecord, reason: str, released: dict[int, str]) -> None:
+        """Under the lock: the process group was torn down (``reason``) to release ``released`` (rank -> the
+        collective it waited in) from a collective a rank that raised never joined."""
+        self.state.assert_locked()
+        rec.collective_released = reason
+        rec.released = dict(released)
+
+    def set_hint(self, rec: CellRecord, hint: str) -> None:
+        """What the cell's error adds about its release (and the fresh group)."""
+        self.state.assert_locked()
+        rec.collective_hint = hint
+
+    def keep_outcome(self, rec: CellRecord) -> None:
+        """A handle the caller holds (``block=False``): its result may be asked again."""
+        with self.state.lock:
+            rec.keep_outcome = True
+
+    def set_final(self, rec: CellRecord, final: tuple[Any, BaseException | None]) -> None:
+        """The cell's outcome (value, error), computed once (waiting.py)."""
+        with self.state.lock:
+            if rec.keep_outcome:
+                rec.final = final
+
+    def take_outcome(self, rec: CellRecord) -> tuple[dict[int, Any], RankMap, bool]:
+        """Under the lock: (errors, results, whether any rank had a value or an error); the cell leaves the table
+        and its values go to the caller (the record may live on, for late output)."""
+        self.state.assert_locked()
+        self.state.cells.pop(rec.cell_id, None)
+        errors = dict(rec.errors)
+        valued = bool(errors) or any(rec.has_value.values())
+        results = (RankMap((r, rec.values.get(r)) for r in rec.ranks if r in rec.finished and r not in errors)
+                   if valued else RankMap())
+        rec.values = {}
+        return errors, results, valued
+
+    def forget(self, rec: CellRecord) -> None:
+        """The cell leaves the table (every rank ended it, and its outcome was told)."""
+        self.state.assert_locked()
+        self.state.cells.pop(rec.cell_id, None)
+
+    # ------------------------------------------------------------------ lines (under the lock)
+
+    def emit(self, rec: CellRecord, rank: int, stream: str, item: Any) -> None:
+        """One line (or, stream "display", a rich output) of ``rank``."""
+        self.state.assert_locked()
+        self.emit_lines(rec, rank, stream, [item])
+
+    def emit_lines(self, rec: CellRecord, rank: int, stream: str, texts: list[Any]) -> None:
+        """Under the lock: lines the cell's ``rank`` wrote, in order: held for the waiter, or queued to be written."""
+        self.state.assert_locked()
+        if rec.order == "rank" and not self._released(rec, rank):
+            rec.held[rank].extend((rank, stream, text) for text in texts)
+        else:
+            if not rec.lines:
+                rec.lines_since = time.monotonic()
+            rec.lines.extend((rank, stream, text) for text in texts)
+        if not rec.waiting:
+            self._deliver(rec)
+        else:
+            rec.wake.notify()
+
+    def pop_lines(self, rec: CellRecord) -> list[Line]:
+        """Under the lock: the lines collected for the waiter, now taken (folded where the cell folds; the lines of
+        a folding cell are held until they are ``FOLD_WINDOW`` seconds old or the cell is done)."""
+        self.state.assert_locked()
+        if rec.fold and rec.lines and not rec.all_done and time.monotonic() - rec.lines_since < FOLD_WINDOW:
+            return []
+        lines, rec.lines = rec.lines, []
+        return fold_lines(lines) if rec.fold else list(lines)  # type: ignore[arg-type]
+
+    def set_waiting(self, rec: CellRecord, waiting: bool) -> None:
+        """Under the lock: whether a thread waits for the cell (it then writes the lines itself; it flushes the
+        writer first, see output.py). Lines collected so far are queued when nobody waits any more."""
+        self.state.assert_locked()
+        rec.waiting = waiting
+        if not waiting:
+            self._deliver(rec)
+
+    def wake_all(self, rec: CellRecord) -> None:
+        """Wake whoever waits for the cell (something changed, e.g. a rank stopped in pdb)."""
+        self.state.assert_locked()
+        rec.wake.notify_all()
+
+    def wake_wait(self, rec: CellRecord, timeout: float) -> None:
+        """Sleep until lines arrive or the cell is done, at most ``timeout`` seconds."""
+        self.state.assert_locked()
+        if rec.all_done:
+            return
+        if not rec.lines:
+            rec.wake.wait(timeout)
+        elif rec.fold:  # lines wait for the same line from other ranks
+            left = rec.lines_since + FOLD_WINDOW - time.monotonic()
+            if left > 0:
+                rec.wake.wait(min(timeout, left))
+
+    def _deliver(self, rec: CellRecord) -> None:
+        lines, rec.lines = rec.lines, []
+        self.writer.put(fold_lines(lines) if rec.fold else lines, rec.ctx)  # type: ignore[arg-type]
+
+    @staticmethod
+    def _released(rec: CellRecord, rank: int) -> bool:
+        for r in rec.ranks:
+            if r == rank:
+                return True
+            if r not in rec.finished:
+                return False
+        return True

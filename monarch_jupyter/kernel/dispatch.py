@@ -6,10 +6,10 @@ take waits in that pipe's queue until the I/O thread writes it (``flush_pipes``)
 messages that are not work (interrupts, stack requests, debugger input), go over the ROUTER socket, which only the
 I/O thread touches: other threads queue them in the ``outbox``.
 
-``submit`` registers a cell with its ranks and sends it, atomically under the mesh lock and with SIGINT held
-(an interrupt must not cut a message in half on its way into a work pipe, nor leave some ranks with the cell
-and others without). It refuses, sending nothing, when a chosen rank is dead, or still stuck in an abandoned cell
-(for code: when any rank is, as a collective of the new code would pair with the stuck one).
+``submit`` registers a cell with its ranks (cells.CellTable) and sends it, with SIGINT held (an interrupt must not
+cut a message in half on its way into a work pipe, nor leave some ranks with the cell and others without). It
+refuses, sending nothing, when a chosen rank is dead, or still stuck in an abandoned cell (for code: when any rank
+is, as a collective of the new code would pair with the stuck one).
 """
 
 from __future__ import annotations
@@ -25,37 +25,25 @@ from monarch_worker import protocol as P
 from monarch_worker.channel import Outbox
 
 from ..errors import MeshError, RankBusyError, RankDiedError
-from ..ranks import format_ranks, plural, ranks_text
+from .cells import CellTable
+from .hints import busy_message, group_down_note, restart_hint
+from .records import CellRecord
 from .state import MeshState, RankState
 
 if TYPE_CHECKING:
-    from .cells import CellHandle
     from .launch.base import WorkPipe
 
-__all__ = ["Dispatcher", "Group", "restart_hint", "sigint_held"]
+__all__ = ["Dispatcher", "Group", "sigint_held"]
 
 Group = tuple[list[int], P.Message, bytes, list]  # ranks that get one message (signed once), its payload, buffers
 
 WORK_TYPES = P.work_types()
-RECENT_CELLS = 64  # cells whose late rich output still reaches them (MeshState.recent_cells)
-
-
-def restart_hint(dead: list[int], world_size: int) -> str:
-    """What to run to bring ``dead`` ranks (of a mesh of ``world_size`` ranks) back."""
-    if len(set(dead)) >= world_size:  # no survivor keeps state: a fresh mesh is the whole answer
-        return (f"every rank is dead ({ranks_text(dead)}): %mesh restart  starts a fresh mesh "
-                "(mesh.restart() from Python).")
-    them = "them" if len(dead) > 1 else "it"
-    return (f"{ranks_text(dead)} {'are' if len(dead) > 1 else 'is'} dead and the process group is down: "
-            f"%mesh restart --rank {format_ranks(dead)}  starts fresh processes for {them} "
-            "(the other ranks keep their state; mesh.restart(ranks=...)), or  %mesh restart  starts a fresh mesh.")
-
-
 class Dispatcher:
     """Sends work and messages to the ranks of one mesh (see the module docstring)."""
 
-    def __init__(self, state: MeshState) -> None:
+    def __init__(self, state: MeshState, cells: CellTable) -> None:
         self.state = state
+        self.cells = cells
         self.outbox = Outbox()  # (identities, message, payload, buffers) for the I/O thread to send
         self._work_signer: P.Signer | None = None
         self._work_lock = threading.Lock()  # signing order is writing order: ranks check sequence numbers
@@ -84,9 +72,13 @@ class Dispatcher:
         if info is not None and info.identity is not None:
             self.outbox.put(([info.identity], msg, b"", []))
 
-    def submit(self, handle: CellHandle, groups: list[Group]) -> None:
-        """Register ``handle`` with its ranks and send each group its message; raises KeyboardInterrupt (after
+    def submit(self, rec: CellRecord, groups: list[Group]) -> None:
+        """Register ``rec`` with its ranks and send each group its message; raises KeyboardInterrupt (after
         sending everything) when SIGINT arrived meanwhile.
+
+        Lock order: the work lock (writing order is signing order), then the mesh lock, which is held only to check
+        and register; the messages are signed and written after it is released, still under the work lock, so that
+        every rank gets its cells in the order they were registered.
 
         Raises
         ------
@@ -98,63 +90,41 @@ class Dispatcher:
             does. Nothing was sent.
         """
         state = self.state
-        with sigint_held(), state.lock:
-            runs_code = any(isinstance(msg, (P.Exec, P.Call)) for _, msg, _, _ in groups)
-            self._check_ranks(handle, runs_code)
-            if state.group_down:
-                # Cells run on survivors while the process group is broken: say that collectives fail.
-                sys.stderr.write(f"note: the process group is down ({state.group_down}): collectives fail until "
-                                 "%mesh restart --rank R  (or  %mesh restart)\n")
-            state.cells[handle.cell_id] = handle
-            state.last_cell = handle
-            state.recent_cells[handle.cell_id] = handle  # late rich output still finds its cell (rich.py)
-            while len(state.recent_cells) > RECENT_CELLS:
-                state.recent_cells.pop(next(iter(state.recent_cells)))
-            launcher = state.launcher
-            work_pipe = launcher.work_pipe if launcher is not None and launcher.has_work_pipes else None
-            infos = state.ranks
-            running = RankState.RUNNING
-            for group_ranks, msg, payload, buffers in groups:
-                identities, pipes = [], []
-                for r in group_ranks:
-                    info = infos[r]
-                    info.cells.append(handle)
-                    info.state = running
-                    pipe = work_pipe(r) if work_pipe is not None else None
-                    if pipe is not None:
-                        pipes.append(pipe)
-                    else:
-                        identities.append(info.identity)
+        with sigint_held(), self._work_lock:
+            with state.lock:
+                runs_code = any(isinstance(msg, (P.Exec, P.Call)) for _, msg, _, _ in groups)
+                self._check_ranks(rec, runs_code)
+                down = state.group_down
+                self.cells.register(rec)
+                launcher = state.launcher
+                work_pipe = launcher.work_pipe if launcher is not None and launcher.has_work_pipes else None
+                sends: list[tuple[list[WorkPipe], list[Any], P.Message, bytes, list]] = []
+                for group_ranks, msg, payload, buffers in groups:
+                    pipes = [p for r in group_ranks if work_pipe is not None and (p := work_pipe(r)) is not None]
+                    identities = [state.ranks[r].identity for r in group_ranks
+                                  if work_pipe is None or work_pipe(r) is None]
+                    sends.append((pipes, identities, msg, payload, buffers))
+            if down:  # cells run on survivors while the process group is broken: collectives fail
+                sys.stderr.write(group_down_note(down))
+            for pipes, identities, msg, payload, buffers in sends:
                 if pipes:
-                    self._send_work(pipes, msg, payload, buffers)
+                    self._write_work(pipes, msg, payload, buffers)
                 if identities:
                     self.outbox.put((identities, msg, payload, buffers))
 
-    def _check_ranks(self, handle: CellHandle, runs_code: bool) -> None:
-        """Raise when a rank of ``handle`` is dead, or still runs an abandoned cell (for code: when any rank does)."""
-        ranks, what, infos = handle.ranks, handle.what, self.state.ranks
+    def _check_ranks(self, rec: CellRecord, runs_code: bool) -> None:
+        """Under the lock: raise when a rank of ``rec`` is dead, or still runs an abandoned cell (for code: when any
+        rank does)."""
+        self.state.assert_locked()
+        ranks, what, infos = rec.ranks, rec.what, self.state.ranks
         dead = [r for r in ranks if infos[r].state is RankState.DEAD]
         if dead:
             raise MeshError({r: RankDiedError(r, infos[r].returncode, "\n".join(infos[r].last_lines), infos[r].pid,
                                               infos[r].death_reason)
                              for r in dead}, what=what, hint=restart_hint(dead, self.state.nproc), not_run=True)
         busy = self._stuck(sorted(infos) if runs_code else ranks)
-        if busy and not runs_code:  # a push or pull: those ranks would get to it only after the stuck cell
-            others = format_ranks([r for r in ranks if r not in busy])
-            raise RankBusyError(
-                f"{what} was not run: {ranks_text(busy)} still {plural(busy, 'run', 'runs')} an earlier cell that was "
-                "interrupted or timed out and did not stop (blocked in a collective?), and would get to it only after "
-                f"that. Leave {plural(busy, 'them', 'it')} out"
-                + (f" (--ranks {others})" if others else "")
-                + f", or release {plural(busy, 'them', 'it')}:  %mesh interrupt --force --ranks {format_ranks(busy)}"
-                "  (or  %mesh restart).", busy)
         if busy:
-            raise RankBusyError(
-                f"{what} was not run: {ranks_text(busy)} still {plural(busy, 'run', 'runs')} an earlier cell that was "
-                "interrupted or timed out and did not stop (blocked in a collective?); a collective of new code on any "
-                f"rank would pair with the one {plural(busy, 'they are', 'it is')} stuck in and give wrong results. "
-                f"Run  %mesh stacks  to see where,  %mesh interrupt --force --ranks {format_ranks(busy)}  to release "
-                f"{plural(busy, 'them', 'it')}, or  %mesh restart  (%mesh inspect  reads values meanwhile).", busy)
+            raise RankBusyError(busy_message(what, busy, [r for r in ranks if r not in busy], runs_code), busy)
 
     def _stuck(self, ranks: list[int]) -> list[int]:
         """Those of ``ranks`` that still run a cell that was interrupted or timed out and did not stop (not those
@@ -166,15 +136,19 @@ class Dispatcher:
     def _send_work(self, pipes: list[WorkPipe], msg: P.Message, payload: bytes, buffers: list) -> None:
         """Write ``msg`` (signed once) into local ranks' work pipes without blocking; what a full pipe cannot take
         now, the I/O thread writes later, in order."""
-        waiting = False
+        with self._work_lock:
+            self._write_work(pipes, msg, payload, buffers)
+
+    def _write_work(self, pipes: list[WorkPipe], msg: P.Message, payload: bytes, buffers: list) -> None:
+        """``_send_work`` with the work lock held by the caller."""
         signer = self._work_signer
         assert signer is not None, "no generation started"
-        with self._work_lock:
-            data = P.work_message(signer.pack(msg, payload, buffers))
-            for pipe in pipes:
-                if not pipe.send(data):
-                    self._pipes_waiting.add(pipe)
-                    waiting = True
+        data = P.work_message(signer.pack(msg, payload, buffers))
+        waiting = False
+        for pipe in pipes:
+            if not pipe.send(data):
+                self._pipes_waiting.add(pipe)
+                waiting = True
         if waiting:
             self.outbox.put(None)  # wakes the I/O thread
 

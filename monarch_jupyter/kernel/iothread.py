@@ -19,19 +19,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import zmq
 
 from monarch_worker import protocol as P
-from monarch_worker.channel import recv_frames, send_frames
+from monarch_worker.channel import recv_frames
 
 from . import lograte
 from .dispatch import Dispatcher
-from .state import MeshState, RankInfo, RankState, owner_check
+from .endpoint import ControllerSocket
+from .state import Handler, MeshState, RankInfo, RankState
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the host links are a launcher's part: their module imports launch/ (not the reverse)
     from .launch.hosts import HostLinks
 
 log = logging.getLogger(__name__)
@@ -39,9 +40,8 @@ log.addFilter(lograte.REJECTED)  # a stranger's messages are all rejected, but l
 DROPPED = lograte.kind("messages dropped by the controller")
 REFUSED = lograte.kind("hellos refused by the controller")
 
-__all__ = ["IOThread", "Handler", "Admission", "post_regroup"]
+__all__ = ["IOThread", "Admission", "post_regroup"]
 
-Handler = Callable[[int, Any, bytes, list], None]  # (rank, message, payload, buffers)
 
 
 class Admission(Protocol):
@@ -67,34 +67,30 @@ def post_regroup(state: MeshState, dispatcher: Dispatcher, info: RankInfo, port:
 
 
 class IOThread:
-    """The I/O thread of one mesh generation and the socket it owns (see the module docstring)."""
+    """The I/O thread of one mesh and the socket it owns (see the module docstring).
 
-    def __init__(self, state: MeshState, dispatcher: Dispatcher, admission: Admission | None) -> None:
+    ``handlers``: what handles each message type ranks send (the handshake's own are added here); ``ticks``: what
+    runs once per heartbeat interval; ``links``: the host agents (None for a mesh without them).
+    """
+
+    def __init__(self, state: MeshState, dispatcher: Dispatcher, socket: ControllerSocket,
+                 admission: Admission | None, links: HostLinks | None, handlers: dict[type, Handler],
+                 ticks: Sequence[Callable[[float], None]]) -> None:
         self.state = state
         self.dispatcher = dispatcher
+        self.socket = socket
         self.admission = admission
-        self.links: HostLinks | None = None  # host agents (launch/hosts.py): ranks reached through them
+        self.links = links
         self._by_identity: dict[bytes, int] = {}
-        self._ticks: list[Callable[[float], None]] = []
+        self._ticks = list(ticks)
         self._handlers: dict[type, Handler] = {
             P.StoreReady: self._on_store_ready,
             P.Ready: self._on_ready,
             P.StartFailed: self._on_start_failed,
             P.Heartbeat: self._on_heartbeat,
             P.Goodbye: self._on_goodbye,
-            P.Progress: self.on_progress,
+            **handlers,
         }
-
-    def handle(self, kind: type, handler: Handler) -> None:
-        """Dispatch messages of type ``kind`` to ``handler`` (before the mesh starts)."""
-        self._handlers[kind] = handler
-
-    def every_interval(self, tick: Callable[[float], None]) -> None:
-        """Call ``tick(now)`` on the I/O thread once per heartbeat interval (before the mesh starts)."""
-        self._ticks.append(tick)
-        self._ctx: zmq.Context | None = None
-        self.router: zmq.Socket | None = None
-        self._signer: P.Signer = P.Signer(bytes(32))  # replaced by the generation's (open)
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
@@ -102,17 +98,12 @@ class IOThread:
 
     def open(self, secret: bytes) -> zmq.Socket:
         """A fresh context and ROUTER socket for a new generation (not bound yet)."""
-        self._signer = P.Signer(secret)
-        self._ctx = zmq.Context()
-        self.router = self._ctx.socket(zmq.ROUTER)
-        self.router.setsockopt(zmq.LINGER, 0)
-        # No handover: a second connection must never take over a rank's identity (and the code sent to it).
-        self.router.setsockopt(zmq.ROUTER_HANDOVER, 0)
-        return self.router
+        return self.socket.open(secret)
 
     def start(self) -> None:
         self._stop.clear()
         self._thread = threading.Thread(target=self._loop, name="monarch-io", daemon=True)
+        self.socket.owner = self._thread
         self._thread.start()
 
     def stop(self, linger_ms: int) -> None:
@@ -123,13 +114,10 @@ class IOThread:
             self.dispatcher.outbox.put(None)
             self._thread.join(5.0)
         self._thread = None
+        self.socket.owner = None
         if self.links is not None:
-            self.links.close(self.router)
-        if self._ctx is not None and self.router is not None:
-            self.router.close(linger_ms)
-            self._ctx.term()
-            self._ctx = None
-            self.router = None
+            self.links.close(self.socket.router)
+        self.socket.close(linger_ms)
 
     @property
     def thread(self) -> threading.Thread | None:
@@ -138,29 +126,21 @@ class IOThread:
     # ------------------------------------------------------------------ I/O thread
 
     def send_to(self, identity: bytes, msg: P.Message) -> None:
-        """Send ``msg`` to one peer now (I/O thread only: it owns the socket)."""
-        owner_check(lambda: self._thread, "the controller's ROUTER socket")
-        self._deliver([identity], self._signer.pack(msg), msg)
+        """Send ``msg`` to one peer now, through its host agent if one holds it (I/O thread only)."""
+        self._deliver([identity], self.socket.pack(msg), msg)
 
     def _deliver(self, identities: list[Any], frames: list, msg: P.Message) -> None:
         """Send signed ``frames`` to each peer; a host agent gets them once for all its ranks (``Forward``)."""
-        router = self.router
-        assert router is not None
-        if self.links is None:
-            for identity in identities:
-                if identity is not None:
-                    send_frames(router, [identity, *frames])
+        if self.links is not None:
+            self.links.deliver(identities, frames, msg)
             return
-        direct, via = self.links.route(identities)
-        for identity in direct:
-            send_frames(router, [identity, *frames])
-        for agent, ranks in via.items():
-            forward = P.Forward(ranks, msg.TYPE, getattr(msg, "cell_id", -1))
-            send_frames(router, [agent, *self._signer.pack(forward, b"", frames)])
+        for identity in identities:
+            if identity is not None:
+                self.socket.send_frames(identity, frames)
 
     def _loop(self) -> None:
-        assert self.router is not None
-        router, dispatcher, state = self.router, self.dispatcher, self.state
+        assert self.socket.router is not None
+        router, dispatcher, state = self.socket.router, self.dispatcher, self.state
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(dispatcher.outbox.wake_fd, zmq.POLLIN)
@@ -200,7 +180,7 @@ class IOThread:
                     idents = [i.identity for i in state.ranks.values() if i.identity and i.state is not RankState.DEAD]
                 if self.links is not None:
                     idents += self.links.agent_identities()
-                self._deliver(idents, self._signer.pack(P.Ping()), P.Ping())
+                self._deliver(idents, self.socket.pack(P.Ping()), P.Ping())
                 for tick in self._ticks:
                     tick(now)
                 lograte.REJECTED.flush(now)
@@ -208,7 +188,7 @@ class IOThread:
 
     def _receive(self, identity: bytes, frames: list, by_identity: dict[bytes, int]) -> None:
         try:
-            msg, payload, bufs = self._signer.unpack(frames)
+            msg, payload, bufs = self.socket.signer.unpack(frames)
         except (P.ProtocolError, ValueError, TypeError, KeyError) as e:
             log.warning("dropped a message from %r: %s", identity[:32], e, extra=DROPPED)
             if self.links is not None:
@@ -246,17 +226,20 @@ class IOThread:
     def _send_outbox(self) -> None:
         for identities, msg, payload, buffers in self.dispatcher.drain():
             # One signature for every recipient: each rank checks replays per sender session.
-            self._deliver(identities, self._signer.pack(msg, payload, buffers), msg)
+            self._deliver(identities, self.socket.pack(msg, payload, buffers), msg)
 
     # ------------------------------------------------------------------ handshake (I/O thread)
 
-    def welcome(self, info: RankInfo, port: int) -> None:
-        """Admit local rank ``info`` to the store at ``port`` (0: host it)."""
-        assert info.identity is not None
+    def welcome(self, info: RankInfo, port: int) -> P.Welcome:
+        """What admits local rank ``info`` to the store at ``port`` (0: host it); sent by the caller, after it
+        released the lock."""
         n = self.state.nproc
-        self.send_to(info.identity, P.Welcome(rank=info.rank, world_size=n, local_rank=info.rank,
-                                              local_world_size=n, master_addr="127.0.0.1", master_port=port,
-                                              elastic=self.state.elastic(0, 1)))
+        return P.Welcome(rank=info.rank, world_size=n, local_rank=info.rank, local_world_size=n,
+                         master_addr="127.0.0.1", master_port=port, elastic=self.state.elastic(0, 1))
+
+    def _send_all(self, sends: list[tuple[bytes, P.Message]]) -> None:
+        for identity, msg in sends:
+            self.send_to(identity, msg)
 
     def _on_hello(self, identity: bytes, msg: P.Hello, by_identity: dict[bytes, int]) -> None:
         if self.links is not None and self.links.on_rank_hello(identity, msg, by_identity):
@@ -269,6 +252,7 @@ class IOThread:
                         P.PROTOCOL_VERSION, extra=REFUSED)
             return
         state = self.state
+        sends: list[tuple[bytes, P.Message]] = []
         with state.lock:
             info = state.ranks.get(msg.rank)
             if info is None or info.identity is not None:
@@ -280,12 +264,14 @@ class IOThread:
             info.last_heard = time.monotonic()
             by_identity[identity] = msg.rank
             if msg.rank == 0:
-                self.welcome(info, 0)
+                sends.append((identity, self.welcome(info, 0)))
             elif state.store_port is not None:
-                self.welcome(info, state.store_port)
+                sends.append((identity, self.welcome(info, state.store_port)))
+        self._send_all(sends)
 
     def _on_store_ready(self, rank: int, msg: P.StoreReady, payload: bytes, bufs: list) -> None:
         state = self.state
+        sends: list[tuple[bytes, P.Message]] = []
         if state.regrouping:  # a new process group for survivors and restarted ranks (recovery.py)
             addr = msg.addr or "127.0.0.1"
             with state.lock:
@@ -296,7 +282,8 @@ class IOThread:
                     if info.rank in state.regrouping:
                         post_regroup(state, self.dispatcher, info, msg.port, addr)
                     elif self.links is None or not self.links.holds(info.rank):
-                        self.welcome(info, msg.port)
+                        sends.append((info.identity, self.welcome(info, msg.port)))
+            self._send_all(sends)
             if self.links is not None:  # fresh ranks on host agents
                 self.links.on_store_ready(P.StoreReady(msg.port, addr))
             return
@@ -307,7 +294,8 @@ class IOThread:
             state.store_port = msg.port
             for info in state.ranks.values():
                 if info.rank != 0 and info.identity is not None:
-                    self.welcome(info, msg.port)
+                    sends.append((info.identity, self.welcome(info, msg.port)))
+        self._send_all(sends)
 
     def _on_ready(self, rank: int, msg: P.Ready, payload: bytes, bufs: list) -> None:
         state = self.state
@@ -338,14 +326,3 @@ class IOThread:
     def _on_goodbye(self, rank: int, msg: P.Goodbye, payload: bytes, bufs: list) -> None:
         if self.admission is not None:  # local ranks' exits come from the fork server
             self.admission.on_goodbye(rank, msg)
-
-    def on_progress(self, rank: int, msg: P.Progress, payload: bytes, bufs: list) -> None:
-        """A rank's progress report (from the socket, or a record in its output: any thread). The two ways can
-        cross: a report older (by ``seq``) than the newest one of this rank process is dropped."""
-        with self.state.lock:
-            info = self.state.ranks[rank]
-            if msg.seq and msg.seq <= info.progress_seq:
-                return
-            info.progress, info.progress_seq = (msg.n, msg.total, msg.desc), msg.seq
-            self.state.events.emit("progress", rank=rank, n=msg.n, total=msg.total, desc=msg.desc,  # in seq order
-                                   cell_id=msg.cell_id, postfix=msg.postfix)

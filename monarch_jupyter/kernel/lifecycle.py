@@ -36,10 +36,10 @@ from .iothread import IOThread
 from .launch.base import LauncherEvents
 from .launch.listener import Listener
 from .launch.local import LocalLauncher
-from .output import fold_lines, write_lines
+from .output import OutputWriter, fold_lines
 from .routing import OutputRouter
+from .segments import Segments
 from .state import MeshState, RankState
-from .transfer import Transfers
 
 __all__ = ["Lifecycle", "STOP_GRACE"]
 
@@ -51,15 +51,17 @@ class Lifecycle:
     """Start, stop and wait for the ranks of one mesh (see the module docstring)."""
 
     def __init__(self, state: MeshState, io: IOThread, dispatcher: Dispatcher, router: OutputRouter,
-                 cells: CellTable, transfers: Transfers, listener: Listener | None) -> None:
+                 cells: CellTable, segments: Segments, listener: Listener | None, sink: LauncherEvents,
+                 writer: OutputWriter) -> None:
         self.state = state
         self.io = io
         self.dispatcher = dispatcher
         self.router = router
         self.cells = cells
-        self.transfers = transfers
+        self.segments = segments
+        self.writer = writer
         self.listener = listener
-        self.sink: LauncherEvents | None = None  # what the launcher reports to (recovery.RankEvents)
+        self.sink = sink  # what the launcher reports to (deaths.RankEvents)
         self.started_at = 0.0  # time.time() when the mesh was last ready
         self.ready_seconds = 0.0  # seconds the last start took
 
@@ -91,7 +93,7 @@ class Lifecycle:
         if self.listener is None:
             port = router.bind_to_random_port("tcp://127.0.0.1")
             state.address = f"tcp://127.0.0.1:{port}"
-        self.transfers.open()
+        self.segments.open()
         self.io.start()
         deadline = t0 + state.options.start_timeout
         if 0 < state.options.output_fold < state.nproc:  # what many ranks print alike while starting shows once
@@ -99,7 +101,6 @@ class Lifecycle:
                 state.held_output = []
         try:
             if self.listener is not None:  # ranks that join (launch/listener.py)
-                assert self.sink is not None
                 self.listener.use_sink(GenerationEvents(self.sink, state, state.generation))
                 state.address = self.listener.open(router, secret)
                 state.launcher = self.listener.launch(self.launch_env())
@@ -127,14 +128,19 @@ class Lifecycle:
         """Write the lines held while ranks start (``MeshState.held_output``), identical lines of several ranks
         once (``[rank0-999]: frame #3: ...``: a failed start of many ranks prints the same C++ trace on each);
         ``final``: stop holding."""
+        with self.state.lock:
+            self._release_held(final)
+
+    def _release_held(self, final: bool) -> None:
+        """``release_held`` with the lock held (the lines are queued to the writer, not written here)."""
         state = self.state
-        with state.lock:
-            held = state.held_output
-            if held is None:
-                return
-            state.held_output = None if final else []
-            if held:
-                write_lines(fold_lines(held))
+        state.assert_locked()
+        held = state.held_output
+        if held is None:
+            return
+        state.held_output = None if final else []
+        if held:
+            self.writer.put(fold_lines(held), None)
 
     def wait_ready(self, timeout: float | None) -> bool:
         """Wait up to ``timeout`` seconds (None: until the start timeout passed) for every rank of a listening
@@ -167,7 +173,7 @@ class Lifecycle:
     def spawn(self, ranks: list[int]) -> None:
         """Start processes for ``ranks`` with the current launcher (a local one; joined ranks start elsewhere)."""
         launcher, sink = self.state.launcher, self.sink
-        assert launcher is not None and sink is not None
+        assert launcher is not None
         sink = GenerationEvents(sink, self.state, self.state.generation)
         env = self.rank_env()
         for r in ranks:
@@ -198,7 +204,7 @@ class Lifecycle:
                     return
                 if state.held_output and time.monotonic() >= release_at:
                     release_at = time.monotonic() + HOLD
-                    self.release_held(final=False)
+                    self._release_held(final=False)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     waiting = [i.rank for i in state.ranks.values() if i.state is not RankState.IDLE]
@@ -254,7 +260,7 @@ class Lifecycle:
         state.stopping = True
         was_running = state.running
         state.running = False
-        self.transfers.close()
+        self.segments.close()
         launcher = state.launcher
         if graceful and was_running and launcher is not None:
             with state.lock:

@@ -78,7 +78,7 @@ class Mesh:
         self.state, self.events, self.listener = parts.state, parts.events, parts.listener
         self.transfers = parts.transfers
         self.debugger = parts.debugger  # breakpoint() prompts, post-mortem, inspect
-        self.waiter, self.recovery, self.lifecycle = parts.waiter, parts.recovery, parts.lifecycle
+        self.waiter, self.recovery, self.lifecycle = parts.waiter, parts.restarts, parts.lifecycle
         if start:
             self.start()
 
@@ -307,10 +307,10 @@ class Mesh:
 
     def _finish(self, handle: CellHandle, timeout: float | None, block: bool) -> RankMap | None | CellHandle:
         if not block:
-            handle.keep_outcome = True
+            self.parts.cells.keep_outcome(handle.record)
             self.events.flush()  # views made for this cell follow it before the caller gets the handle
             return handle
-        return self.waiter.result(handle, timeout if timeout is not None else (self.options.timeout or None))
+        return self.waiter.result(handle.record, timeout if timeout is not None else (self.options.timeout or None))
 
     # ------------------------------------------------------------------ values between notebook and ranks
 

@@ -4,13 +4,20 @@ records is monarch_worker.streams.StreamSplitter, shared with host agents).
 Output reaches the cell that caused it: each cell captures the caller's ``contextvars`` context when it is
 submitted (ipykernel keeps the cell's parent header in a ContextVar), and lines are written inside that context,
 from whichever thread delivers them (the pattern of ipykernel's IOPubThread and set_parent).
+
+Who writes: the thread that waits for a cell writes that cell's lines itself; every other line (a cell nobody waits
+for, output of no cell) is queued to the mesh's ``OutputWriter`` (any thread, any lock held), whose thread
+``monarch-output`` writes it in the order queued, outside the mesh lock. A waiter that starts waiting flushes the
+writer first, so the lines of a cell come out in the order its ranks wrote them.
 """
 
 from __future__ import annotations
 
 import contextvars
 import heapq
+import logging
 import sys
+import threading
 from collections import Counter, deque
 from collections.abc import Sequence
 from typing import Any
@@ -18,14 +25,18 @@ from typing import Any
 from monarch_worker.streams import StreamSplitter, temp_file_sink
 
 from ..ranks import format_ranks
+from .records import Who
 
-__all__ = ["StreamSplitter", "temp_file_sink", "label", "write_lines", "fold_lines", "FOLD_WINDOW", "MESSAGE_LIMIT"]
+__all__ = ["StreamSplitter", "temp_file_sink", "label", "write_lines", "fold_lines", "OutputWriter", "FOLD_WINDOW",
+           "MESSAGE_LIMIT"]
+
+log = logging.getLogger(__name__)
 
 
 FOLD_WINDOW = 0.1
 """Seconds the lines of a folding cell wait for the same line from other ranks before they are shown."""
 
-Who = int | tuple[int, ...]  # a line's rank, or the ranks of a folded line
+Batch = tuple[Sequence[tuple[Who, str, Any]], contextvars.Context | None]  # lines, and where to write them
 
 
 def label(rank: Who) -> str:
@@ -184,3 +195,53 @@ def _flush(*streams: Any) -> None:
         except (OSError, ValueError):  # closed or broken: what it held is gone either way
             pass
 
+
+
+class OutputWriter:
+    """Writes queued lines from one thread, ``monarch-output``, in the order they were queued (see the module
+    docstring). The thread starts with the first batch and ends after a second with nothing to write."""
+
+    def __init__(self) -> None:
+        self._queue: deque[Batch] = deque()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._queued = 0  # batches queued so far
+        self._written = 0  # batches written
+
+    def put(self, lines: Sequence[tuple[Who, str, Any]], ctx: contextvars.Context | None) -> None:
+        """Queue ``lines`` to be written inside ``ctx`` (any thread, any lock held: nothing is written here)."""
+        if not lines:
+            return
+        with self._cond:
+            self._queue.append((lines, ctx))
+            self._queued += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="monarch-output", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait up to ``timeout`` seconds until every batch queued so far is written; True when it is. Call it
+        without the mesh lock (the writer may wait for a kernel's output stream). A no-op on the writer's thread."""
+        with self._cond:
+            if threading.current_thread() is self._thread:
+                return True
+            target = self._queued
+            return self._cond.wait_for(lambda: self._written >= target, timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if not self._queue and not self._cond.wait_for(lambda: bool(self._queue), 1.0):
+                    self._thread = None  # a later put starts a new one
+                    return
+                batch = list(self._queue)
+                self._queue.clear()
+            for lines, ctx in batch:
+                try:
+                    write_lines(lines, ctx)
+                except Exception:  # noqa: BLE001 - a broken stream must not stop later output
+                    log.exception("writing rank output failed")
+            with self._cond:
+                self._written += len(batch)
+                self._cond.notify_all()

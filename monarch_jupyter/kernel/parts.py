@@ -1,8 +1,10 @@
 """The parts of one mesh's controller and how they are wired: the one place that says who talks to whom.
 
-Every part gets the shared ``MeshState`` and the other parts it calls, explicitly, in its constructor; none of
-them sees the ``Mesh``. ``build`` makes them in dependency order and registers who handles which message from the
-ranks (over the socket on the I/O thread, or as records in a local rank's output, read by the launcher's reader).
+Every part gets the shared ``MeshState`` and the other parts (or the narrow callables) it calls, in its
+constructor; none of them sees the ``Mesh``, and none is given anything after it was made. ``build`` makes them in
+dependency order: a part is made after everything it calls. What ranks send reaches the part that handles it by the
+route its message type declares (``Message.ROUTE``), through one table (``routes``), over the socket on the I/O
+thread or as records in a local rank's output, read by the launcher's reader.
 """
 
 from __future__ import annotations
@@ -14,20 +16,28 @@ from monarch_worker.options import MeshOptions
 
 from .cells import CellTable
 from .completion import Completions
+from .deaths import Deaths, RankEvents
 from .debugger import MeshDebugger
 from .dispatch import Dispatcher
+from .endpoint import ControllerSocket
 from .events import EventBus
+from .interrupts import Interrupter
 from .iothread import IOThread
 from .launch.capacity import check_host_capacity
 from .launch.hosts import HostLinks
 from .launch.join import JoinLauncher
 from .launch.listener import Listener
 from .lifecycle import Lifecycle
-from .recovery import RankEvents, Recovery
+from .output import OutputWriter
+from .postmortem import Inspector, PostMortem
+from .prompts import PromptServer
+from .recovery import Restarts
+from .releases import Releases
 from .rich import RichRouter
 from .routing import OutputRouter
+from .segments import Segments
 from .stacks import StackRequests
-from .state import MeshState
+from .state import Handler, MeshState
 from .transfer import Transfers
 from .waiting import Waiter
 
@@ -40,16 +50,21 @@ class Parts:
 
     events: EventBus
     state: MeshState
-    dispatcher: Dispatcher
+    writer: OutputWriter
     cells: CellTable
+    dispatcher: Dispatcher
     stacks: StackRequests
-    transfers: Transfers
+    interrupter: Interrupter
+    segments: Segments
+    router: OutputRouter
+    deaths: Deaths
     listener: Listener | None
     io: IOThread
-    router: OutputRouter
     lifecycle: Lifecycle
-    recovery: Recovery
+    restarts: Restarts
+    releases: Releases
     waiter: Waiter
+    transfers: Transfers
     debugger: MeshDebugger
     rich: RichRouter
     completions: Completions
@@ -63,44 +78,45 @@ def build(nproc: int, options: MeshOptions, join_launcher: JoinLauncher | None) 
         check_host_capacity(nproc)
     events = EventBus()
     state = MeshState(nproc, options, events)
-    dispatcher = Dispatcher(state)
-    cells = CellTable(state)
+    writer = OutputWriter()  # lines nobody waits for, written outside the lock
+    cells = CellTable(state, writer)
+    dispatcher = Dispatcher(state, cells)
     stacks = StackRequests(state, dispatcher)
-    transfers = Transfers(state, dispatcher, cells)
-    o = options
-    listener = (None if join_launcher is None else
-                Listener(state, join_launcher, o.address, o.port, o.encrypt, o.secret_file))
-    io = IOThread(state, dispatcher, listener)
-    router = OutputRouter(state, cells)
-    hosts = None if listener is None else HostLinks(state, cells, router, dispatcher)  # host agents
-    io.links = hosts
-    lifecycle = Lifecycle(state, io, dispatcher, router, cells, transfers, listener)
-    recovery = Recovery(state, dispatcher, stacks, lifecycle)
-    lifecycle.sink = sink = RankEvents(state, router, recovery, [transfers.on_rank_exit])
-    waiter = Waiter(state, dispatcher, stacks, recovery)
-    transfers.waiter = waiter
-    debugger = MeshDebugger(state, dispatcher, waiter)  # breakpoint(), post-mortem, inspect
-    waiter.prompts = debugger
-    rich = RichRouter(state, cells, dispatcher)  # ranks' display(), figures
+    interrupter = Interrupter(state, dispatcher)
+    segments = Segments(state, dispatcher, cells)  # shared memory of transfers
+    prompts = PromptServer(state, dispatcher, cells, writer)  # pdb prompts of ranks at breakpoint()
+    inspector = Inspector(state, dispatcher)  # inspect and clear, off a rank's busy main thread
+    rich = RichRouter(state, cells, dispatcher, writer)  # ranks' display(), figures
     completions = Completions(state, dispatcher)  # Tab and Shift-Tab in %%mesh cells
-    # What ranks send over the socket (I/O thread) ...
-    for kind, handler in ((P.Result, cells.on_result), (P.Stacks, stacks.on_reply), (P.Stream, router.on_stream),
-                          (P.PullReply, transfers.on_pull_reply), (P.ShmRelease, transfers.on_release),
-                          (P.DebugOutput, debugger.on_message), (P.DebugPrompt, debugger.on_message),
-                          (P.DebugResumed, debugger.on_message), (P.DebugReply, debugger.on_message),
-                          (P.Display, rich.on_display), (P.CompleteReply, completions.on_reply)):
-        io.handle(kind, handler)
-    # ... and as records in a local rank's stdout pipe (protocol.record_types; the output reader thread).
-    router.record_handlers.update({P.Result: cells.on_result, P.Progress: io.on_progress,
-                                   P.DebugOutput: debugger.on_message, P.DebugPrompt: debugger.on_message,
-                                   P.DebugResumed: debugger.on_message, P.Display: rich.on_display})
-    io.every_interval(recovery.check_heartbeats)
-    io.every_interval(transfers.idle_tick)
-    if listener is not None and hosts is not None:
-        io.every_interval(listener.check)
-        listener.attach(io.send_to, dispatcher, sink)
-        listener.hosts = hosts
-        hosts.attach(io.send_to, sink, recovery.ranks_lost)
-        transfers.agent_held = hosts.holds
-    return Parts(events, state, dispatcher, cells, stacks, transfers, listener, io, router, lifecycle, recovery,
-                 waiter, debugger, rich, completions)
+    # What handles each route a rank's message names (Message.ROUTE); the router adds its own (progress).
+    routes: dict[str, Handler] = {
+        "results": cells.on_result, "stacks": stacks.on_reply, "pull_replies": segments.on_pull_reply,
+        "segments": segments.on_release, "debugger": prompts.on_message, "inspections": inspector.on_reply,
+        "displays": rich.on_display, "completions": completions.on_reply,
+    }
+    router = OutputRouter(state, cells, writer, routes)
+    routes.update({"streams": router.on_stream, "progress": router.on_progress})
+    deaths = Deaths(state, dispatcher, cells, interrupter, writer)
+    sink = RankEvents(state, router, deaths, [segments.on_rank_exit])  # what launchers report
+    socket = ControllerSocket()
+    hosts = listener = None
+    if join_launcher is not None:  # ranks that join: admitted by the listener, host agents among them
+        hosts = HostLinks(state, cells, router, dispatcher, socket, sink, deaths.ranks_lost)
+        listener = Listener(state, join_launcher, options.address, options.port, options.encrypt,
+                            options.secret_file, hosts.send_to, dispatcher, sink, hosts)
+    handlers = {cls: routes[cls.ROUTE] for cls in P.MESSAGE_TYPES.values() if cls.ROUTE}
+    ticks = [deaths.check_heartbeats, segments.idle_tick, *([listener.check] if listener is not None else [])]
+    io = IOThread(state, dispatcher, socket, listener, hosts, handlers, ticks)
+    lifecycle = Lifecycle(state, io, dispatcher, router, cells, segments, listener, sink, writer)
+    restarts = Restarts(state, dispatcher, interrupter, stacks, lifecycle)
+    releases = Releases(state, dispatcher, cells, stacks, restarts.regroup)
+    waiter = Waiter(state, dispatcher, cells, writer, stacks, interrupter, deaths, releases, restarts, prompts)
+    transfers = Transfers(state, waiter, segments, hosts.holds if hosts is not None else _not_held)
+    debugger = MeshDebugger(prompts, PostMortem(state, waiter, prompts, inspector), inspector)
+    return Parts(events, state, writer, cells, dispatcher, stacks, interrupter, segments, router, deaths, listener, io,
+                 lifecycle, restarts, releases, waiter, transfers, debugger, rich, completions)
+
+
+def _not_held(rank: int) -> bool:
+    """No host agent holds any rank of a mesh without agents."""
+    return False

@@ -1,10 +1,10 @@
 """Post-mortem debugging, inspection of busy ranks, and the tracebacks ranks keep: the request/answer side of
-``mesh.debugger`` (the prompt conversation itself is in debugger.py).
+``mesh.debugger`` (the prompt conversation itself is prompts.py; the user's façade debugger.py).
 
 - ``post_mortem`` submits ``DebugPostMortem`` to one idle rank like a cell; the rank opens pdb on the traceback of
   its last failed cell, and the prompts are served while the controller waits for that "cell" (waiting.py).
-- ``inspect`` and ``clear`` are requests answered off the rank's main thread (``DebugReply``), so they work while
-  it is busy.
+- ``inspect`` and ``clear`` (``Inspector``) are requests answered off the rank's main thread (``DebugReply``), so
+  they work while it is busy.
 
 Which rank failed first comes from the results of cells (``MeshState.failures``, kept by cells.CellTable).
 """
@@ -15,7 +15,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from monarch_worker import protocol as P
 
@@ -24,10 +24,7 @@ from ..ranks import parse_ranks, ranks_text
 from .dispatch import Dispatcher
 from .state import MeshState, RankState
 
-if TYPE_CHECKING:
-    from .waiting import Waiter
-
-__all__ = ["Inspection", "NothingToDebugError", "PostMortem"]
+__all__ = ["Inspection", "NothingToDebugError", "PostMortem", "Inspector"]
 
 POLL = 0.05  # seconds between checks while waiting for answers
 
@@ -68,35 +65,30 @@ class Inspection:
 
 
 class ScriptedPrompts(Protocol):
-    """The debugger's ``options`` (scripted answers for the prompts of the cells waited for inside it)."""
+    """The prompt server's ``options`` (scripted answers for the prompts of the cells waited for inside it) and
+    its knowledge of post-mortem sessions (prompts.PromptServer)."""
 
     def options(self, commands: str | Iterable[str] | None = None,
                 on_interrupt: str | None = None) -> contextlib.AbstractContextManager[Any]: ...
 
+    def post_mortem_session(self, cell_id: int) -> None: ...
+
+
+class CellRunner(Protocol):
+    """What submits a cell and returns its handle (waiting.Waiter)."""
+
+    def submit(self, cell_id: int, groups: list, what: str, order: str = "arrival", tracks_failures: bool = True,
+               waited: bool = False) -> Any: ...
+
 
 class PostMortem:
-    """Post-mortem, inspect and clear of one mesh (see the module docstring)."""
+    """Post-mortem sessions of one mesh (see the module docstring)."""
 
-    def __init__(self, state: MeshState, dispatcher: Dispatcher, waiter: Waiter, prompts: ScriptedPrompts) -> None:
+    def __init__(self, state: MeshState, waiter: CellRunner, prompts: ScriptedPrompts, inspector: Inspector) -> None:
         self.state = state
-        self.dispatcher = dispatcher
         self.waiter = waiter
         self.prompts = prompts
-        self._own_cells: set[int] = set()  # post-mortem cells
-        self._replies: dict[int, dict[int, P.DebugReply]] = {}  # request id -> rank -> reply (under the lock)
-
-    def is_own(self, cell_id: int) -> bool:
-        """``cell_id`` is a post-mortem session."""
-        return cell_id in self._own_cells
-
-    def last_failed_rank(self) -> int | None:
-        """The rank whose error came first in the most recent failed cell (None: no rank keeps one)."""
-        with self.state.lock:
-            failed = {r: f for r, f in self.state.failures.items()
-                      if r in self.state.ranks and self.state.ranks[r].alive}
-            if not failed:
-                return None
-            return min(failed, key=lambda r: (-failed[r][0], failed[r][1]))
+        self.inspector = inspector
 
     def post_mortem(self, rank: int | None = None, commands: str | Iterable[str] | None = None,
                     timeout: float | None = None) -> None:
@@ -123,7 +115,7 @@ class PostMortem:
         state = self.state
         state.check_running()
         if rank is None:
-            rank = self.last_failed_rank()
+            rank = self.inspector.last_failed_rank()
             if rank is None:
                 raise NothingToDebugError("no rank keeps a traceback to debug: no cell failed since the last one "
                                           "that ran on it (pass a rank to try one anyway)")
@@ -134,7 +126,7 @@ class PostMortem:
             raise MonarchError(f"rank {rank} is {rank_state.value}; post-mortem debugging needs an idle rank "
                                "(use  %mesh inspect  to look at a busy one)")
         cell_id = next(state.ids)
-        self._own_cells.add(cell_id)
+        self.prompts.post_mortem_session(cell_id)
         with self._scripted(commands):
             handle = self.waiter.submit(cell_id, [([rank], P.DebugPostMortem(cell_id), b"", [])],
                                         f"post-mortem of rank {rank}", tracks_failures=False)
@@ -145,6 +137,25 @@ class PostMortem:
 
     def _scripted(self, commands: str | Iterable[str] | None) -> contextlib.AbstractContextManager[Any]:
         return self.prompts.options(commands=commands) if commands is not None else contextlib.nullcontext()
+
+
+
+class Inspector:
+    """Inspect and clear: requests to ranks answered off their main thread (see the module docstring)."""
+
+    def __init__(self, state: MeshState, dispatcher: Dispatcher) -> None:
+        self.state = state
+        self.dispatcher = dispatcher
+        self._replies: dict[int, dict[int, P.DebugReply]] = {}  # request id -> rank -> reply (under the lock)
+
+    def last_failed_rank(self) -> int | None:
+        """The rank whose error came first in the most recent failed cell (None: no rank keeps one)."""
+        with self.state.lock:
+            failed = {r: f for r, f in self.state.failures.items()
+                      if r in self.state.ranks and self.state.ranks[r].alive}
+            if not failed:
+                return None
+            return min(failed, key=lambda r: (-failed[r][0], failed[r][1]))
 
     def inspect(self, expr: str, rank: int, *, frame: bool = False, timeout: float = 10.0) -> Inspection:
         """Evaluate ``expr`` on ``rank`` beside its main thread, which may be busy (live state, read as it runs).
@@ -194,7 +205,7 @@ class PostMortem:
             raise MonarchError(f"{ranks_text(missing)} did not answer within {timeout:g} s")
         return sorted(r for r, rep in replies.items() if rep.text == "cleared")
 
-    def on_reply(self, rank: int, msg: P.DebugReply) -> None:
+    def on_reply(self, rank: int, msg: P.DebugReply, payload: bytes, bufs: list) -> None:
         """A rank's answer to inspect or clear (I/O thread)."""
         with self.state.lock:
             replies = self._replies.get(msg.request_id)

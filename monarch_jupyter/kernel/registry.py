@@ -1,22 +1,23 @@
-"""The current mesh of this process: the one started (or listening) last, which ``%mesh`` magics act on."""
+"""The current mesh of this process: the one started (or listening) last, which ``%mesh`` magics act on.
+
+It holds the mesh as a plain object, so that it imports nothing of the controller (kernel/__init__.py gives the
+typed ``current_mesh``).
+"""
 
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+from typing import Any
 
 from ..errors import MeshNotRunningError
 
-if TYPE_CHECKING:
-    from .mesh import Mesh
-
-__all__ = ["current_mesh", "set_current", "clear_current", "peek_current"]
+__all__ = ["current", "set_current", "clear_current", "peek_current"]
 
 _lock = threading.Lock()
-_current: Mesh | None = None
+_current: Any = None
 
 
-def current_mesh() -> Mesh:
+def current() -> Any:
     """The mesh started last in this process (by ``%mesh start`` or ``Mesh(...)``).
 
     Raises
@@ -31,19 +32,19 @@ def current_mesh() -> Mesh:
     return mesh
 
 
-def peek_current() -> Mesh | None:
+def peek_current() -> Any:
     """The current mesh, or None (no error)."""
     with _lock:
         return _current
 
 
-def set_current(mesh: Mesh | None) -> None:
+def set_current(mesh: Any) -> None:
     global _current
     with _lock:
         _current = mesh
 
 
-def clear_current(mesh: Mesh) -> None:
+def clear_current(mesh: Any) -> None:
     """``mesh`` stopped: it is no longer current (another mesh that became current since stays)."""
     global _current
     with _lock:

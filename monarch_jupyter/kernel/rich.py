@@ -28,7 +28,7 @@ from monarch_worker import shm
 
 from .cells import CellTable
 from .dispatch import Dispatcher
-from .output import label, write_lines
+from .output import OutputWriter, label, write_lines
 from .state import MeshState
 
 log = logging.getLogger(__name__)
@@ -84,10 +84,11 @@ def labelled_text(rank: int, text: str) -> str:
 class RichRouter:
     """Turns ranks' ``Display`` messages into rich outputs of their cells (see the module docstring)."""
 
-    def __init__(self, state: MeshState, cells: CellTable, dispatcher: Dispatcher) -> None:
+    def __init__(self, state: MeshState, cells: CellTable, dispatcher: Dispatcher, writer: OutputWriter) -> None:
         self.state = state
         self.cells = cells
         self.dispatcher = dispatcher
+        self.writer = writer
 
     def on_display(self, rank: int, msg: P.Display, payload: bytes, bufs: list) -> None:
         """A rank's display (output reader or I/O thread): decode it here, then queue it in its cell."""
@@ -96,13 +97,11 @@ class RichRouter:
             return
         state = self.state
         with state.lock:
-            cell = self.cells.lookup(msg.cell_id)
-            if cell is None:
-                cell = state.last_cell
-            if cell is None:
-                write_lines([(rank, "display", item)])
+            rec = self.cells.lookup(msg.cell_id) or state.last_cell
+            if rec is None:
+                self.writer.put([(rank, "display", item)], None)
             else:
-                cell.emit(rank, "display", item)
+                self.cells.emit(rec, rank, "display", item)
         state.events.emit("display", rank=rank, cell_id=msg.cell_id, display_kind=item.kind, display_id=item.display_id,
                           data=item.data, metadata=item.metadata)
 
@@ -145,8 +144,8 @@ class RichRouter:
     def _release(self, rank: int, seg_id: int) -> None:
         """Tell ``rank`` we no longer map its segment (any thread; from a finalizer)."""
         try:
-            with self.state.lock:
-                alive = rank in self.state.ranks and self.state.running
+            # No lock: a finalizer may run on a thread that holds the mesh lock (reading a dict and a flag is safe).
+            alive = rank in self.state.ranks and self.state.running
             if alive:
                 self.dispatcher.post(rank, P.ShmRelease(ids=[seg_id]))
         except Exception:  # noqa: BLE001 - at shutdown the mesh may be gone; the rank's pool goes with it

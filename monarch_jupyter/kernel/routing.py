@@ -9,10 +9,11 @@ A local rank's stdout and stderr pipes are read by the launcher's reader thread 
   submitted), labelled ``[rankN]:``, and is kept for the rank's death report.
 - A sync marker completes a cell's output on its stream.
 - A record (protocol.RECORD_PREFIX) is a message the rank's main thread wrote into its stdout pipe behind its
-  output (a cell's ``Result``, progress, debugger prompts): verified here under the lock once all its parts are
-  in, then handled outside the lock (handlers unpickle values). A ``Result`` record also completes the cell's
-  output on both streams: the launcher passes on a rank's stderr ahead of each stdout read, and the rank wrote its
-  stderr before the record.
+  output (a cell's ``Result``, progress, debugger prompts): put together and verified by the reading thread once
+  all its parts are in, then handled by the handler of its route (``Message.ROUTE``), all outside the lock
+  (handlers unpickle values). A ``Result`` record also completes the cell's output on both streams: the launcher
+  passes on a rank's stderr ahead of each stdout read, and the rank wrote its stderr before the record.
+- Lines of no cell are queued to the mesh's OutputWriter; nothing is written here.
 """
 
 from __future__ import annotations
@@ -26,9 +27,8 @@ import monarch_worker
 from monarch_worker import protocol as P
 
 from .cells import CellTable
-from .iothread import Handler
-from .output import write_lines
-from .state import LAST_LINES, MeshState, RankInfo
+from .output import OutputWriter
+from .state import LAST_LINES, Handler, MeshState, RankInfo
 
 log = logging.getLogger(__name__)
 
@@ -49,22 +49,26 @@ def kept_for_death_report(line: str) -> bool:
 class OutputRouter:
     """Routes the output of one mesh's ranks (see the module docstring)."""
 
-    def __init__(self, state: MeshState, cells: CellTable) -> None:
+    def __init__(self, state: MeshState, cells: CellTable, writer: OutputWriter, routes: dict[str, Handler]) -> None:
+        """``routes``: the handler of each route a rank's record may name (``Message.ROUTE``; its progress reports
+        are this router's own)."""
         self.state = state
         self.cells = cells
-        self.record_handlers: dict[type, Handler] = {}  # what ranks may send as records (protocol.record_types)
+        self.writer = writer
+        self._routes = {**routes, "progress": self.on_progress}
         self._record_signer = P.Signer(bytes(32))  # the generation's replaces it; verifies records (reader thread)
 
     def new_generation(self, secret: bytes) -> None:
         self._record_signer = P.Signer(secret)
 
     def on_output(self, rank: int, stream: str, data: bytes) -> None:
-        """Bytes a rank wrote on ``stream`` (the reader thread of that rank's pipes)."""
+        """Bytes a rank wrote on ``stream`` (the one thread that reads that rank's output: its splitters and its
+        record parts are that thread's own, so records are put together and verified outside the lock)."""
         state = self.state
         info = state.ranks.get(rank)
         if info is None:
             return
-        events = info.splitters[stream].feed(data)  # the splitters are this thread's own
+        events = info.splitters[stream].feed(data)
         i, n = 0, len(events)
         while i < n:
             with state.lock:
@@ -80,23 +84,40 @@ class OutputRouter:
                     run = []
                     self.cells.on_sync(rank, stream, int(value))  # type: ignore[call-overload]
                 self.route_lines(info, stream, run)
-                if i == n:
-                    return
-                record = self._take_record(info, *events[i][1])  # type: ignore[misc]
-                i += 1
-            if record is not None:  # its handler unpickles values: outside the lock, as for socket messages
-                msg, payload, bufs = record
-                try:
-                    self.record_handlers[type(msg)](rank, msg, payload, bufs)
-                except Exception:  # noqa: BLE001 - keep the reader thread alive whatever a rank sent
-                    log.exception("handling %s from rank %d failed", msg.TYPE, rank)
+            if i == n:
+                return
+            part: Any = events[i][1]  # (flags, body) of a record
+            flags, body = int(part[0]), bytes(part[1])
+            i += 1
+            record = self._take_record(info, flags, body)
+            if record is None:
+                continue
+            msg, payload, bufs = record
+            if isinstance(msg, P.Result) and flags & P.RECORD_SYNC:
+                self._ended(info, msg.cell_id)
+            try:  # its handler unpickles values: outside the lock, as for socket messages
+                self._routes[msg.ROUTE](rank, msg, payload, bufs)
+            except Exception:  # noqa: BLE001 - keep the reader thread alive whatever a rank sent
+                log.exception("handling %s from rank %d failed", msg.TYPE, rank)
 
     def on_stream(self, rank: int, msg: P.Stream, payload: bytes, bufs: list) -> None:
         """Output that a rank relays itself (I/O thread)."""
         self.on_output(rank, msg.name, msg.data.encode())
 
+    def on_progress(self, rank: int, msg: P.Progress, payload: bytes, bufs: list) -> None:
+        """A rank's progress report (from the socket, or a record in its output: any thread). The two ways can
+        cross: a report older (by ``seq``) than the newest one of this rank process is dropped."""
+        with self.state.lock:
+            info = self.state.ranks[rank]
+            if msg.seq and msg.seq <= info.progress_seq:
+                return
+            info.progress, info.progress_seq = (msg.n, msg.total, msg.desc), msg.seq
+            self.state.events.emit("progress", rank=rank, n=msg.n, total=msg.total, desc=msg.desc,  # in seq order
+                                   cell_id=msg.cell_id, postfix=msg.postfix)
+
     def _take_record(self, info: RankInfo, flags: int, body: bytes) -> tuple[Any, bytes, list] | None:
-        """Under the lock: the verified message of a record once all of its parts are in, else None."""
+        """The verified message of a record once all of its parts are in, else None (the reading thread; no
+        lock: verifying a signature is work the mesh lock never waits for)."""
         if flags & P.RECORD_MORE:
             info.record_parts.append(body)
             return None
@@ -111,24 +132,31 @@ class OutputRouter:
         else:
             log.warning("dropped a record of rank %d: %s", info.rank, error)
             return None
-        if type(msg) not in self.record_handlers:
+        if not type(msg).RECORD or msg.ROUTE not in self._routes:
             log.warning("rank %d sent an unexpected %s record", info.rank, msg.TYPE)
             return None
-        if isinstance(msg, P.Result) and flags & P.RECORD_SYNC:
-            cell = self.cells.get(msg.cell_id)
-            if cell is not None and info.rank in cell.synced:
-                for _, text in info.splitters["stderr"].end_line():  # the cell that wrote it ended
-                    self.route_line(info, "stderr", str(text))
-                cell.synced[info.rank].update(("stdout", "stderr"))
         return msg, payload, bufs
 
+    def _ended(self, info: RankInfo, cell_id: int) -> None:
+        """``info``'s Result record for ``cell_id`` came: the rank wrote its stderr before it, so every line of the
+        cell is in; a last stderr line without a newline belongs to that cell."""
+        with self.state.lock:
+            rec = self.cells.get(cell_id)
+            if rec is None or info.rank not in rec.synced:
+                return
+            for _, text in info.splitters["stderr"].end_line():  # the cell that wrote it ended
+                self.route_line(info, "stderr", str(text))
+            self.cells.end_output(rec, info.rank)
+
     def route_line(self, info: RankInfo, stream: str, text: str) -> None:
-        """Under the lock: one line of ``info``'s output to its cell."""
+        """One line of ``info``'s output to its cell."""
+        self.state.assert_locked()
         self.route_lines(info, stream, [text])
 
     def route_lines(self, info: RankInfo, stream: str, texts: list[str]) -> None:
         """Under the lock: lines of ``info``'s output, in order, to the cell they belong to (one cell: no sync
         marker between them); one "output" event for all of them."""
+        self.state.assert_locked()
         if not texts:
             return
         kept: list[str] = []  # the last LAST_LINES kept lines are all that can stay in info.last_lines
@@ -143,15 +171,20 @@ class OutputRouter:
         if target is None and self.state.held_output is not None:  # a start of many ranks: folded later
             self.state.held_output.extend((info.rank, stream, text) for text in texts)
         elif target is None:
-            write_lines([(info.rank, stream, text) for text in texts])
+            self.writer.put([(info.rank, stream, text) for text in texts], None)
         else:
-            target.emit_lines(info.rank, stream, texts)
+            self.cells.emit_lines(target, info.rank, stream, texts)
         self.state.events.emit("output", rank=info.rank, stream=stream, lines=texts, text="\n".join(texts),
                                cell_id=None if target is None else target.cell_id)
 
-    def flush_rank(self, info: RankInfo) -> None:
-        """Under the lock: ``info`` exited; route the last lines it wrote without a newline."""
-        for stream, splitter in info.splitters.items():
-            for kind, value in splitter.flush():
-                if kind == "line":
-                    self.route_line(info, stream, str(value))
+    def flush_rank(self, rank: int) -> None:
+        """``rank`` exited (the thread that read its output): route the last lines it wrote without a newline."""
+        info = self.state.ranks.get(rank)
+        if info is None:
+            return
+        lines = [(stream, str(value)) for stream, splitter in info.splitters.items()
+                 for kind, value in splitter.flush() if kind == "line"]
+        if lines:
+            with self.state.lock:
+                for stream, text in lines:
+                    self.route_line(info, stream, text)

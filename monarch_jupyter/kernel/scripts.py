@@ -97,5 +97,5 @@ def run_script(state: MeshState, waiter: Waiter, target: str | os.PathLike, args
     payload, buffers = dumps((fn, args, kwargs))
     what = f"the {'module' if module else 'script'} {os.fspath(target)}"
     handle = waiter.submit(cell_id, [(chosen, P.Call(cell_id, {}), payload, buffers)], what, order)
-    result = waiter.result(handle, timeout if timeout is not None else (state.options.timeout or None))
+    result = waiter.result(handle.record, timeout if timeout is not None else (state.options.timeout or None))
     return result if result is not None else RankMap(dict.fromkeys(chosen, 0))

@@ -25,12 +25,16 @@ from ..errors import MeshNotRunningError
 from ..ranks import ranks_text
 from .events import EventBus
 from .output import StreamSplitter, temp_file_sink
+from .records import CellRecord
 
 if TYPE_CHECKING:
-    from .cells import CellHandle
     from .launch.base import Launcher
 
-__all__ = ["RankState", "RankInfo", "MeshState", "LAST_LINES", "owner_check"]
+__all__ = ["RankState", "RankInfo", "MeshState", "MeshLock", "LAST_LINES", "owner_check", "Handler"]
+
+Handler = Callable[[int, Any, bytes, list], None]
+"""What handles a message a rank sent: (rank, message, payload, buffers); the route of each message type
+(``Message.ROUTE``) names one (kernel/parts.py)."""
 
 LAST_LINES = 20  # lines of output kept per rank for death reports
 
@@ -64,7 +68,7 @@ class RankInfo:
     cuda_allocated: int = 0  # bytes
     cuda_reserved: int = 0  # bytes
     last_heard: float = 0.0  # time.monotonic() of its last message
-    cells: deque[CellHandle] = field(default_factory=deque)  # submitted to this rank, not yet finished on it
+    cells: deque[CellRecord] = field(default_factory=deque)  # submitted to this rank, not yet finished on it
     last_lines: deque[str] = field(default_factory=lambda: deque(maxlen=LAST_LINES))
     last_line_cells: deque[int] = field(default_factory=lambda: deque(maxlen=LAST_LINES))  # each line's cell (-1)
     splitters: dict[str, StreamSplitter] = field(default_factory=dict)  # "stdout", "stderr" (MeshState.rank_info)
@@ -83,6 +87,47 @@ class RankInfo:
         return ("\n".join(own), False) if own else ("\n".join(self.last_lines), bool(self.last_lines))
 
 
+class MeshLock:
+    """The mesh's one lock: a plain ``threading.Lock`` that knows which thread holds it.
+
+    Methods that need it assert so (``MeshState.assert_locked``) instead of saying it in prose, and a thread that
+    takes it a second time gets ``RuntimeError`` at once instead of a deadlock (it is not reentrant, so that
+    every taking of it is visible in the code that does it). ``threading.Condition`` works on it (``_is_owned``).
+    """
+
+    __slots__ = ("_lock", "_owner")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: int | None = None  # threading.get_ident() of the holder
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        """Take the lock (as ``threading.Lock.acquire``). Raises RuntimeError when this thread holds it already."""
+        me = threading.get_ident()
+        if self._owner == me:
+            raise RuntimeError("the mesh lock is not reentrant, and this thread holds it already")
+        if not self._lock.acquire(blocking, timeout):
+            return False
+        self._owner = me
+        return True
+
+    def release(self) -> None:
+        self._owner = None
+        self._lock.release()
+
+    def held(self) -> bool:
+        """The calling thread holds the lock."""
+        return self._owner == threading.get_ident()
+
+    _is_owned = held  # what threading.Condition asks of its lock
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
 class MeshState:
     """What the parts of one mesh share (see the module docstring). Attributes that change are guarded by
     ``lock``; ``nproc``, ``options``, ``events`` and ``ids`` are set once."""
@@ -91,13 +136,13 @@ class MeshState:
         self.nproc = nproc
         self.options = options
         self.events = events
-        self.lock = threading.RLock()
-        self.cond = threading.Condition(self.lock)
+        self.lock = MeshLock()
+        self.cond = threading.Condition(self.lock)  # type: ignore[arg-type]  # a lock with what Condition needs
         self.ids = itertools.count(1)  # cell, call and request ids: unique for the mesh's lifetime
         self.ranks: dict[int, RankInfo] = {}
-        self.cells: dict[int, CellHandle] = {}  # cells some rank has not finished (and blocking ones not yet read)
-        self.last_cell: CellHandle | None = None  # output that belongs to no cell goes there
-        self.recent_cells: dict[int, CellHandle] = {}  # the last cells submitted, ended or not (late displays)
+        self.cells: dict[int, CellRecord] = {}  # cells some rank has not finished (and blocking ones not yet read)
+        self.last_cell: CellRecord | None = None  # output that belongs to no cell goes there
+        self.recent_cells: dict[int, CellRecord] = {}  # the last cells submitted, ended or not (late displays)
         self.running = False
         self.stopping = False  # exits now are expected (stop, restart): not reported as deaths
         self.launcher: Launcher | None = None
@@ -126,6 +171,15 @@ class MeshState:
         self.regrouping = set()
         self.killing = {}
         self.stopping = False
+
+    def assert_locked(self) -> None:
+        """Assert that the calling thread holds ``lock`` (at the top of every method that needs it held)."""
+        assert self.lock.held(), "called without the mesh lock, which it needs held"
+
+    def assert_unlocked(self) -> None:
+        """Assert that the calling thread does not hold ``lock`` (at the top of every method that waits, sends or
+        writes: what must never happen under it)."""
+        assert not self.lock.held(), "called with the mesh lock held, which it must not be"
 
     def rank_info(self, rank: int) -> RankInfo:
         """A fresh handle of ``rank``, its output splitters cutting lines at ``options.output_line_limit`` bytes

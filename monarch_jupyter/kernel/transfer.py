@@ -17,34 +17,28 @@ How the bytes travel (``via``; "auto" picks per value):
 Pull and gather replies come back through a segment the rank writes (same host) or over the socket; the values
 the notebook gets are views of the rank's segment until it drops them (then the rank may reuse the segment).
 
-Threads: ``push``/``scatter``/``pull``/``gather`` run on the caller's thread; ``on_pull_reply``, ``on_release``
-on the mesh's I/O thread; ``on_rank_exit`` on the launcher's reader thread. The segment pool is thread-safe.
+Threads: ``push``/``scatter``/``pull``/``gather`` run on the caller's thread; the segments and the replies are
+segments.py's.
 """
 
 from __future__ import annotations
 
-import functools
 import keyword
 import logging
-import socket
-import threading
-import warnings
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from monarch_worker import heap, shm
 from monarch_worker import protocol as P
+from monarch_worker import shm
 from monarch_worker.executor import MESH_NAMES
 from monarch_worker.serialize import SerializationError, dumps
 
 from ..errors import MeshError, RemoteError
 from ..ranks import RankMap, parse_ranks, ranks_text
-from .cells import CellHandle, CellTable
-from .dispatch import Dispatcher
+from .cells import CellHandle
+from .segments import Segments
 from .state import MeshState
-
-if TYPE_CHECKING:
-    from .waiting import Waiter
+from .waiting import Waiter
 
 log = logging.getLogger(__name__)
 
@@ -66,54 +60,31 @@ class _Packed:
 
 
 class Transfers:
-    """Push/scatter/pull/gather of one mesh; ``open`` at each start, ``close`` at each stop (segments are per
-    generation)."""
+    """Push/scatter/pull/gather of one mesh, through its shared memory segments (segments.py) or the socket."""
 
-    def __init__(self, state: MeshState, dispatcher: Dispatcher, cells: CellTable) -> None:
+    def __init__(self, state: MeshState, waiter: Waiter, segments: Segments, agent_held: Callable[[int], bool]) -> None:
         self.state = state
-        self.dispatcher = dispatcher
-        self.cells = cells
-        self.waiter: Waiter | None = None  # set by the mesh (waiting.py needs the mesh's recovery first)
-        self.pool = shm.SegmentPool()
-        self.idle = heap.IdleTrim()  # polled by the I/O thread (parts.py)
-        self.host = socket.gethostname()
-        self.no_shm: set[int] = set()  # ranks that could not map our segments: the socket from now on
-        self.agent_held: Callable[[int], bool] = lambda rank: False  # a host agent holds it (launch/hosts.py)
-        # Reentrant: _release_to runs from finalizers, which garbage collection may call on a thread holding it.
-        self._lock = threading.RLock()
-        self._closed = True
-
-    def open(self) -> None:
-        """A new generation: a fresh segment pool."""
-        with self._lock:
-            if not self._closed:
-                return
-            self.pool = shm.SegmentPool()
-            self.no_shm = set()
-            self._closed = False
+        self.waiter = waiter
+        self.segments = segments
+        self.agent_held = agent_held  # a host agent holds the rank (launch/hosts.py): one copy per host
 
     def _submit(self, per_rank: Mapping[int, tuple[P.Message, bytes, list]], cell_id: int, what: str) -> CellHandle:
-        assert self.waiter is not None
         return self.waiter.submit(cell_id, _grouped(per_rank), what)
 
     def _wait(self, handle: CellHandle, timeout: float | None) -> RankMap | None:
-        assert self.waiter is not None
         try:
-            return self.waiter.result(handle, timeout if timeout is not None else (self.state.options.timeout or None))
+            return self.waiter.result(handle.record,
+                                      timeout if timeout is not None else (self.state.options.timeout or None))
         finally:
-            self.idle.worked()  # what the transfer freed goes back to the OS once the kernel idles (heap.py)
+            self.segments.worked()
 
     # ------------------------------------------------------------------ routing
 
-    def _shm_ok(self, rank: int) -> bool:
-        info = self.state.ranks[rank]
-        return shm.supported() and info.host == self.host and rank not in self.no_shm
-
     def _route(self, size: int, chosen: list[int], via: str) -> str:
-        remote = [r for r in chosen if not self._shm_ok(r)]
+        remote = [r for r in chosen if not self.segments.shm_ok(r)]
         if via == "shm" and remote:
-            raise ValueError(f"via='shm' needs every chosen rank on this host ({self.host}) with shared memory; "
-                             f"not so for {ranks_text(remote)}; use via='auto'")
+            raise ValueError(f"via='shm' needs every chosen rank on this host ({self.segments.host}) with shared "
+                             f"memory; not so for {ranks_text(remote)}; use via='auto'")
         # Ranks elsewhere that a host agent holds get one copy per host, which the agent puts in shared memory:
         # only ranks that joined one process per rank count toward a broadcast.
         alone = [r for r in remote if not self.agent_held(r)]
@@ -121,19 +92,7 @@ class Transfers:
 
     def _segment(self, packed: _Packed, holders: list[int]) -> dict | None:
         """Write ``packed``'s buffers into a segment lent to ``holders``; None (socket) when memory is short."""
-        try:
-            seg = self.pool.acquire(packed.size)
-            try:
-                seg.write(packed.buffers, packed.layout)
-            except BaseException:
-                seg.close()
-                raise
-        except shm.ShmError as e:
-            warnings.warn(f"{packed.name!r} ({packed.size} bytes) goes over the socket, not through shared memory: "
-                          f"{e}", RuntimeWarning, stacklevel=4)
-            return None
-        self.pool.lend(seg, holders)
-        return seg.describe(packed.layout, packed.size)
+        return self.segments.segment(packed.name, packed.buffers, packed.layout, packed.size, holders)
 
     # ------------------------------------------------------------------ push and scatter
 
@@ -157,19 +116,19 @@ class Transfers:
                 if route == "broadcast":
                     # The source gets the bytes on the socket: nothing can fail on it before the collective, which
                     # every chosen rank must enter.
-                    src = min((r for r in chosen if self._shm_ok(r)), default=chosen[0])
+                    src = min((r for r in chosen if self.segments.shm_ok(r)), default=chosen[0])
                     bcast = {"src": src, "group": chosen, "layout": p.layout, "size": p.size}
                     for r in chosen:
                         _add(items[r], frames[r], p, None, bcast, with_buffers=r == src)
                     continue
-                here = {r for r in chosen if self._shm_ok(r)}  # the others are held by host agents (frames)
+                here = {r for r in chosen if self.segments.shm_ok(r)}  # the others are held by host agents (frames)
                 desc = self._segment(p, sorted(here)) if route == "shm" and here else None
                 if desc is not None:
                     lent.append((desc["id"], sorted(here)))
                 for r in chosen:
                     _add(items[r], frames[r], p, desc if r in here else None, None)
         except BaseException:
-            self._give_back(lent)
+            self.segments.give_back(lent)
             raise
 
         def repack(r: int) -> tuple[list[dict], list, bytes]:
@@ -200,7 +159,7 @@ class Transfers:
                 items[r], frames[r] = [], []
                 _add(items[r], frames[r], p, desc, None)
         except BaseException:
-            self._give_back(lent)
+            self.segments.give_back(lent)
             raise
 
         def repack(r: int) -> tuple[list[dict], list, bytes]:
@@ -212,12 +171,6 @@ class Transfers:
         self._send(chosen, items, frames, {r: packed[r].data for r in chosen}, device, f"scatter of {name!r}",
                    timeout, lent, repack)
 
-    def _give_back(self, lent: list[tuple[int, list[int]]]) -> None:
-        for seg_id, holders in lent:
-            for r in holders:
-                self.pool.give_back(seg_id, r)
-        lent.clear()
-
     def _send(self, chosen: list[int], items: dict[int, list[dict]], frames: dict[int, list],
               payloads: dict[int, bytes], device: str | None, what: str, timeout: float | None,
               lent: list, repack: Callable[[int], tuple[list[dict], list, bytes]]) -> None:
@@ -228,7 +181,7 @@ class Transfers:
         try:
             handle = self._submit(per_rank, cell_id, what)
         except BaseException:
-            self._give_back(lent)
+            self.segments.give_back(lent)
             raise
         lent.clear()  # sent: each rank gives its segments back itself (or dies, and on_rank_exit does)
         try:
@@ -240,7 +193,7 @@ class Transfers:
                 raise
             log.warning("rank(s) %s cannot map this kernel's shared memory (%s); they get values over the socket "
                         "from now on", retry, e.errors[retry[0]])
-            self.no_shm.update(retry)
+            self.segments.no_shm.update(retry)
             others = {r: err for r, err in e.errors.items() if r not in retry}
             cell_id = next(self.state.ids)
             resend = {}
@@ -259,7 +212,7 @@ class Transfers:
     def pull(self, name: str, ranks: Any, timeout: float | None, op: str = "pull") -> RankMap:
         _check_name(name)
         chosen = parse_ranks(ranks, self.state.nproc)
-        return self._pull(name, {r: self._shm_ok(r) for r in chosen}, timeout, f"{op} of {name!r}")
+        return self._pull(name, {r: self.segments.shm_ok(r) for r in chosen}, timeout, f"{op} of {name!r}")
 
     def _pull(self, name: str, use_shm: dict[int, bool], timeout: float | None, what: str) -> RankMap:
         cell_id = next(self.state.ids)
@@ -269,17 +222,13 @@ class Transfers:
         try:
             # The values must live only as long as the caller keeps them (they may be views of a rank's memory):
             # the mesh keeps its last handle (for late output), so the handle forgets them.
-            try:
-                return self._wait(handle, timeout) or RankMap()
-            finally:
-                with self.state.lock:
-                    handle.values.clear()
+            return self._wait(handle, timeout) or RankMap()  # the record gave its values to the caller
         except MeshError as e:
             retry = [r for r, err in e.errors.items() if isinstance(err, RemoteError)
                      and err.ename == "ShmUnavailableError" and use_shm.get(r)]
             if not retry:
                 raise
-            self.no_shm.update(retry)
+            self.segments.no_shm.update(retry)
             results = RankMap(e.results)
             others = {r: err for r, err in e.errors.items() if r not in retry}
             try:
@@ -296,49 +245,6 @@ class Transfers:
         return concat(name, parts, dim)
 
     # ------------------------------------------------------------------ I/O thread and launcher events
-
-    def on_pull_reply(self, rank: int, msg: P.PullReply, payload: bytes, bufs: list) -> None:
-        """Map the rank's segment (or take the frames) and hand the reply to the mesh as a cell Result."""
-        status, error, buffers = msg.status, msg.error, None
-        if status == "ok" and msg.shm:
-            try:
-                buffers = shm.open_segment(msg.shm, functools.partial(self._release_to, rank))
-            except shm.ShmUnavailableError as e:
-                self._release_to(rank, msg.shm["id"])
-                status = "error"
-                error = {"type": "ShmUnavailableError", "module": "monarch_worker.shm",
-                         "message": f"the notebook cannot map rank {rank}'s shared memory: {e}", "traceback": ""}
-        elif status == "ok":
-            buffers = [_writable(b) for b in bufs]
-        result = P.Result(msg.cell_id, status, has_value=status == "ok", error=error, duration=msg.duration)
-        self.cells.on_result(rank, result, payload, buffers or [])
-
-    def _release_to(self, rank: int, seg_id: int) -> None:
-        """Tell ``rank`` we no longer map its segment (any thread; from a finalizer, maybe long after)."""
-        with self._lock:
-            if self._closed:
-                return
-            if rank in self.state.ranks:
-                self.dispatcher.post(rank, P.ShmRelease(ids=[seg_id]))
-
-    def on_release(self, rank: int, msg: P.ShmRelease, payload: bytes, bufs: list) -> None:
-        """``rank`` dropped the values it built on these segments of ours."""
-        for seg_id in msg.ids:
-            self.pool.give_back(int(seg_id), rank)
-
-    def idle_tick(self, now: float) -> None:
-        """I/O thread, once per heartbeat interval: give freed heap memory back if idle since a transfer (heap)."""
-        self.idle.maybe_trim()
-
-    def on_rank_exit(self, rank: int) -> None:
-        self.pool.drop_holder(rank)
-
-    def close(self) -> None:
-        """The mesh stops: free every segment we hold (ranks' mappings die with them)."""
-        with self._lock:
-            self._closed = True
-        self.pool.close()
-
 
 # ---------------------------------------------------------------------- helpers (no mesh state)
 
@@ -414,11 +320,6 @@ def _device_spec(device: Any) -> str | None:
     if type(device).__name__ == "device" and type(device).__module__ == "torch":
         return str(device)
     raise TypeError(f"device must be None, 'rank', or a torch device (str or torch.device); got {device!r}")
-
-
-def _writable(buf: Any) -> Any:
-    mv = memoryview(buf)
-    return bytearray(mv) if mv.readonly else mv
 
 
 def split(name: str, value: Any, n: int, dim: int) -> list:

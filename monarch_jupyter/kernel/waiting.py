@@ -1,14 +1,16 @@
 """Waiting for a cell: its output written from the waiting thread, interrupts, timeouts, the outcome.
 
 The caller's thread (the kernel's main thread in a notebook) waits on the cell's condition in 50 ms slices, so
-SIGINT (the notebook's interrupt) always reaches it, and writes the cell's output lines itself as they arrive.
-When the caller is interrupted, the ranks still running the cell are interrupted too (and again every
-``INTERRUPT_RESEND`` seconds: a SIGINT that lands just before a blocking call waits for that call to end); the
-ranks get ``interrupt_grace`` seconds to stop, and those that do not are reported as stuck. A cell that runs past
-its timeout is interrupted the same way and raises ``MeshTimeoutError`` with each rank's stack.
+SIGINT (the notebook's interrupt) always reaches it, and writes the cell's output lines itself as they arrive (it
+flushes the mesh's OutputWriter first, so lines queued before it waited come out first). When the caller is
+interrupted, the ranks still running the cell are interrupted too (interrupts.Interrupter); they get
+``interrupt_grace`` seconds to stop, and those that do not are reported as stuck. A cell that runs past its timeout
+is interrupted the same way and raises ``MeshTimeoutError`` with each rank's stack.
 
-A rank stopped at ``breakpoint()`` is served by the debugger from this thread (``Prompts``): time at the prompt
-does not count against the cell's timeout.
+While it waits, the thread also asks, when a rank of the cell raised, whether the others wait for it in a
+collective (releases.py), and gives up on survivors of a death after a grace period (deaths.py). A rank stopped at
+``breakpoint()`` is served by the debugger's prompts from this thread (``Prompts``): time at the prompt does not
+count against the cell's timeout.
 """
 
 from __future__ import annotations
@@ -18,22 +20,23 @@ import sys
 import time
 from typing import Protocol
 
-from monarch_worker import protocol as P
-
-from ..errors import MeshError, MeshTimeoutError, MonarchError, RemoteError, mesh_interrupt
+from ..errors import MeshError, MeshInterrupt, MeshTimeoutError, MonarchError, RemoteError, mesh_interrupt
 from ..ranks import RankMap, format_ranks, plural, ranks_text
-from .cells import CellHandle
+from .cells import CellHandle, CellTable
+from .deaths import Deaths
 from .dispatch import Dispatcher, Group
-from .output import write_lines
-from .recovery import Recovery, failed_ranks, keep_state, where_interrupted
+from .interrupts import Interrupter
+from .output import OutputWriter, write_lines
+from .records import CellRecord
+from .recovery import Restarts, keep_state, where_interrupted
+from .releases import Releases, failed_ranks
 from .stacks import StackRequests, summarize
 from .state import MeshState
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Waiter", "Prompts", "INTERRUPT_RESEND", "MARKER_GRACE"]
+__all__ = ["Waiter", "Prompts", "MARKER_GRACE"]
 
-INTERRUPT_RESEND = 1.0  # seconds between interrupts sent to ranks that still run an interrupted cell
 QUEUE_NOTE_AFTER = 1.0  # seconds a waited-for cell waits behind an earlier one before a note says so
 MARKER_GRACE = 1.0  # seconds a rank's output marker may lag its result before the rank is finished without it
 
@@ -47,22 +50,29 @@ def finished_note(results: dict) -> str:
 
 
 class Prompts(Protocol):
-    """Debugger prompts of ranks stopped at ``breakpoint()`` (debugger.MeshDebugger)."""
+    """Debugger prompts of ranks stopped at ``breakpoint()`` (prompts.PromptServer)."""
 
-    def has_prompt(self, cell: CellHandle) -> bool: ...
+    def has_prompt(self, cell: CellRecord) -> bool: ...
 
-    def serve(self, cell: CellHandle) -> float: ...
+    def serve(self, cell: CellRecord) -> float: ...
 
 
 class Waiter:
     """Submits cells and waits for them (see the module docstring)."""
 
-    def __init__(self, state: MeshState, dispatcher: Dispatcher, stacks: StackRequests, recovery: Recovery) -> None:
+    def __init__(self, state: MeshState, dispatcher: Dispatcher, cells: CellTable, writer: OutputWriter,
+                 stacks: StackRequests, interrupter: Interrupter, deaths: Deaths, releases: Releases,
+                 restarts: Restarts, prompts: Prompts) -> None:
         self.state = state
         self.dispatcher = dispatcher
+        self.cells = cells
+        self.writer = writer
         self.stacks = stacks
-        self.recovery = recovery
-        self.prompts: Prompts | None = None
+        self.interrupter = interrupter
+        self.deaths = deaths
+        self.releases = releases
+        self.restarts = restarts
+        self.prompts = prompts
 
     def submit(self, cell_id: int, groups: list[Group], what: str, order: str = "arrival",
                tracks_failures: bool = True, waited: bool = False) -> CellHandle:
@@ -79,167 +89,157 @@ class Waiter:
             The caller was interrupted once the cell was on its way: the ranks were interrupted too.
         """
         ranks = sorted(r for group in groups for r in group[0])
-        handle = CellHandle(self.state, self, cell_id, ranks, what, order)
-        handle.tracks_failures = tracks_failures
+        handle = self.cells.new(cell_id, ranks, what, order, self, tracks_failures=tracks_failures)
+        rec = handle.record
         if not waited:
-            return self._send(handle, groups)
-        with self.state.lock:
-            handle.set_waiting(True)
+            return self._send(rec, groups)
+        self.claim(rec)
         try:
-            return self._send(handle, groups)
+            return self._send(rec, groups)
         except BaseException:
             with self.state.lock:
-                handle.set_waiting(False)  # nobody will wait: lines go out as they come
+                self.cells.set_waiting(rec, False)  # nobody will wait: lines go out as they come
             raise
 
-    def _send(self, handle: CellHandle, groups: list[Group]) -> CellHandle:
-        cell_id, ranks = handle.cell_id, handle.ranks
+    def claim(self, rec: CellRecord) -> None:
+        """This thread writes ``rec``'s lines from now on (after what was queued before it)."""
+        self.state.assert_unlocked()
+        with self.state.lock:
+            self.cells.set_waiting(rec, True)
+        self.writer.flush()
+
+    def _send(self, rec: CellRecord, groups: list[Group]) -> CellHandle:
         try:
-            self.dispatcher.submit(handle, groups)
+            self.dispatcher.submit(rec, groups)
         except KeyboardInterrupt:
             with self.state.lock:
-                sent = self.state.cells.get(cell_id) is handle
+                sent = self.state.cells.get(rec.cell_id) is rec
             if not sent:
                 raise
-            raise self.interrupted(handle) from None
+            raise self.interrupted(rec) from None
         # From here on the ranks run it: an interrupt that lands before the caller waits must reach them too
         # (a fast cell's first output can be on screen, and interrupted, before that).
         try:
-            self.state.events.emit("cell_started", cell_id=cell_id, ranks=ranks, handle=handle)
+            self.state.events.emit("cell_started", cell_id=rec.cell_id, ranks=rec.ranks, handle=rec.handle)
         except KeyboardInterrupt:
-            raise self.interrupted(handle) from None
-        return handle
+            raise self.interrupted(rec) from None
+        return rec.handle
 
-    def result(self, handle: CellHandle, timeout: float | None) -> RankMap | None:
+    def result(self, rec: CellRecord, timeout: float | None) -> RankMap | None:
         """``handle.result(timeout)``, interrupting the ranks whenever the caller is interrupted."""
         try:
-            return handle.result(timeout)
+            self.wait(rec, timeout, True)
+            return self.outcome(rec)
         except KeyboardInterrupt as e:
-            if handle.interrupted or hasattr(e, "results"):  # the cell's own outcome: an interrupt on its ranks
+            if rec.interrupted or isinstance(e, MeshInterrupt):  # the cell's own outcome: an interrupt on its ranks
                 raise
-            raise self.interrupted(handle) from None
+            raise self.interrupted(rec) from None
 
-    def wait(self, cell: CellHandle, timeout: float | None, raise_on_timeout: bool) -> bool:
-        """Wait for ``cell`` and write its output from this thread; returns True when it finished.
+    def wait(self, rec: CellRecord, timeout: float | None, raise_on_timeout: bool) -> bool:
+        """Wait for ``rec`` and write its output from this thread; returns True when it finished.
 
         Raises MeshTimeoutError past ``timeout`` when ``raise_on_timeout``, KeyboardInterrupt when interrupted.
         """
-        state = self.state
+        state, cells = self.state, self.cells
         deadline = None if timeout is None else time.monotonic() + timeout
         note_at: float | None = time.monotonic() + QUEUE_NOTE_AFTER
         try:
-            with state.lock:
-                cell.set_waiting(True)
+            self.claim(rec)
             while True:
                 with state.lock:
-                    cell.wake_wait(0.05)
-                    self._check_stragglers(cell)
-                    failed, running = self.recovery.waiting_for_failed(cell, time.monotonic())
-                    lines = cell.pop_lines()
-                    done = cell.all_done
+                    cells.wake_wait(rec, 0.05)
+                    self._check_stragglers(rec)
+                    failed, running = self.releases.due(rec, time.monotonic())
+                    lines = cells.pop_lines(rec)
+                    done = rec.all_done
                     behind = []
                     if note_at is not None and time.monotonic() >= note_at:  # once: does it wait behind a cell?
                         note_at = None
-                        behind = [r for r in cell.ranks if r not in cell.finished
-                                  and cell.queued_behind(r, background=False)]
+                        behind = [r for r in rec.ranks if r not in rec.finished
+                                  and cells.queued_behind(rec, r, background=False)]
                 write_lines(lines)
                 if behind:  # an --async cell (block=False) still runs there: say why nothing happens
                     sys.stderr.write(f"note: {ranks_text(behind)} still {plural(behind, 'run', 'runs')} an earlier "
-                                     f"cell (sent with block=False or --async); {cell.what} starts there when it "
+                                     f"cell (sent with block=False or --async); {rec.what} starts there when it "
                                      "ends (%mesh interrupt  stops that cell;  %mesh inspect  reads values now)\n")
                 if running:  # a rank raised; do the others wait for it in a collective?
-                    self.recovery.release_collective(cell, failed, running)
+                    self.releases.release(rec, failed, running)
                 if done:
-                    if cell.collective_released and not cell.collective_hint:
-                        cell.collective_hint = self.recovery.renew_group(cell)
+                    if rec.collective_released and not rec.collective_hint:
+                        self.releases.renew_group(rec)
                     state.events.flush()  # the views saw the cell end before its result is returned
                     return True
-                if self.prompts is not None and self.prompts.has_prompt(cell):  # a rank stopped at breakpoint()
-                    paused = self.prompts.serve(cell)
+                if self.prompts.has_prompt(rec):  # a rank stopped at breakpoint()
+                    paused = self.prompts.serve(rec)
                     deadline = None if deadline is None else deadline + paused  # time at the prompt is not run time
                 if deadline is not None and time.monotonic() > deadline:
                     if raise_on_timeout:
-                        self._on_timeout(cell, timeout or 0.0)
+                        self._on_timeout(rec, timeout or 0.0)
                     return False
         except KeyboardInterrupt:
-            raise self.interrupted(cell) from None
+            raise self.interrupted(rec) from None
         finally:
             with state.lock:
-                cell.set_waiting(False)
+                cells.set_waiting(rec, False)
 
-    def _check_stragglers(self, cell: CellHandle) -> None:
-        """Under the lock: finish ranks whose result came but whose output marker is late, and end the cell
-        promptly when a rank died (recovery.py)."""
+    def _check_stragglers(self, rec: CellRecord) -> None:
+        """Finish ranks whose result came but whose output marker is late, and end the cell
+        promptly when a rank died (deaths.py)."""
+        self.state.assert_locked()
         now = time.monotonic()
-        for r in cell.results_in - cell.finished:  # results in, output markers not yet
-            if now - cell.result_seen_at[r] > MARKER_GRACE:
-                log.debug("rank %d: output marker of cell %d late; finishing without it", r, cell.cell_id)
-                cell.finish_rank(r)
-        self.recovery.release_survivors(cell, now)
+        for r in rec.results_in - rec.finished:  # results in, output markers not yet
+            if now - rec.result_seen_at[r] > MARKER_GRACE:
+                log.debug("rank %d: output marker of cell %d late; finishing without it", r, rec.cell_id)
+                self.cells.finish_rank(rec, r)
+        self.deaths.release_survivors(rec, now)
 
-    def interrupted(self, cell: CellHandle) -> KeyboardInterrupt:
+    def interrupted(self, rec: CellRecord) -> KeyboardInterrupt:
         """The caller was interrupted: ``interrupt_cell``, then the KeyboardInterrupt to raise, which holds the
         values of the ranks that had finished (its ``.results``) and says which they are."""
-        message = self.interrupt_cell(cell)
+        message = self.interrupt_cell(rec)
         with self.state.lock:
-            results = RankMap((r, cell.values.get(r)) for r in cell.ranks
-                              if r in cell.finished and r not in cell.errors)
-            if cell.all_done:  # nothing more comes for it (a handle's result() still has its values)
-                self.state.cells.pop(cell.cell_id, None)
+            results = RankMap((r, rec.values.get(r)) for r in rec.ranks
+                              if r in rec.finished and r not in rec.errors)
+            if rec.all_done:  # nothing more comes for it (a handle's result() still has its values)
+                self.cells.forget(rec)
         return mesh_interrupt(message + finished_note(results), results)
 
-    def interrupt_cell(self, cell: CellHandle) -> str:
-        """The caller was interrupted: interrupt the ranks still running ``cell`` and wait ``interrupt_grace``.
+    def interrupt_cell(self, rec: CellRecord) -> str:
+        """The caller was interrupted: interrupt the ranks still running ``rec`` and wait ``interrupt_grace``.
 
         Returns what to say in the KeyboardInterrupt: where the ranks stopped (stuck ones are reported on stderr).
         Ranks that had not started the cell (an earlier one, sent with ``block=False``, still runs there) are not
         waited for: they skip it when they reach it.
         """
-        state, post = self.state, self.dispatcher.post
+        state, cells = self.state, self.cells
         grace = state.options.interrupt_grace
         with state.lock:
-            cell.interrupted = True
-            running = [r for r in cell.ranks if r not in cell.finished]
-            cell.queued_on = {r for r in running if cell.queued_behind(r)}
-            for r in running:
-                post(r, P.Interrupt(cell.cell_id))
+            running, queued = cells.mark_interrupted(rec)
         if not running:
             return "interrupted"  # the ranks had finished it (``interrupted`` says so)
-        queued = cell.queued_on
         started = time.monotonic()
-        deadline = started + grace
-        resend = started + INTERRUPT_RESEND
-        try:
-            while time.monotonic() < deadline:
-                with state.lock:
-                    if all(r in cell.finished or r in queued for r in cell.ranks):
-                        break
-                    cell.wake_wait(0.05)
-                    lines = cell.pop_lines()
-                    if time.monotonic() >= resend:
-                        # A SIGINT that lands just before a rank's blocking call starts (time.sleep, a socket
-                        # read) waits for that call to end: a second one interrupts the call itself.
-                        resend = time.monotonic() + INTERRUPT_RESEND
-                        for r in cell.ranks:
-                            if r not in cell.finished:
-                                post(r, P.Interrupt(cell.cell_id))
-                write_lines(lines)
-        except KeyboardInterrupt:
-            pass  # a second interrupt: stop waiting now
+
+        def left() -> list[int]:
+            return [r for r in rec.ranks if r not in rec.finished and r not in queued]
+
+        def wait_slice(timeout: float) -> list:
+            cells.wake_wait(rec, timeout)
+            return cells.pop_lines(rec)
+
+        self.interrupter.until_stopped(dict.fromkeys(running, rec.cell_id), grace, left, wait_slice)
         with state.lock:
-            left = [r for r in cell.ranks if r not in cell.finished]
-            cell.abandoned = bool(left)  # nobody waits for it now: later cells must not queue behind it
-            stuck = [r for r in left if r not in queued]
-            skipped = [r for r in left if r in queued]
-            stopped = {r: e for r, e in cell.errors.items()
+            still = cells.abandon(rec)  # nobody waits for it now: later cells must not queue behind it
+            stuck = [r for r in still if r not in queued]
+            skipped = [r for r in still if r in queued]
+            stopped = {r: e for r, e in rec.errors.items()
                        if r in running and isinstance(e, RemoteError) and e.interrupted}
-            failed = {r: cell.errors[r] for r in failed_ranks(cell)}
+            failed = {r: rec.errors[r] for r in failed_ranks(rec)}
         if stuck:
             # A second interrupt ends the wait early: say how long the ranks really had.
             waited = min(grace, time.monotonic() - started)
-            sys.stderr.write(self.recovery.stuck_message(stuck, round(waited, 1)))
-        # The cause of a hang is often a rank that raised before a collective the others wait in: name it.
-        # First, as the root cause.
+            sys.stderr.write(self.restarts.stuck_message(stuck, round(waited, 1)))
+        # The cause of a hang is often a rank that raised before a collective the others wait in: name it first,
+        # as the root cause.
         cause = [f"{ranks_text([r])} had raised {e.ename}: {e.evalue}" for r, e in failed.items()
                  if isinstance(e, RemoteError)]
         if len(cause) > 1:
@@ -252,29 +252,29 @@ class Waiter:
                          f"{plural(skipped, 'skip', 'skips')} it")
         return "; ".join(parts)
 
-    def _on_timeout(self, cell: CellHandle, timeout: float) -> None:
-        state = self.state
+    def _on_timeout(self, rec: CellRecord, timeout: float) -> None:
+        state, cells = self.state, self.cells
         grace = state.options.interrupt_grace
         with state.lock:
-            late = [r for r in cell.ranks if r not in cell.finished]
-            queued = [r for r in late if cell.queued_behind(r)]
+            late = [r for r in rec.ranks if r not in rec.finished]
+            queued = [r for r in late if cells.queued_behind(rec, r)]
         running = [r for r in late if r not in queued]
         where = [self.stacks.ask(running, 5.0).text] if running else []
         if queued:
             where.append(f"{ranks_text(queued)}: not started; an earlier cell (sent with block=False or --async) "
                          f"still runs there, and {plural(queued, 'they skip', 'it skips')} this one")
-        self.interrupt_cell(cell)
+        self.interrupt_cell(rec)
         with state.lock:
             errors: dict[int, MonarchError] = {}
-            for r in cell.ranks:
-                e = cell.errors.get(r)
+            for r in rec.ranks:
+                e = rec.errors.get(r)
                 if r not in late:
                     if e is not None:
                         errors[r] = e  # failed before the timeout
-                elif r not in cell.finished and r in cell.queued_on:
+                elif r not in rec.finished and r in rec.queued_on:
                     errors[r] = RemoteError(r, "TimeoutError", f"not started after {timeout:g} s: an earlier cell "
                                             "(sent with block=False or --async) still runs there; it skips this one")
-                elif r not in cell.finished:
+                elif r not in rec.finished:
                     errors[r] = RemoteError(r, "TimeoutError", f"still running after {timeout:g} s; it did not stop "
                                             f"within {grace:g} s of the interrupt")
                 elif isinstance(e, RemoteError) and e.interrupted:
@@ -283,46 +283,39 @@ class Waiter:
                                             frames=e.frames)
                 elif e is not None:
                     errors[r] = e
-            results = {r: cell.values.get(r) for r in cell.finished if r not in cell.errors}
-            left = [r for r in cell.ranks if r not in cell.finished]
-            stuck = [r for r in left if r not in cell.queued_on]
+            results = {r: rec.values.get(r) for r in rec.finished if r not in rec.errors}
+            left = [r for r in rec.ranks if r not in rec.finished]
+            stuck = [r for r in left if r not in rec.queued_on]
             if not left:
-                state.cells.pop(cell.cell_id, None)
+                cells.forget(rec)
         hint = (f"%mesh interrupt --force --ranks {format_ranks(stuck)}  stops the ranks still running "
                 "(see the message above)" if stuck else "")
-        raise MeshTimeoutError(errors, results, cell.what, "\n".join(where), timeout, hint, late)
+        raise MeshTimeoutError(errors, results, rec.what, "\n".join(where), timeout, hint, late)
 
-    def outcome(self, cell: CellHandle) -> RankMap | None:
+    def outcome(self, rec: CellRecord) -> RankMap | None:
         """The cell's results, or raise its error; computed once, then the same answer on every call."""
-        final = cell.final
+        final = rec.final
         if final is None:
             try:
-                final = (self._compute_outcome(cell), None)
+                final = (self._compute_outcome(rec), None)
             except BaseException as e:  # noqa: BLE001 - remembered, raised below
                 final = (None, e)
-            if cell.keep_outcome:  # a handle the caller holds (block=False): result() may be asked again
-                cell.final = final
+            self.cells.set_final(rec, final)
         value, error = final
         if error is not None:
             raise error
         return value
 
-    def _compute_outcome(self, cell: CellHandle) -> RankMap | None:
-        state = self.state
-        with state.lock:
-            state.cells.pop(cell.cell_id, None)
-            errors = dict(cell.errors)
-            valued = errors or any(cell.has_value.values())
-            results = (RankMap((r, cell.values.get(r)) for r in cell.ranks if r in cell.finished and r not in errors)
-                       if valued else RankMap())
-            cell.values = {}  # the handle may live on (late output); the results belong to the caller now
+    def _compute_outcome(self, rec: CellRecord) -> RankMap | None:
+        with self.state.lock:
+            errors, results, valued = self.cells.take_outcome(rec)
         if errors:
             if all(isinstance(e, RemoteError) and e.interrupted for e in errors.values()):
                 raise mesh_interrupt(f"interrupted {ranks_text(errors)} ({keep_state(errors)}): "
                                      f"{where_interrupted(errors)}{finished_note(results)}", results)
-            errors, hint = self.recovery.fold_errors(cell, self.recovery.fold_released(cell, errors))
-            hint = "; ".join(h for h in (cell.collective_hint, hint) if h)
-            raise MeshError(errors, results, cell.what, hint)
+            errors, hint = self.deaths.fold_errors(rec, self.releases.fold_released(rec, errors))
+            hint = "; ".join(h for h in (rec.collective_hint, hint) if h)
+            raise MeshError(errors, results, rec.what, hint)
         if not valued:
             return None
         return results

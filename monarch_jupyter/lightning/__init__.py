@@ -20,8 +20,6 @@ See docs/lightning.md.
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.machinery
 import importlib.util
 import logging
 import os
@@ -29,6 +27,8 @@ import sys
 import threading
 from types import ModuleType
 from typing import Any
+
+from monarch_worker.hooks import after_import
 
 from .errors import LightningVersionError, MeshLightningError, TrainingInterrupted, UnpicklableJobError
 
@@ -164,7 +164,8 @@ def register() -> list[str]:
         if module in sys.modules and getattr(sys.modules[module], "__spec__", None) is not None:
             if not _initializing(sys.modules[module]) and _register_one(family, kind):
                 done.append(module)
-    _install_hook()
+        elif module not in sys.modules:
+            _hook(module, family, kind)
     return done
 
 
@@ -173,53 +174,24 @@ def _initializing(module: ModuleType) -> bool:
     return bool(getattr(spec, "_initializing", False))
 
 
-# ------------------------------------------------------------------------------------------------ import hook
-
-_hook_installed = False
+_hooked: set[str] = set()  # watched packages whose import registers "mesh" (monarch_worker.hooks)
 
 
-class _Loader(importlib.abc.Loader):
-    """Wraps a watched package's loader: run the package, then register "mesh" with its registry."""
-
-    def __init__(self, inner: importlib.abc.Loader, family: str, kind: str) -> None:
-        self.inner = inner
-        self.family = family
-        self.kind = kind
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self.inner.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        self.inner.exec_module(module)
-        try:
-            _register_one(self.family, self.kind)
-        except Exception:  # noqa: BLE001 - never break the user's `import lightning`
-            log.warning("could not register strategy 'mesh' with %s", module.__name__, exc_info=True)
-
-
-class _Finder(importlib.abc.MetaPathFinder):
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        watched = _WATCHED.get(fullname)
-        if watched is None or watched in _registered:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _Loader(spec.loader, *watched)
-                return spec
-        return None
-
-
-def _install_hook() -> None:
-    global _hook_installed
+def _hook(module: str, family: str, kind: str) -> None:
+    """Register "mesh" with ``module``'s registry right after it is imported."""
     with _lock:
-        if _hook_installed:
+        if module in _hooked:
             return
-        _hook_installed = True
-        sys.meta_path.insert(0, _Finder())
+        _hooked.add(module)
+
+    def registered(package: ModuleType) -> None:
+        try:
+            if (family, kind) not in _registered:
+                _register_one(family, kind)
+        except Exception:  # noqa: BLE001 - never break the user's `import lightning`
+            log.warning("could not register strategy 'mesh' with %s", package.__name__, exc_info=True)
+
+    after_import(module, registered)
 
 
 # ------------------------------------------------------------------------------------------------ public classes

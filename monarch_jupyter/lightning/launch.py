@@ -26,8 +26,8 @@ import time
 import weakref
 from typing import Any
 
-from .. import CellHandle, Mesh, RankMap, current_mesh
 from ..errors import MeshError, MeshNotRunningError, MeshTimeoutError, RankDiedError, RemoteError
+from ..kernel import CellHandle, Mesh, RankMap, current_mesh
 from ..ranks import format_ranks, ranks_text
 from . import rank as rank_side
 from .errors import MeshLightningError, TrainingInterrupted, UnpicklableJobError, fabric_interrupt
@@ -158,7 +158,7 @@ def warm_up(family: str = "lightning", mesh: Mesh | None = None) -> None:
     try:
         handle = mesh.call(rank_side.warm_up, family, block=False)
         assert isinstance(handle, CellHandle)
-        handle.background = True  # a cell that waits behind it gets no note: the user did not send it
+        mesh.parts.cells.mark_background(handle)  # a cell that waits behind it gets no note: the user did not send it
     except Exception:  # noqa: BLE001 - only a head start; the fit imports Lightning anyway
         log.debug("could not warm the ranks up", exc_info=True)
 
@@ -305,17 +305,18 @@ def _watch(mesh: Mesh, handle: Any) -> list[int]:
     """
     failed_at = None
     while not handle.wait(0.1):
-        if not handle.errors:
+        snap = handle.snapshot()
+        if not snap.errors:
             continue
-        if any(isinstance(e, RankDiedError) for e in handle.errors.values()):
+        if any(isinstance(e, RankDiedError) for e in snap.errors.values()):
             return []  # a death: the mesh itself releases the survivors (docs/faults.md)
         now = time.monotonic()
         failed_at = failed_at or now
         if now - failed_at < RELEASE_AFTER:
             continue
-        running = [r for r in handle.ranks if r not in handle.finished]
+        running = [r for r in handle.ranks if r not in snap.finished]
         if running:
-            log.info("releasing rank(s) %s after rank(s) %s failed", running, sorted(handle.errors))
+            log.info("releasing rank(s) %s after rank(s) %s failed", running, sorted(snap.errors))
             mesh.interrupt(running, force=True)
         return running
     return []

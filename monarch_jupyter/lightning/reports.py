@@ -185,8 +185,8 @@ def ddp_hint(error: BaseException | None) -> str | None:
     text = str(error or "")
     if _INTERACTIVE not in text or not text.startswith(("`Trainer(", "`Fabric(")):
         return None
-    from .. import current_mesh
     from ..errors import MeshNotRunningError
+    from ..kernel import current_mesh
 
     try:
         mesh = current_mesh()

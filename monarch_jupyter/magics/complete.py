@@ -20,7 +20,7 @@ from ..kernel import registry
 from ..ranks import parse_ranks
 
 if TYPE_CHECKING:
-    from . import MeshMagics
+    from .host import MagicsHost
 
 __all__ = ["MeshCompletion"]
 
@@ -30,7 +30,7 @@ _RANKS = re.compile(r"(?:--ranks?|-r)[ =]+(\S+)")
 class MeshCompletion:
     """The matcher and the inspection wrapper of one shell (see the module docstring)."""
 
-    def __init__(self, magics: MeshMagics) -> None:
+    def __init__(self, magics: MagicsHost) -> None:
         self.magics = magics
         self.shell = magics.shell
         self._inspect_orig: Any = None
@@ -89,7 +89,7 @@ class MeshCompletion:
         code, offset, rank = where
         if pos < offset:  # on the %%mesh line itself
             return empty
-        reply = registry.peek_current().complete(  # type: ignore[union-attr]
+        reply = registry.peek_current().complete(
             code, pos - offset, rank, timeout=float(self.magics.setting("completion_timeout")))
         if reply is None or not reply.matches:
             return empty
@@ -111,7 +111,7 @@ class MeshCompletion:
         if where is not None:
             body, offset, rank = where
             if cursor >= offset:  # type: ignore[operator]
-                reply = registry.peek_current().complete(  # type: ignore[union-attr]
+                reply = registry.peek_current().complete(
                     body, cursor - offset, rank, inspect=True,  # type: ignore[operator]
                     timeout=float(self.magics.setting("completion_timeout")))
                 if reply is not None and reply.text:

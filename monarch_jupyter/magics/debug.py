@@ -17,7 +17,7 @@ from ..kernel.postmortem import NothingToDebugError
 from ..ranks import ranks_text
 
 if TYPE_CHECKING:
-    from . import MeshMagics
+    from .host import MagicsHost
 
 __all__ = ["debug", "inspect"]
 
@@ -30,7 +30,7 @@ __all__ = ["debug", "inspect"]
                "the session ends when they are used up")
 @argument("--clear", action="store_true",
           help="drop the tracebacks the ranks keep for post-mortem (and the tensors their frames hold)")
-def debug(magics: MeshMagics, rest: str) -> None:
+def debug(magics: MagicsHost, rest: str) -> None:
     """%mesh debug [--rank R] [--commands "p x; up"] [--clear]: pdb at the failing frame of a rank's last cell.
 
     Each rank keeps the traceback of its last failed cell until its next cell (or --clear). Ranks stopped at a
@@ -69,7 +69,7 @@ cell, a collective): it reads live state, which may change as the rank runs.
 """
 
 
-def inspect(magics: MeshMagics, rest: str) -> Any:
+def inspect(magics: MagicsHost, rest: str) -> Any:
     """%mesh inspect --rank R [--frame] [--timeout S] EXPR (EXPR is the rest of the line, verbatim)."""
     rank: int | None = None
     frame = False

@@ -18,7 +18,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments
 
 if TYPE_CHECKING:
-    from . import MeshMagics
+    from .host import MagicsHost
 
 __all__ = ["run", "SUBCOMMANDS"]
 
@@ -36,7 +36,7 @@ SUBCOMMANDS = ("run",)
 @argument("-m", dest="module", action="store_true", help="run a module (python -m) instead of a file")
 @argument("target", help="the script (a path relative to the notebook's folder, or absolute), or with -m a module")
 @argument("args", nargs=argparse.REMAINDER, help="the script's own arguments (its sys.argv[1:])")
-def run(magics: MeshMagics, rest: str) -> Any:
+def run(magics: MagicsHost, rest: str) -> Any:
     """%mesh run [--ranks SPEC] [--timeout S] [--env NAME=VALUE] [--keep-state] [-m] script.py [args ...]: run an
     existing torchrun script unchanged on the ranks (__name__ == "__main__", sys.argv == [script, *args]), in a
     fresh framework state and its own environment; rank -> exit status.

@@ -22,7 +22,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from ..kernel.mesh import Mesh
 
 if TYPE_CHECKING:
-    from . import MeshMagics
+    from .host import MagicsHost
 
 __all__ = ["push", "pull", "scatter", "gather", "SUBCOMMANDS"]
 
@@ -42,7 +42,7 @@ def _dest(args: Any, names: list[str], sub: str) -> list[str]:
     return [args.dest]
 
 
-def _notebook_dests(magics: MeshMagics, dests: list[str], sub: str) -> None:
+def _notebook_dests(magics: MagicsHost, dests: list[str], sub: str) -> None:
     """Pull and gather bind notebook variables: not a special name, one of IPython's (``get_ipython``, ``In``) or a
     builtin, and not over a module or a mesh handle, which the notebook's own code relies on (``%mesh pull
     torch``)."""
@@ -62,7 +62,7 @@ def _notebook_dests(magics: MeshMagics, dests: list[str], sub: str) -> None:
                              "store it under another name with  --as NAME")
 
 
-def _notebook_values(magics: MeshMagics, names: list[str], sub: str) -> list[Any]:
+def _notebook_values(magics: MagicsHost, names: list[str], sub: str) -> list[Any]:
     ns = magics.user_ns
     missing = [n for n in names if n not in ns]
     if missing:
@@ -76,7 +76,7 @@ def _notebook_values(magics: MeshMagics, names: list[str], sub: str) -> list[Any
 @argument("--device", "-d", default=None, help=_DEVICE_HELP)
 @argument("--as", dest="dest", default=None, help="name on the ranks (one variable only)")
 @argument("--timeout", "-t", type=float, default=None, help="seconds to wait for every rank")
-def push(magics: MeshMagics, rest: str) -> None:
+def push(magics: MagicsHost, rest: str) -> None:
     """%mesh push x [y ...] [--ranks SPEC] [--device DEV] [--as NAME]: bind notebook variables on the ranks."""
     args = magics.parse_args(push, rest, "push")
     values = _notebook_values(magics, args.names, "push")
@@ -95,7 +95,7 @@ def push(magics: MeshMagics, rest: str) -> None:
 @argument("--device", "-d", default=None, help=_DEVICE_HELP)
 @argument("--as", dest="dest", default=None, help="name on the ranks")
 @argument("--timeout", "-t", type=float, default=None, help="seconds to wait for every rank")
-def scatter(magics: MeshMagics, rest: str) -> None:
+def scatter(magics: MagicsHost, rest: str) -> None:
     """%mesh scatter x [--dim D] [--ranks SPEC] [--device DEV] [--as NAME]: part r of x to the r-th rank."""
     args = magics.parse_args(scatter, rest, "scatter")
     (value,) = _notebook_values(magics, [args.name], "scatter")
@@ -114,7 +114,7 @@ def scatter(magics: MeshMagics, rest: str) -> None:
 @argument("--ranks", "-r", default=None, help=_RANKS_HELP)
 @argument("--as", dest="dest", default=None, help="notebook variable to store into (one name only)")
 @argument("--timeout", "-t", type=float, default=None, help="seconds to wait for every rank")
-def pull(magics: MeshMagics, rest: str) -> None:
+def pull(magics: MagicsHost, rest: str) -> None:
     """%mesh pull x [y ...] [--ranks SPEC] [--as NAME]: notebook x = RankMap of each rank's x."""
     args = magics.parse_args(pull, rest, "pull")
     dests = _dest(args, args.names, "pull")
@@ -139,7 +139,7 @@ def pull(magics: MeshMagics, rest: str) -> None:
 @argument("--ranks", "-r", default=None, help=_RANKS_HELP)
 @argument("--as", dest="dest", default=None, help="notebook variable to store into")
 @argument("--timeout", "-t", type=float, default=None, help="seconds to wait for every rank")
-def gather(magics: MeshMagics, rest: str) -> None:
+def gather(magics: MagicsHost, rest: str) -> None:
     """%mesh gather x [--dim D] [--ranks SPEC] [--as NAME]: notebook x = the ranks' x concatenated."""
     args = magics.parse_args(gather, rest, "gather")
     (dest,) = _dest(args, [args.name], "gather")

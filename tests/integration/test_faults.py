@@ -296,7 +296,11 @@ def test_death_while_idle_is_reported_and_full_restart_works(healthy: Mesh, caps
     while mesh.status()[2]["state"] != "dead" and time.monotonic() < deadline:
         time.sleep(0.02)
     assert mesh.status()[2]["returncode"] == -signal.SIGKILL
-    assert "[rank2]: died (signal SIGKILL) while idle" in capsys.readouterr().err
+    err = ""  # written by the mesh's output thread, once the death is handled: wait for it
+    while "[rank2]: died (signal SIGKILL) while idle" not in err and time.monotonic() < deadline + 10:
+        err += capsys.readouterr().err
+        time.sleep(0.02)
+    assert "[rank2]: died (signal SIGKILL) while idle" in err, err
     with pytest.raises(MeshError, match=r"^the cell was not run, since a rank it needs is dead: \[rank2\] died "
                                        r"\(signal SIGKILL\)$"):
         mesh.run("1")

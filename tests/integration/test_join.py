@@ -107,7 +107,7 @@ def test_stacks_and_interrupt(joined: Mesh) -> None:
         time.sleep(0.1)
     assert "rank 1:" in report.text and "line 3" in report.text, report.text
     with pytest.raises(KeyboardInterrupt):
-        joined.waiter.interrupt_cell(handle)
+        joined.waiter.interrupt_cell(handle.record)
         handle.result(timeout=10)
     assert run(joined, "rank", ranks=1) == {1: 1}
 

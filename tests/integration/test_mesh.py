@@ -227,7 +227,7 @@ def test_stacks_of_busy_and_idle_ranks(mesh: Mesh) -> None:
     assert "rank 1:" in text and "line 3" in text, text
     assert "ranks 0,2,3: idle" in text, text  # short rank lists read aloud (stacks.rank_list)
     with pytest.raises(KeyboardInterrupt):
-        mesh.waiter.interrupt_cell(handle)
+        mesh.waiter.interrupt_cell(handle.record)
         handle.result(timeout=10)
     assert mesh.run("rank", ranks=1) == {1: 1}
 

@@ -26,7 +26,7 @@ import pytest
 
 from monarch_jupyter import Mesh, MeshError, MeshTimeoutError
 from monarch_jupyter.errors import RankAbortedError
-from monarch_jupyter.kernel.recovery import waiting_for
+from monarch_jupyter.kernel.releases import waiting_for
 
 pytestmark = pytest.mark.slow
 

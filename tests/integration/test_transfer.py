@@ -139,7 +139,7 @@ def test_large_values_are_views_of_one_segment_and_stay_each_ranks_own(tmesh: Me
     x = torch.arange(MiB, dtype=torch.float32)
     tmesh.push(x=x, small=torch.ones(10))
     assert on_ranks(tmesh, "(_in_shm(x), _in_shm(small))") == dict.fromkeys(range(4), (True, False))
-    assert tmesh.transfers.pool.stats()["lent"] >= 1
+    assert tmesh.transfers.segments.pool.stats()["lent"] >= 1
     on_ranks(tmesh, "x += 1", ranks=0)  # copy-on-write: rank 0 gets private pages
     sums = on_ranks(tmesh, "x[:4].tolist()")
     assert sums[0] == [1.0, 2.0, 3.0, 4.0]
@@ -159,7 +159,7 @@ def test_push_to_some_ranks_and_devices(tmesh: Mesh) -> None:
 
 def test_cuda_on_a_mesh_without_gpus_is_a_clear_per_rank_error(tmesh: Mesh) -> None:
     tmesh.push(before=torch.zeros(2))
-    lent = tmesh.transfers.pool.stats()["lent"]
+    lent = tmesh.transfers.segments.pool.stats()["lent"]
     with pytest.raises(MeshError) as info:
         tmesh.push(before=torch.ones(2), extra=torch.ones(MiB), device="cuda")
     assert sorted(info.value.errors) == [0, 1, 2, 3]
@@ -173,7 +173,7 @@ def test_cuda_on_a_mesh_without_gpus_is_a_clear_per_rank_error(tmesh: Mesh) -> N
     with pytest.raises(TypeError, match="device must be"):
         tmesh.push(y=torch.ones(2), device=3)
     # Every rank gave the failed push's segment back.
-    assert wait_for(lambda: tmesh.transfers.pool.stats()["lent"] == lent)
+    assert wait_for(lambda: tmesh.transfers.segments.pool.stats()["lent"] == lent)
 
 
 def test_bad_names_and_routes(tmesh: Mesh) -> None:
@@ -224,16 +224,16 @@ def test_broadcast_and_socket_routes_give_the_same_values(tmesh: Mesh) -> None:
 def test_ranks_that_cannot_map_shared_memory_get_the_socket(tmesh: Mesh, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(shm.Segment, "path", property(lambda self: f"/proc/{os.getpid()}/fd/999999"))
     x = torch.randn(MiB)
-    lent = tmesh.transfers.pool.stats()["lent"]
+    lent = tmesh.transfers.segments.pool.stats()["lent"]
     try:
         tmesh.push(nomap=x)
-        assert tmesh.transfers.no_shm == {0, 1, 2, 3}
+        assert tmesh.transfers.segments.no_shm == {0, 1, 2, 3}
         assert on_ranks(tmesh, "(_digest(nomap), _in_shm(nomap))") == {r: (digest(x), False) for r in range(4)}
         tmesh.scatter("nomap", x)  # now straight over the socket
         assert on_ranks(tmesh, "_in_shm(nomap)") == dict.fromkeys(range(4), False)
     finally:
-        tmesh.transfers.no_shm.clear()
-    assert wait_for(lambda: tmesh.transfers.pool.stats()["lent"] == lent), "the unmappable segment came back"
+        tmesh.transfers.segments.no_shm.clear()
+    assert wait_for(lambda: tmesh.transfers.segments.pool.stats()["lent"] == lent), "the unmappable segment came back"
 
 
 def test_beyond_free_shared_memory_falls_back_to_the_socket(tmesh: Mesh, monkeypatch: pytest.MonkeyPatch,
@@ -315,9 +315,9 @@ def test_pull_when_the_notebook_cannot_map_a_ranks_segment(tmesh: Mesh) -> None:
     try:
         got = tmesh.pull("u", ranks="1,2")
         assert {r: t[-1].item() for r, t in got.items()} == {1: 1.0, 2: 2.0}
-        assert tmesh.transfers.no_shm == {1, 2}
+        assert tmesh.transfers.segments.no_shm == {1, 2}
     finally:
-        tmesh.transfers.no_shm.clear()
+        tmesh.transfers.segments.no_shm.clear()
         on_ranks(tmesh, "_shm.Segment.path = _real_path; del u", ranks="1,2")
     assert wait_for(lambda: all(s["lent"] == 0 for s in on_ranks(tmesh, STATS, ranks="1,2").values()))
 

@@ -68,20 +68,20 @@ def mappings_of_segments_made_by(pid: int) -> list[str]:
 
 def test_a_dropped_value_gives_the_memory_back() -> None:
     with Mesh(2, start_timeout=120) as m:
-        m.transfers.pool.cache_bytes = 0  # no reuse: a released segment is closed at once
+        m.transfers.segments.pool.cache_bytes = 0  # no reuse: a released segment is closed at once
         m.push(x=torch.ones(2 * MiB))
         assert m.run("len(__import__('monarch_worker.shm').shm.memfd_mappings())") == {0: 1, 1: 1}
-        assert m.transfers.pool.stats()["lent"] == 1 and len(shm.memfd_fds()) == 1
+        assert m.transfers.segments.pool.stats()["lent"] == 1 and len(shm.memfd_fds()) == 1
         m.run("del x", ranks=0)
         time.sleep(0.2)
-        assert m.transfers.pool.stats()["lent"] == 1, "rank 1 still holds it"
+        assert m.transfers.segments.pool.stats()["lent"] == 1, "rank 1 still holds it"
         m.run("y = x[:10]; del x", ranks=1)  # a view keeps the mapping alive
         time.sleep(0.2)
-        assert m.transfers.pool.stats()["lent"] == 1
+        assert m.transfers.segments.pool.stats()["lent"] == 1
         m.run("del y", ranks=1)
         # The pool drops the segment from its books, then closes it (outside its lock): wait for both.
-        assert wait_for(lambda: m.transfers.pool.stats()["lent"] == 0 and shm.memfd_fds() == []), \
-            f"the kernel closed the segment, so the OS freed the memory: {m.transfers.pool.stats()}, " \
+        assert wait_for(lambda: m.transfers.segments.pool.stats()["lent"] == 0 and shm.memfd_fds() == []), \
+            f"the kernel closed the segment, so the OS freed the memory: {m.transfers.segments.pool.stats()}, " \
             f"{shm.memfd_fds()}"
         assert m.run("len(__import__('monarch_worker.shm').shm.memfd_mappings())") == {0: 0, 1: 0}
 
@@ -118,7 +118,7 @@ def test_rank_killed_with_sigkill_during_a_push() -> None:
             busy.result(5)
         assert m.run("x.sum().item()", ranks=0) == {0: 4.0 * MiB}
         m.run("del x", ranks=0)
-        assert wait_for(lambda: m.transfers.pool.stats()["lent"] == 0), "the dead rank's share was given back"
+        assert wait_for(lambda: m.transfers.segments.pool.stats()["lent"] == 0), "the dead rank's share was given back"
     assert shm.memfd_fds() == []
 
 

@@ -120,7 +120,7 @@ def test_stacks_and_interrupt_through_agents(agents: Mesh) -> None:
         time.sleep(0.2)
     assert "rank 3" in report.text and "line 3" in report.text, report.text
     with pytest.raises(KeyboardInterrupt):
-        agents.waiter.interrupt_cell(handle)
+        agents.waiter.interrupt_cell(handle.record)
         handle.result(timeout=20)
     assert agents.run("rank", ranks=3) == {3: 3}
 

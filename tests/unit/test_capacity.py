@@ -39,11 +39,14 @@ def test_lines_many_starting_ranks_print_alike_show_once(capsys: pytest.CaptureF
     state = parts.state
     state.new_generation(bytes(32))
     state.held_output = []
-    for r in range(16):
-        parts.router.route_lines(state.ranks[r], "stderr", ["Exception raised from recvBytes at Utils.hpp:784",
-                                                            "frame #0: c10::Error::Error + 0x9d", f"rank {r} says"])
+    with state.lock:
+        for r in range(16):
+            parts.router.route_lines(state.ranks[r], "stderr", ["Exception raised from recvBytes at Utils.hpp:784",
+                                                                "frame #0: c10::Error::Error + 0x9d", f"rank {r} says"])
+    parts.writer.flush()
     assert capsys.readouterr().err == ""  # held while the ranks start
     parts.lifecycle.release_held(final=True)
+    parts.writer.flush()
     err = capsys.readouterr().err.splitlines()
     assert err[:2] == ["[rank0-15]: Exception raised from recvBytes at Utils.hpp:784",
                        "[rank0-15]: frame #0: c10::Error::Error + 0x9d"], err

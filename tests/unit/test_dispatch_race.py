@@ -12,9 +12,11 @@ from __future__ import annotations
 import os
 import threading
 
+from monarch_jupyter.kernel.cells import CellTable
 from monarch_jupyter.kernel.config import MeshOptions
 from monarch_jupyter.kernel.dispatch import Dispatcher
 from monarch_jupyter.kernel.events import EventBus
+from monarch_jupyter.kernel.output import OutputWriter
 from monarch_jupyter.kernel.state import MeshState
 from monarch_worker import messages as M
 from monarch_worker.pipes import WorkPipe
@@ -39,7 +41,7 @@ class PausingPipe(WorkPipe):
 
 def test_work_sent_while_the_io_thread_flushes_is_never_forgotten() -> None:
     state = MeshState(1, MeshOptions(), EventBus())
-    dispatcher = Dispatcher(state)
+    dispatcher = Dispatcher(state, CellTable(state, OutputWriter()))
     dispatcher.new_generation(b"s" * 32)
     read_fd, write_fd = os.pipe()
     pipe = PausingPipe(write_fd)

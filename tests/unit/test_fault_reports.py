@@ -8,7 +8,7 @@ import threading
 import time
 
 from monarch_jupyter.errors import MeshError, MeshTimeoutError, RankAbortedError, RankDiedError, RemoteError
-from monarch_jupyter.kernel.dispatch import restart_hint
+from monarch_jupyter.kernel.hints import restart_hint
 from monarch_jupyter.kernel.recovery import InterruptReport, where_interrupted
 from monarch_jupyter.kernel.routing import kept_for_death_report
 from monarch_jupyter.kernel.stacks import StackReport, summarize
@@ -153,3 +153,18 @@ def test_reports_agree_in_number_and_the_restart_hint_fits_who_is_left() -> None
     assert "other ranks" not in every and "--rank" not in every
     killed = InterruptReport(killed=[0, 1], world_size=2, grace=1.0).text
     assert "every rank is dead" in killed and "other ranks" not in killed
+
+
+def test_an_interrupt_is_a_keyboard_interrupt_that_carries_the_finished_ranks_values() -> None:
+    """Issue 25: ``MeshInterrupt`` (a KeyboardInterrupt, named so in the notebook) holds ``.results`` as an attribute
+    of its own class, and survives pickling (a handle's result() raises it again)."""
+    import pickle
+
+    from monarch_jupyter.errors import MeshInterrupt, mesh_interrupt
+
+    e = mesh_interrupt("interrupted rank 1", {0: 3})
+    assert isinstance(e, MeshInterrupt) and isinstance(e, KeyboardInterrupt)
+    assert type(e).__name__ == "KeyboardInterrupt"  # the execute_reply's ename
+    assert e.results == {0: 3} and e._render_traceback_() == ["KeyboardInterrupt: interrupted rank 1"]
+    again = pickle.loads(pickle.dumps(e))
+    assert type(again) is MeshInterrupt and again.results == {0: 3} and str(again) == "interrupted rank 1"

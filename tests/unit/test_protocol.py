@@ -71,3 +71,19 @@ def test_fork_server_frame() -> None:
     kind, sid, n = P.FORK_SERVER_HEADER.unpack_from(frame)
     assert (kind, sid, frame[P.FORK_SERVER_HEADER.size:]) == (P.FS_SPAWNED, 3, b'{"pid": 42}')
     assert n == len(b'{"pid": 42}')
+
+
+def test_message_names_are_listed_once_and_match_the_registry() -> None:
+    """Each message class is named in its own module's __all__ and nowhere else: the protocol re-exports those, and
+    every registered type is there (issue 25: the names were listed three times)."""
+    from monarch_worker import hostmessages, messages
+
+    listed = {n for n in messages.__all__ + hostmessages.__all__ if isinstance(getattr(P, n, None), type)
+              and issubclass(getattr(P, n), P.Message) and n != "Message"}
+    assert listed == {cls.__name__ for cls in P.MESSAGE_TYPES.values()}
+    assert set(messages.__all__) | set(hostmessages.__all__) <= set(P.__all__)
+    # What a message's declaration says routes it: records and work are derived from it.
+    assert {c.TYPE for c in P.record_types()} == {"result", "progress", "debug_output", "debug_prompt",
+                                                  "debug_resumed", "display"}
+    assert all(c.ROUTE for c in P.record_types())
+    assert {c.TYPE for c in P.work_types()} == {"exec", "call", "push", "pull", "debug_post_mortem", "shutdown"}

@@ -1,6 +1,6 @@
-"""The shape of the code (issue: controller redesign): modules readable in one sitting, no import cycles (imports
-inside functions count; ``if TYPE_CHECKING:`` ones do not), no reaching into another module's underscore names,
-no mixins."""
+"""The shape of the code (issues: controller redesign, concurrency): modules readable in one sitting, no import
+cycles (imports inside functions and under ``if TYPE_CHECKING:`` count), no reaching into another module's
+underscore names, no mixins."""
 
 from __future__ import annotations
 
@@ -39,17 +39,15 @@ def _type_checking(node: ast.If) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _imports(name: str, tree: ast.Module) -> set[str]:
-    """Project modules that module ``name`` imports anywhere (functions too), outside ``if TYPE_CHECKING:``."""
+def _imports(name: str, tree: ast.Module) -> tuple[set[str], set[str]]:
+    """Project modules that module ``name`` imports anywhere (functions and ``if TYPE_CHECKING:`` too: a cycle
+    hidden from the interpreter is still a cycle for the reader), and the packages whose ``__init__`` it takes
+    names from (``from .. import Mesh``: it runs that package's imports, not only its own submodule's)."""
     is_pkg = MODULES[name].name == "__init__.py"
     base = name.split(".") if is_pkg else name.split(".")[:-1]
     found: set[str] = set()
-
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _type_checking(node):
-            for child in node.orelse:
-                visit(child)
-            return
+    names_from: set[str] = set()
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 found.add(alias.name)
@@ -59,13 +57,11 @@ def _imports(name: str, tree: ast.Module) -> set[str]:
             else:
                 mod = node.module or ""
             found.add(mod)
-            for alias in node.names:  # "from . import x" imports the module x
+            for alias in node.names:  # "from . import x" imports the module x; anything else is a name of mod
                 found.add(f"{mod}.{alias.name}")
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(tree)
-    return {m for m in found if m in MODULES and m != name}
+                if f"{mod}.{alias.name}" not in MODULES:
+                    names_from.add(mod)
+    return {m for m in found if m in MODULES and m != name}, {m for m in names_from if m in MODULES}
 
 
 def _parents(mod: str) -> set[str]:
@@ -81,10 +77,12 @@ def test_modules_are_readable_in_one_sitting() -> None:
 
 
 def test_no_import_cycles() -> None:
-    graph = {name: _imports(name, ast.parse(path.read_text())) for name, path in MODULES.items()}
-    # A module also runs its packages' __init__ when imported; an __init__ that imports it back is fine (Python
-    # handles a package importing its own submodules), so edges into a module's own parent packages are dropped.
-    graph = {name: {m for m in deps if m not in _parents(name)} for name, deps in graph.items()}
+    found = {name: _imports(name, ast.parse(path.read_text())) for name, path in MODULES.items()}
+    # A module also runs its packages' __init__ when imported; an __init__ that imports its own submodules back is
+    # fine (Python handles it), so edges into a module's own parent packages are dropped, unless the module takes
+    # names from that __init__ (then it depends on everything the package imports).
+    graph = {name: {m for m in deps if m not in _parents(name) or m in names_from}
+             for name, (deps, names_from) in found.items()}
     state: dict[str, int] = {}
     stack: list[str] = []
     cycles: list[list[str]] = []
@@ -127,6 +125,7 @@ LIGHTNING_PRIVATE = {
     "_interrupt", "_teardown",  # what Lightning's _call_and_handle_interrupt calls on an interrupt
     "_set_world_ranks",  # Lightning < 2.6 spelling of set_world_ranks
     "_version",  # torch's tensor version counter and a Lightning logger's version (kept across fits)
+    "_batches_that_stepped",  # the fit loop's count of optimizer steps: global_step after an interrupt
 }
 
 
@@ -149,6 +148,7 @@ def _own_private_names(tree: ast.Module) -> set[str]:
 def test_no_reaching_into_other_modules_underscore_names(name: str) -> None:
     tree = ast.parse(MODULES[name].read_text())
     own = _own_private_names(tree)
+    own_classes = {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
     bad = []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").split(".")[0] in PACKAGES):
@@ -156,7 +156,13 @@ def test_no_reaching_into_other_modules_underscore_names(name: str) -> None:
                     if a.name.startswith("_") and not a.name.startswith("__")]
         if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
             base = node.value
-            if node.attr in own or node.attr.endswith("_"):  # this module's own; IPython's _repr_*_ protocol
+            if node.attr.endswith("_"):  # IPython's _repr_*_ protocol
+                continue
+            # This module's own private names, on its own objects only: self, cls, or a class it defines. The same
+            # name on another object (``other._lock``) is a reach into that object, whatever this module calls its
+            # own attributes.
+            if node.attr in own and (not isinstance(base, ast.Attribute) and (
+                    not isinstance(base, ast.Name) or base.id in ("self", "cls") or base.id in own_classes)):
                 continue
             if name.startswith("monarch_jupyter.lightning") and node.attr in LIGHTNING_PRIVATE:
                 continue
@@ -174,3 +180,64 @@ def test_no_mixins(name: str) -> None:
     tree = ast.parse(MODULES[name].read_text())
     mixins = [n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and "Mixin" in n.name]
     assert not mixins, f"{name} defines mixins: {mixins}"
+
+
+RECORD_OWNERS = {"monarch_jupyter.kernel.cells", "monarch_jupyter.kernel.records"}
+RECORD_NAMES = {"rec", "cell", "target"}  # what the controller calls a CellRecord where it holds one
+MUTATORS = {"add", "update", "pop", "clear", "append", "extend", "remove", "discard", "setdefault", "popleft"}
+
+
+def _record_base(node: ast.AST) -> bool:
+    """``node`` is a cell record: a name the controller gives records, or ``<x>.record`` (a handle's record)."""
+    return (isinstance(node, ast.Name) and node.id in RECORD_NAMES) or (
+        isinstance(node, ast.Attribute) and node.attr == "record")
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if n.startswith(("monarch_jupyter.kernel",
+                                                                             "monarch_jupyter.lightning"))
+                                         and n not in RECORD_OWNERS))
+def test_only_the_cell_table_changes_cell_records(name: str) -> None:
+    """Issue 25: every change of a cell's state is a CellTable method; other modules read records, never write them
+    (an assignment to a record's field, to an item of one, or a mutating call on one)."""
+    tree = ast.parse(MODULES[name].read_text())
+    bad = []
+    for node in ast.walk(tree):
+        targets: list[ast.AST] = []
+        if isinstance(node, ast.Assign):
+            targets = list(node.targets)
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        for t in targets:
+            while isinstance(t, ast.Subscript):
+                t = t.value
+            if isinstance(t, ast.Attribute) and _record_base(t.value):
+                bad.append(f"line {node.lineno}: {ast.unparse(node)[:80]}")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS:
+            owner = node.func.value
+            if isinstance(owner, ast.Attribute) and _record_base(owner.value):
+                bad.append(f"line {node.lineno}: {ast.unparse(node)[:80]}")
+    assert not bad, f"{name} changes cell records outside the cell table: {bad}"
+
+
+# Calls that write, send, sign, verify, (un)pickle or wait for another thread: never inside the mesh lock.
+IO_CALLS = {"write_lines", "print", "write", "flush", "send_to", "send_frames", "pack", "unpack", "loads", "dumps",
+            "ask", "publish", "_write", "_send", "_send_all"}
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if n.startswith("monarch_jupyter.kernel")))
+def test_nothing_is_written_or_sent_under_the_mesh_lock(name: str) -> None:
+    """Issue 25: in a ``with ....lock:`` (or ``.cond``) block of the controller, no stdout write, socket send,
+    HMAC signature or check, pickling, or wait for another thread: verify first, then lock, change, unlock, then
+    write (lines nobody waits for are queued to the OutputWriter, output.py)."""
+    bad = []
+    for node in ast.walk(ast.parse(MODULES[name].read_text())):
+        if not isinstance(node, ast.With) or not any(
+                ast.unparse(i.context_expr).endswith((".lock", ".cond")) for i in node.items):
+            continue
+        for sub in ast.walk(ast.Module(body=node.body, type_ignores=[])):
+            if isinstance(sub, ast.Call):
+                f = sub.func
+                called = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+                if called in IO_CALLS:
+                    bad.append(f"line {sub.lineno}: {ast.unparse(sub)[:80]}")
+    assert not bad, f"{name} does I/O under the lock: {bad}"

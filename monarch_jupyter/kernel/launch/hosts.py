@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
     from ..cells import CellTable
     from ..dispatch import Dispatcher
+    from ..endpoint import ControllerSocket
     from ..routing import OutputRouter
     from .base import LauncherEvents
 
@@ -76,11 +77,17 @@ class Agent:
 class HostLinks:
     """The agents of one mesh (see the module docstring)."""
 
-    def __init__(self, state: MeshState, cells: CellTable, router: OutputRouter, dispatcher: Dispatcher) -> None:
+    def __init__(self, state: MeshState, cells: CellTable, router: OutputRouter, dispatcher: Dispatcher,
+                 socket: ControllerSocket, sink: LauncherEvents, lost: Callable[[list[int], str], None]) -> None:
+        """``socket``: the controller's (the I/O thread sends on it); ``sink``: where rank events go (pids, exits);
+        ``lost``: what declares ranks lost (deaths.Deaths.ranks_lost)."""
         self.state = state
         self.cells = cells
         self.router = router
         self.dispatcher = dispatcher
+        self.socket = socket
+        self._sink = sink
+        self._lost = lost
         self.agents: dict[bytes, Agent] = {}
         self._rank_agent: dict[int, Agent] = {}
         self._pseudo: dict[bytes, int] = {}
@@ -91,15 +98,7 @@ class HostLinks:
         self.last_srcfd = -1
         self._last_frame: Any = None
         self.bad_peers: dict[str, int] = {}  # address -> messages that failed verification
-        self._send_to: Callable[[bytes, P.Message], None] | None = None
-        self._sink: LauncherEvents | None = None
-        self._lost: Callable[[list[int], str], None] | None = None
         self._monitor: zmq.Socket | None = None
-
-    def attach(self, send_to: Callable[[bytes, P.Message], None], sink: LauncherEvents,
-               lost: Callable[[list[int], str], None]) -> None:
-        """The I/O thread's ``send_to``, the sink of rank events, and what declares ranks lost (recovery)."""
-        self._send_to, self._sink, self._lost = send_to, sink, lost
 
     # ------------------------------------------------------------------ generation
 
@@ -354,8 +353,21 @@ class HostLinks:
                                             elastic=self.state.elastic(agent.group_rank, len(self.agents))))
 
     def _send(self, identity: bytes, msg: P.Message) -> None:
-        assert self._send_to is not None
-        self._send_to(identity, msg)
+        self.send_to(identity, msg)
+
+    def send_to(self, identity: bytes, msg: P.Message) -> None:
+        """Sign ``msg`` and send it to one peer: a rank an agent holds gets it through its agent (I/O thread)."""
+        self.deliver([identity], self.socket.pack(msg), msg)
+
+    def deliver(self, identities: list[Any], frames: list, msg: P.Message) -> None:
+        """Send signed ``frames`` to each peer; an agent gets them once for all its ranks among them (``Forward``,
+        signed around them) (I/O thread)."""
+        direct, via = self.route(identities)
+        for identity in direct:
+            self.socket.send_frames(identity, frames)
+        for agent, ranks in via.items():
+            forward = P.Forward(ranks, msg.TYPE, getattr(msg, "cell_id", -1))
+            self.socket.send_frames(agent, self.socket.pack(forward, b"", frames))
 
     # ------------------------------------------------------------------ starting and stopping ranks (any thread)
 

@@ -32,8 +32,9 @@ from monarch_worker import join as wjoin
 from .base import Launcher, LaunchError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from .hosts import HostLinks
-    from .listener import Listener
 
 log = logging.getLogger(__name__)
 
@@ -260,9 +261,18 @@ class JoinLauncher(Launcher):
         if nproc_per_node is not None and nproc_per_node < 1:
             raise ValueError(f"nproc_per_node must be at least 1, got {nproc_per_node}")
         self.nproc_per_node = nproc_per_node
-        self.listener: Listener | None = None
+        self._links: HostLinks | None = None  # the mesh's host agents, while a generation runs (bind)
+        self._exited: Callable[[float], bool] | None = None  # waits until every admitted rank exited (bind)
+        self.placement: Callable[[], dict[int, dict[str, Any]]] = dict  # rank -> where it is (bind)
         self._ranks: dict[int, tuple[int, str]] = {}  # rank -> (pid, host)
         self._killed = False
+
+    def bind(self, hosts: HostLinks | None, exited: Callable[[float], bool],
+             placement: Callable[[], dict[int, dict[str, Any]]]) -> None:
+        """The generation about to start: its host agents (launch/hosts.py), what waits until every admitted rank
+        exited (``exited(timeout)``) and what tells where the admitted ranks are (``placement()``): the
+        listener's."""
+        self._links, self._exited, self.placement = hosts, exited, placement
 
     def launch(self, commands: JoinCommands, env: dict[str, str], secret: str, sink: Any) -> None:
         """Start the whole world (engines that place ranks themselves); here: nothing, a person runs the
@@ -277,7 +287,7 @@ class JoinLauncher(Launcher):
     @property
     def hosts(self) -> HostLinks | None:
         """The host agents of the mesh (launch/hosts.py), when its ranks came through agents."""
-        hosts = self.listener.hosts if self.listener is not None else None
+        hosts = self._links
         return hosts if hosts is not None and hosts.agents else None
 
     def start(self, rank: int, env: dict[str, str], config: dict, sink: Any) -> None:
@@ -326,9 +336,9 @@ class JoinLauncher(Launcher):
     def wait(self, timeout: float) -> bool:
         """Wait until every admitted rank said goodbye (exited), up to ``timeout`` seconds (not after kill:
         a killed rank says nothing)."""
-        if self._killed or self.listener is None:
+        if self._killed or self._exited is None:
             return True
-        return self.listener.wait_exited(timeout)
+        return self._exited(timeout)
 
     def log_tail(self) -> str:
         """The last lines of the launcher's own output ("" when there is none)."""

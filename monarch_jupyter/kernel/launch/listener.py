@@ -93,14 +93,14 @@ class Listener:
     """
 
     def __init__(self, state: MeshState, launcher: JoinLauncher, address: str | None, port: int, encrypt: bool,
-                 secret_file: str | None) -> None:
+                 secret_file: str | None, send_to: Callable[[bytes, P.Message], None], dispatcher: Dispatcher,
+                 sink: LauncherEvents, hosts: HostLinks | None) -> None:
         if not 0 <= port < 65536:
             raise ValueError(f"port must be 0 (any) or 1-65535, got {port}")
         if encrypt and not zmq.has("curve"):
             raise ValueError("encrypt=True needs libzmq built with CURVE (libsodium); this pyzmq has none")
         self.state = state
         self.launcher = launcher
-        launcher.listener = self
         self.bind_ip, self.advertised = resolve_address(address)
         self.port = port
         self.encrypt = encrypt
@@ -122,17 +122,11 @@ class Listener:
         self._ctx = contextvars.copy_context()
         self.waiting = False
         self._secret = b""
-        self._send_to: Callable[[bytes, P.Message], None] | None = None
-        self._dispatcher: Dispatcher | None = None
-        self._sink: LauncherEvents | None = None
-        self.hosts: HostLinks | None = None  # the host agents' side (launch/hosts.py), set by parts.py
+        self._send_to = send_to  # the I/O thread's send (through host agents: launch/hosts.py)
+        self._dispatcher = dispatcher
+        self._sink = sink
+        self.hosts = hosts  # the host agents' side (launch/hosts.py)
         self.rejected: list[str] = []  # "host (pid): reason" of agents and ranks turned away, for the report
-
-    def attach(self, send_to: Callable[[bytes, P.Message], None], dispatcher: Dispatcher,
-               sink: LauncherEvents) -> None:
-        """Give the listener the I/O thread's ``send_to``, the mesh's dispatcher (its outbox) and the sink of rank
-        events (pids, output, exits)."""
-        self._send_to, self._dispatcher, self._sink = send_to, dispatcher, sink
 
     def use_sink(self, sink: LauncherEvents) -> None:
         """Report the ranks of the generation about to open to ``sink``."""
@@ -190,6 +184,7 @@ class Listener:
 
     def launch(self, env: dict[str, str]) -> JoinLauncher:
         assert self.commands is not None
+        self.launcher.bind(self.hosts, self.wait_exited, self.placement)
         self.launcher.launch(self.commands, env, self._secret.hex(), self)
         return self.launcher
 
@@ -337,7 +332,6 @@ class Listener:
                                          settings=settings, elastic=self.state.elastic(j.group_rank, self._hosts)))
 
     def _send(self, identity: bytes, msg: P.Message) -> None:
-        assert self._send_to is not None
         self._send_to(identity, msg)
 
     def on_unknown(self, identity: bytes, msg: P.Message) -> bool:
@@ -423,7 +417,6 @@ class Listener:
         with self.state.lock:
             identities = list(self._pending)
         if identities:
-            assert self._dispatcher is not None
             self._dispatcher.outbox.put((identities, P.Rejected(reason), b"", []))
 
     # ---- reports

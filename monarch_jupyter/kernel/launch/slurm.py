@@ -98,11 +98,10 @@ class SlurmLauncher(ProcessLauncher):
 
     def step_id(self) -> str:
         """``JOB.STEP`` of the ranks (from what they reported, else from squeue by name), or "" if unknown."""
-        if self.listener is not None:
-            for info in self.listener.placement().values():
-                env = info["launcher_env"]
-                if "SLURM_JOB_ID" in env and "SLURM_STEP_ID" in env:
-                    return f"{env['SLURM_JOB_ID']}.{env['SLURM_STEP_ID']}"
+        for info in self.placement().values():
+            env = info["launcher_env"]
+            if "SLURM_JOB_ID" in env and "SLURM_STEP_ID" in env:
+                return f"{env['SLURM_JOB_ID']}.{env['SLURM_STEP_ID']}"
         if not self._job_name:
             return ""
         for args in (["-s", "-o", "%i %j"], ["-o", "%i %j"]):  # a step of our allocation, or srun's own job

@@ -1,0 +1,181 @@
+"""A rank that raises never hangs the others: ``Releases`` tears the process group down for ranks that wait in a
+collective the raising rank will never join, as torchrun's fail-fast would end them, but keeps every namespace.
+
+While a cell has a rank that raised and others still running it, the waiting thread asks those ranks, at once and
+then every ``COLLECTIVE_CHECK`` seconds, which collectives they have issued (their I/O thread answers from torch's
+flight recorder, or from each group's own operation count: monarch_worker.recovery.last_collective).
+``waiting_for`` decides from those numbers, whatever frame a rank waits in (a Python collective, DDP's C++ reducer,
+autograd's engine, ``Work.wait()``, NCCL's later synchronisation). The released ranks' errors then read "released
+from gloo:all_reduce #5" after the raising rank's (``fold_released``), and once the cell ended a fresh process group
+is made (``renew_group``), unless a rank of the mesh is dead.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from monarch_worker import protocol as P
+
+from ..errors import MonarchError, RankAbortedError, RemoteError
+from ..ranks import plural, ranks_text
+from .cells import CellTable
+from .dispatch import Dispatcher
+from .records import CellRecord
+from .stacks import StackRequests
+from .state import MeshState, RankState
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Releases", "waiting_for", "failed_ranks", "COLLECTIVE_CHECK"]
+
+COLLECTIVE_CHECK = 0.5
+"""Seconds between the questions, to the ranks still running a cell that another rank of it raised in, which
+collectives they have issued (``waiting_for``)."""
+
+
+def waiting_for(failed: dict[int, dict], running: dict[int, dict]) -> dict[int, str]:
+    """Which ranks of ``running`` wait for a rank of ``failed`` in a collective it will never issue.
+
+    ``failed``, ``running``: rank -> its collective summary (``Stacks.collective``, monarch_worker.recovery
+    ``last_collective``: ``groups`` maps a process group to ``[seq, ranks, name]``). The ranks of ``failed`` raised
+    and left the cell, so their numbers are final. A running rank that has issued collective number ``seq`` on a
+    group of which a failed rank is a member, while that failed rank issued fewer there, is in (or past, for a
+    collective that completes one-sidedly) a collective that cannot complete: it waits whatever frame it waits
+    in (Python, DDP's C++ reducer, autograd's engine, ``Work.wait()``, NCCL's later synchronisation).
+
+    Returns rank -> the collective it waits in ("gloo:all_reduce #5"); ranks without a summary are left out (the
+    caller falls back to their stacks).
+    """
+    out: dict[int, str] = {}
+    for r, c in running.items():
+        for group, (seq, members, name) in (c.get("groups") or {}).items():
+            peers = [f for f in failed if f in members]
+            if not peers:  # a group without the raising ranks (or whose ranks are unknown): not waiting for them
+                continue
+            behind = min(int(((failed[f].get("groups") or {}).get(group) or [0])[0]) for f in peers)
+            if int(seq) > behind:
+                out[r] = f"{name or 'collective'} #{seq}"
+                break
+    return out
+
+
+def failed_ranks(rec: CellRecord) -> list[int]:
+    """Under the lock: the ranks that finished ``rec`` by raising (not interrupted, not dead)."""
+    return sorted(r for r in rec.finished if isinstance(e := rec.errors.get(r), RemoteError) and not e.interrupted)
+
+
+class Releases:
+    """Releases ranks that wait for one that raised (see the module docstring)."""
+
+    def __init__(self, state: MeshState, dispatcher: Dispatcher, cells: CellTable, stacks: StackRequests,
+                 regroup: Callable[[list[int], float], None]) -> None:
+        self.state = state
+        self.dispatcher = dispatcher
+        self.cells = cells
+        self.stacks = stacks
+        self.regroup = regroup  # a fresh process group for every rank (recovery.Restarts.regroup)
+        self._next_check: dict[int, float] = {}  # cell id -> when to ask its ranks next
+        self._counts: dict[int, dict[int, dict]] = {}  # cell id -> rank -> its groups' counts at the last question
+
+    def due(self, rec: CellRecord, now: float) -> tuple[list[int], list[int]]:
+        """Under the lock: every ``COLLECTIVE_CHECK`` s while a rank of ``rec`` has raised and others still run
+        it, (the ranks that raised, the ranks still running it) for ``release``; else ([], [])."""
+        self.state.assert_locked()
+        if rec.all_done or rec.interrupted or rec.collective_released or not rec.errors:
+            self._forget(rec)
+            return [], []
+        failed = failed_ranks(rec)
+        if not failed or now < self._next_check.get(rec.cell_id, 0.0):
+            return [], []
+        self._next_check[rec.cell_id] = now + COLLECTIVE_CHECK
+        if len(self._next_check) > 64:  # cells whose waiter left (interrupted): they are done with
+            for cid in [c for c in self._next_check if c not in self.state.cells]:
+                self._next_check.pop(cid, None)
+                self._counts.pop(cid, None)
+        running = [r for r in rec.ranks if r not in rec.finished and self.state.ranks[r].state is not RankState.DEAD]
+        return failed, running
+
+    def _forget(self, rec: CellRecord) -> None:
+        self._next_check.pop(rec.cell_id, None)
+        self._counts.pop(rec.cell_id, None)
+
+    def release(self, rec: CellRecord, failed: list[int], running: list[int]) -> None:
+        """When ranks of ``running`` wait in a collective that ranks of ``failed`` (which raised in
+        ``rec``) never issued (``waiting_for``; from their Python stacks where a rank reports no numbers), tear the
+        process group down (``Abort`` to every rank) to release them; the waiter makes a fresh group once the cell
+        ended (``renew_group``)."""
+        self.state.assert_unlocked()
+        try:
+            report = self.stacks.ask(failed + running, 1.0)
+        except MonarchError:
+            return
+        replies = report.replies
+        known = {r: replies[r].collective for r in failed if r in replies}
+        recorded = {r: replies[r].collective for r in running if r in replies and "groups" in replies[r].collective}
+        waiting = waiting_for(known, recorded) if len(known) == len(failed) else {}
+        for r in running:  # no numbers there: a collective's Python frames
+            if r in replies and r not in recorded and any(
+                    "torch/distributed/" in str(f[0]) or "torch/nn/parallel/" in str(f[0]) for f in replies[r].frames):
+                waiting[r] = "a collective"
+        # A group's own count (no flight recorder: torch before 2.8 with gloo) holds point-to-point operations
+        # too, which another peer may be serving: such a rank waits only when its count stood still since the
+        # last question (COLLECTIVE_CHECK s before).
+        counts = {r: c["groups"] for r, c in recorded.items() if c.get("source") == "sequence"}
+        state = self.state
+        with state.lock:
+            seen = self._counts.get(rec.cell_id, {})
+            waiting = {r: w for r, w in waiting.items() if r not in counts or seen.get(r) == counts[r]}
+            self._counts[rec.cell_id] = counts
+            failed = failed_ranks(rec)
+            waiting = {r: w for r, w in waiting.items() if r not in rec.finished}
+            if not waiting or not failed or rec.all_done or rec.interrupted or state.stopping:
+                return
+            first = rec.errors[failed[0]]
+            reason = (f"{ranks_text(failed)} raised {getattr(first, 'ename', 'an error')} while "
+                      f"{ranks_text(sorted(waiting))} waited for it in a collective")
+            self.cells.mark_released(rec, reason, waiting)
+            self._forget(rec)
+            state.group_down = reason
+            alive = [info.rank for info in state.ranks.values() if info.identity is not None and info.alive]
+        for r in alive:
+            self.dispatcher.post(r, P.Abort(reason=reason))
+        log.info("cell %d: %s: process group torn down to release them", rec.cell_id, reason)
+
+    def fold_released(self, rec: CellRecord, errors: dict[int, Any]) -> dict[int, Any]:
+        """After ``release``: the ranks that raised first (the root cause), then the released ranks' errors (their
+        collective failed as the group was torn down) as RankAbortedError."""
+        if not rec.released:
+            return errors
+        failed = [r for r in errors if r not in rec.released and isinstance(errors[r], RemoteError)]
+        raised = getattr(errors[failed[0]], "ename", "an error") if failed else "an error"
+        out = {r: errors[r] for r in failed}
+        for r, e in errors.items():
+            if r in out:
+                continue
+            if r in rec.released and isinstance(e, RemoteError) and not isinstance(e, RankAbortedError):
+                e = RankAbortedError(r, failed, e, raised=raised, collective=rec.released[r])
+            out[r] = e
+        return out
+
+    def renew_group(self, rec: CellRecord) -> None:
+        """After ``release``'s cell ended, a fresh process group for every rank (as
+        ``%mesh interrupt --force`` makes one), and the hint for the cell's error (``rec.collective_hint``)."""
+        self.state.assert_unlocked()
+        them = plural(rec.released, "them", "it")
+        dead = self.state.dead()
+        if dead:  # a rank of the mesh died meanwhile: no group can be made without it (its restart makes one)
+            hint = (f"{rec.collective_released}: the process group was torn down to release {them}; no fresh one "
+                    f"was made, since {ranks_text(dead)} {plural(dead, 'are', 'is')} dead")
+        else:
+            try:
+                self.regroup([], time.monotonic() + self.state.options.start_timeout)
+                hint = (f"{rec.collective_released}: the process group was torn down to release {them} and a fresh "
+                        "one was made (every rank kept its namespace)")
+            except MonarchError as e:
+                hint = (f"{rec.collective_released}: the process group was torn down to release {them}, and a "
+                        f"fresh one could not be made ({e}); %mesh restart  starts a fresh mesh")
+        with self.state.lock:
+            self.cells.set_hint(rec, hint)
