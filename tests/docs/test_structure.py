@@ -31,6 +31,20 @@ def test_every_english_page_has_a_chinese_page_with_the_same_structure(page: Pat
     assert not problems, f"{page.name} and {zh.name} differ in structure:\n" + "\n".join(problems)
 
 
+def test_a_paragraph_or_link_missing_from_a_translation_is_found(tmp_path: Path) -> None:
+    en, zh = tmp_path / "page.md", tmp_path / "page.zh.md"
+    note = "\n\n!!! note\n    Three.\n"
+    en.write_text("# Page\n\nOne.\n\nTwo, see [x](x.md).\n\n- a\n- b" + note, encoding="utf-8")
+    zh.write_text("# 页面 {#page}\n\n一。\n\n二，见 [x](x.md)。\n\n- 甲\n- 乙" + note, encoding="utf-8")
+    assert structure.differences(en, zh) == []
+    zh.write_text("# 页面 {#page}\n\n一。二，见 [x](x.md)。\n\n- 甲\n- 乙" + note, encoding="utf-8")
+    assert structure.differences(en, zh) == ["section #page: page.md has 3 paragraph(s) and 2 list item(s), "
+                                             "page.zh.md has 2 and 2"]
+    zh.write_text("# 页面 {#page}\n\n一。\n\n二，见 [y](y.md)。\n\n- 甲\n- 乙，[x](x.md)" + note, encoding="utf-8")
+    assert structure.differences(en, zh) == ["section #page: links to [] only in page.md, to ['y.md'] only in "
+                                             "page.zh.md"]
+
+
 def test_no_chinese_page_without_an_english_one() -> None:
     english = {p.name for p in PAGES}
     orphans = [p.name for p in structure.DOCS.glob("*.zh.md") if p.name.replace(".zh.md", ".md") not in english]
