@@ -39,5 +39,6 @@ echo "test-floors: built and installed in ${SECONDS}s"
 install "monarch-jupyter[test] @ file://$WHEEL"
 echo "test-floors: ready in ${SECONDS}s"
 "$VPY" scripts/versions.py "test-floors: the oldest environment"
+"$VPY" scripts/versions.py --check oldest  # docs/installation.md's table names what this environment has
 "$VPY" -m pytest -p no:cacheprovider -q tests/unit "$@"
 "$VPY" -m pytest -p no:cacheprovider -q -m kernel tests/integration "$@"
