@@ -189,13 +189,24 @@ def section_differences(a: list[Section], b: list[Section], names: tuple[str, st
     return out
 
 
-def differences(en: Path, other: Path, lang: str = "zh") -> list[str]:
+def _neutral(target: str) -> str:
+    """A link target with its language taken out: docs/x.zh.md -> docs/x.md, README.zh-CN.md -> README.md."""
+    return re.sub(r"\.zh(-CN)?\.md\b", ".md", target)
+
+
+def differences(en: Path, other: Path, lang: str = "zh", readme: bool = False) -> list[str]:
     """How ``other``'s structure differs from ``en``'s (empty when they match), both as built: generated parts
-    (``<!-- mj:... -->``) expanded, so a table generated for one language and written out in the other compare."""
+    (``<!-- mj:... -->``) expanded, so a table generated for one language and written out in the other compare.
+
+    ``readme``: a pair read on GitHub, README.md and README.zh-CN.md. GitHub shows ``{#id}`` as text, so the Chinese
+    headings keep their own ids (compared by level), and each links to its own language's pages (link targets are
+    compared with the language taken out)."""
     from doctools.hooks import expand
 
     en_text, other_text = expand(en.read_text(encoding="utf-8"), "en"), expand(other.read_text(encoding="utf-8"), lang)
     a, b = structure(en_text), structure(other_text)
+    if readme:
+        a, b = ([Item(i.kind, i.key.split("#")[0]) if i.kind == "heading" else i for i in items] for items in (a, b))
     out = []
     for n, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
@@ -208,7 +219,11 @@ def differences(en: Path, other: Path, lang: str = "zh") -> list[str]:
         longer, name = (a, en.name) if len(a) > len(b) else (b, other.name)
         out.append(f"{name} has {abs(len(a) - len(b))} more item(s), from {longer[min(len(a), len(b))]}")
     if not out:  # same headings: compare what each section says
-        out = section_differences(sections(en_text), sections(other_text), (en.name, other.name))
+        sa, sb = sections(en_text), sections(other_text)
+        if readme:
+            for s in sa + sb:
+                s.links = Counter({_neutral(t): n for t, n in s.links.items()})
+        out = section_differences(sa, sb, (en.name, other.name))
     return out
 
 

@@ -146,6 +146,11 @@ def test_chinese_line_breaks_between_chinese_characters_do_not_become_spaces() -
     assert "用相同的线程数运行 torch" not in zh and "用相同的线程数运行 torch" in hooks.expand(zh, "zh")
 
 
+def test_the_chinese_readme_mirrors_the_english_one() -> None:
+    problems = structure.differences(ROOT / "README.md", ROOT / "README.zh-CN.md", readme=True)
+    assert not problems, "README.md and README.zh-CN.md differ in structure:\n" + "\n".join(problems)
+
+
 def test_readmes_link_both_languages() -> None:
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     zh = ROOT / "README.zh-CN.md"
