@@ -10,6 +10,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
 mj_python
+# The test and notebooks extras (the main job's .venv has no test extra: pytest would run without its timeouts).
+if ! "$PY" -c "import pytest_timeout, nbval" 2>/dev/null; then
+  echo "test.sh: $PY lacks the test extra (pytest-timeout) or nbval:" \
+       "run  bash scripts/setup.sh --dev  (or  bash .ci/run) first" >&2
+  exit 1
+fi
 targets=(tests notebooks)
 for arg in "$@"; do
   if [[ -e "${arg%%::*}" ]]; then  # a path or node id: run what it names instead of everything
