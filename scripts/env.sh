@@ -38,8 +38,9 @@ mj_python() {  # [--create]: set PY (and MJ_ENV_NOTE, one line saying which inte
   if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
     local fix="use another: PYTHON=/path/to/python3.11 bash $0, or make .venv yourself: python3.11 -m venv .venv"
     [ "$PY" = "$MJ_VENV/bin/python" ] && fix="remove $MJ_VENV (rm -r $MJ_VENV) and run this again, or $fix"
-    echo "$(basename "$0"): $PY is not a working Python 3.11 or newer ($("$PY" --version 2>&1 || echo 'it does not run'));" \
-         "$fix" >&2
+    local found
+    found=$("$PY" --version 2>&1) || found="it does not run"
+    echo "$(basename "$0"): $PY is not a working Python 3.11 or newer ($found); $fix" >&2
     return 1
   fi
 }
