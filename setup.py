@@ -1,8 +1,8 @@
 """The one build step pyproject.toml cannot express: install ``monarch_jupyter.pth`` at the top of site-packages.
 
 Python runs the ``import`` line of every ``.pth`` file there at start-up; this one installs the hook in
-``shim/_monarch_jupyter_hook.py`` that keeps ``%load_ext monarch`` working beside PyTorch Monarch (README, "The
-`monarch` name"). Everything else is in pyproject.toml.
+``shim/_monarch_jupyter_hook.py`` that keeps ``%load_ext monarch`` working beside PyTorch Monarch
+(docs/installation.md, "The `monarch` name"). Everything else is in pyproject.toml.
 
 Editable installs (``pip install -e``) get no ``.pth``: setuptools' editable wheels carry only its own finder.
 There ``import monarch`` still finds ``shim/monarch.py`` when no other ``monarch`` is installed.

@@ -9,7 +9,7 @@ Peers on this box (Python 3.11.7, 2 cores, CPU-only torch 2.13.0+cpu):
   * ipyparallel 9.2.0 -- already installed.
   * torchmonarch -- ``pip install torchmonarch`` installs 0.7.0 and runs CPU-only
     (``this_host().spawn_procs(per_host={"procs": n})``). It installs a top-level ``monarch``
-    package (README, "The `monarch` name"), so install it in its own virtual
+    package (docs/installation.md, "The `monarch` name"), so install it in its own virtual
     environment and point MJ_TORCHMONARCH_PYTHON at that interpreter:
       python -m venv --system-site-packages /tmp/venv-tm && /tmp/venv-tm/bin/pip install torchmonarch
       MJ_TORCHMONARCH_PYTHON=/tmp/venv-tm/bin/python python bench/peers.py

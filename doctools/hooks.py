@@ -6,9 +6,10 @@
   copied as plain files; ``on_files`` marks them as pages again.
 * Markers in a page's Markdown, expanded in the language being built:
 
-  ``<!-- mj:magics -->``      the magics reference, from the magic argument parsers (:mod:`doctools.reference`)
-  ``<!-- mj:config-mesh -->``, ``<!-- mj:config-magics -->``  the tables of docs/configuration.md (which the
-                              code generates in English) from the option declarations, for the Chinese page
+  ``<!-- mj:KIND -->`` ... ``<!-- /mj:KIND -->``  a generated part (the magics reference, the Chinese option
+                              tables, the versions table), written into the page itself by
+                              ``python -m doctools.generated`` (:mod:`doctools.generated`) and rewritten the same
+                              way here, so the site shows what the code says even before the page is rewritten
   ``<!-- norun: REASON -->``  before a code block: a visible note that CI does not run that block, and why
 * Chinese pages lose the line breaks between two Chinese characters, which Markdown would show as spaces
   (:mod:`doctools.cjk`).
@@ -28,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # hooks are loaded by path; make `doctools` importable beside them
     sys.path.insert(0, str(ROOT))
 
-from doctools import cjk, notebooks, reference  # noqa: E402
+from doctools import cjk, generated, notebooks  # noqa: E402
 
 log = logging.getLogger("mkdocs.hooks.doctools")
 
@@ -58,12 +59,7 @@ def expand(markdown: str, lang: str) -> str:
     that would show as gaps between Chinese characters (:mod:`doctools.cjk`)."""
     if lang == "zh":
         markdown = cjk.join_lines(markdown)
-    if "<!-- mj:magics -->" in markdown:
-        markdown = markdown.replace("<!-- mj:magics -->", reference.render_magics(lang))
-    for scope in ("mesh", "magics"):
-        marker = f"<!-- mj:config-{scope} -->"
-        if marker in markdown:
-            markdown = markdown.replace(marker, reference.render_config(lang, scope))
+    markdown = generated.strip_markers(generated.regenerate(markdown, lang))
 
     def note(m: re.Match[str]) -> str:
         indent = m.group("indent")

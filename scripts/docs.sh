@@ -4,10 +4,12 @@
 # Installs what it needs on a fresh machine (torch's CPU build if no torch is installed, then this package with its
 # [docs] extra). Then, where headless Chromium and Playwright are installed (bash tests/browser/INSTALL.sh), it
 # takes screenshots of the getting-started page in both languages and checks that search answers in both, into
-# site/_artifacts/.
+# site/_artifacts/. The interpreter is the one scripts/env.sh chooses (PYTHON=, the active environment, else the
+# checkout's .venv, made here when missing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
+source scripts/env.sh
+mj_python --create
 if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q "torch==2.13.0"
 fi

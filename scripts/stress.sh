@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Stress mode: the integration and real-kernel tests while other processes keep every core busy, several runs in a
 # row; it stops at the first run that fails. Tests must wait for the state they assert, never for a time that a
-# loaded machine does not keep. Assumes scripts/setup.sh ran.
+# loaded machine does not keep. Assumes scripts/setup.sh --dev ran; the interpreter is the one scripts/env.sh chooses.
 #
 #   bash scripts/stress.sh                                  tests/integration, 3 runs, one busy loop per core
 #   bash scripts/stress.sh tests/integration/test_faults.py -x   what the arguments name (pytest's options too)
 #   STRESS_RUNS=5 STRESS_LOAD=4 bash scripts/stress.sh      5 runs under 4 busy loops
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
+source scripts/env.sh
+mj_python
 RUNS=${STRESS_RUNS:-3}
 LOAD=${STRESS_LOAD:-$(nproc)}
 args=("$@")

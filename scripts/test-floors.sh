@@ -3,7 +3,8 @@
 # in a fresh venv without the machine's packages, the package installed from a wheel built from its sdist with
 # the oldest setuptools allowed (not editable). Then, from another folder, the smoke test of the installed package
 # with nothing but its declared dependencies (tests/packaging/smoke.py); then, with the test extra added, the unit
-# and real-kernel tests. Extra arguments go to both pytest runs. Needs `build` beside $PYTHON (the test extra).
+# and real-kernel tests. Extra arguments go to both pytest runs. Needs `build` beside the interpreter scripts/env.sh
+# chooses (the test extra: scripts/setup.sh --dev).
 #
 # torch at its floor is a CUDA build from PyPI: 2.7 GB to download, 5 GB installed. uv (installed into the venv)
 # keeps what it downloaded in its cache (~/.cache/uv, or $UV_CACHE_DIR) and links it from there, so only the first
@@ -11,7 +12,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
-PY=${PYTHON:-python3}
+source scripts/env.sh
+mj_python
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/mj-floors.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
 SECONDS=0
@@ -37,5 +39,6 @@ echo "test-floors: built and installed in ${SECONDS}s"
 install "monarch-jupyter[test] @ file://$WHEEL"
 echo "test-floors: ready in ${SECONDS}s"
 "$VPY" scripts/versions.py "test-floors: the oldest environment"
+"$VPY" scripts/versions.py --check oldest  # docs/installation.md's table names what this environment has
 "$VPY" -m pytest -p no:cacheprovider -q tests/unit "$@"
 "$VPY" -m pytest -p no:cacheprovider -q -m kernel tests/integration "$@"

@@ -1,12 +1,21 @@
 #!/usr/bin/env bash
 # Run the test suite: unit and integration tests, real-kernel tests, and the tutorial notebooks under nbval (stored
-# outputs compared). Assumes scripts/setup.sh ran (bash .ci/run does both).
+# outputs compared). Assumes scripts/setup.sh --dev ran (bash .ci/run does both); the interpreter is the one
+# scripts/env.sh chooses (PYTHON=, the active environment, else the checkout's .venv).
 #
 #   bash scripts/test.sh                          everything
 #   bash scripts/test.sh tests/unit -x            only what the paths (or node ids) name, with pytest's options
 #   bash scripts/test.sh -k interrupt             everything, with pytest's options
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/env.sh
+mj_python
+# The test and notebooks extras (the main job's .venv has no test extra: pytest would run without its timeouts).
+if ! "$PY" -c "import pytest_timeout, nbval" 2>/dev/null; then
+  echo "test.sh: $PY lacks the test extra (pytest-timeout) or nbval:" \
+       "run  bash scripts/setup.sh --dev  (or  bash .ci/run) first" >&2
+  exit 1
+fi
 targets=(tests notebooks)
 for arg in "$@"; do
   if [[ -e "${arg%%::*}" ]]; then  # a path or node id: run what it names instead of everything
@@ -14,5 +23,5 @@ for arg in "$@"; do
     break
   fi
 done
-exec "${PYTHON:-python3}" -m pytest -p no:cacheprovider --durations=25 --nbval --nbval-sanitize-with notebooks/nbval_sanitize.cfg \
+exec "$PY" -m pytest -p no:cacheprovider --durations=25 --nbval --nbval-sanitize-with notebooks/nbval_sanitize.cfg \
   "${targets[@]}" "$@"

@@ -31,6 +31,20 @@ def test_every_english_page_has_a_chinese_page_with_the_same_structure(page: Pat
     assert not problems, f"{page.name} and {zh.name} differ in structure:\n" + "\n".join(problems)
 
 
+def test_a_paragraph_or_link_missing_from_a_translation_is_found(tmp_path: Path) -> None:
+    en, zh = tmp_path / "page.md", tmp_path / "page.zh.md"
+    note = "\n\n!!! note\n    Three.\n"
+    en.write_text("# Page\n\nOne.\n\nTwo, see [x](x.md).\n\n- a\n- b" + note, encoding="utf-8")
+    zh.write_text("# 页面 {#page}\n\n一。\n\n二，见 [x](x.md)。\n\n- 甲\n- 乙" + note, encoding="utf-8")
+    assert structure.differences(en, zh) == []
+    zh.write_text("# 页面 {#page}\n\n一。二，见 [x](x.md)。\n\n- 甲\n- 乙" + note, encoding="utf-8")
+    assert structure.differences(en, zh) == ["section #page: page.md has 3 paragraph(s) and 2 list item(s), "
+                                             "page.zh.md has 2 and 2"]
+    zh.write_text("# 页面 {#page}\n\n一。\n\n二，见 [y](y.md)。\n\n- 甲\n- 乙，[x](x.md)" + note, encoding="utf-8")
+    assert structure.differences(en, zh) == ["section #page: links to [] only in page.md, to ['y.md'] only in "
+                                             "page.zh.md"]
+
+
 def test_no_chinese_page_without_an_english_one() -> None:
     english = {p.name for p in PAGES}
     orphans = [p.name for p in structure.DOCS.glob("*.zh.md") if p.name.replace(".zh.md", ".md") not in english]
@@ -130,6 +144,11 @@ def test_chinese_line_breaks_between_chinese_characters_do_not_become_spaces() -
     assert cjk.join_lines(page) == joined
     zh = structure.translation(structure.DOCS / "torchrun.md").read_text(encoding="utf-8")
     assert "用相同的线程数运行 torch" not in zh and "用相同的线程数运行 torch" in hooks.expand(zh, "zh")
+
+
+def test_the_chinese_readme_mirrors_the_english_one() -> None:
+    problems = structure.differences(ROOT / "README.md", ROOT / "README.zh-CN.md", readme=True)
+    assert not problems, "README.md and README.zh-CN.md differ in structure:\n" + "\n".join(problems)
 
 
 def test_readmes_link_both_languages() -> None:
