@@ -83,8 +83,13 @@ def test_dashboard_streams_progress_and_ends_done(kernel):
 
 def test_fast_cell_gets_one_static_display_and_no_widget(kernel):
     """A cell that ends before the widget is due: one display_data at its end (final table as HTML, each rank's
-    output in a <details>), no comm at all; its text/plain is the same stable text as a live dashboard's."""
-    msgs = execute(kernel, "%%mesh\nprint('hello from', rank)")
+    output in a <details>), no comm at all; its text/plain is the same stable text as a live dashboard's. The
+    widget is made due in 120 s here, so that the cell ends first however loaded the machine is."""
+    execute(kernel, "import monarch_jupyter.widgets.celldash as _cd; _defer, _cd.DEFER = _cd.DEFER, 120.0")
+    try:
+        msgs = execute(kernel, "%%mesh\nprint('hello from', rank)")
+    finally:
+        execute(kernel, "_cd.DEFER = _defer")
     assert not [m for m in msgs if m["msg_type"].startswith("comm")]
     (shown,) = [m for m in msgs if m["msg_type"] in ("display_data", "update_display_data")]
     data = shown["content"]["data"]
