@@ -4,6 +4,10 @@ records is monarch_worker.streams.StreamSplitter, shared with host agents).
 Output reaches the cell that caused it: each cell captures the caller's ``contextvars`` context when it is
 submitted (ipykernel keeps the cell's parent header in a ContextVar), and lines are written inside that context,
 from whichever thread delivers them (the pattern of ipykernel's IOPubThread and set_parent).
+
+A view that shows a cell's output itself (the cell's live dashboard, monarch_jupyter.widgets) sets ``OUTPUT_SINK``
+in the context the cell is submitted from: the lines and rich outputs written in that context then go to the view,
+in the order they would have been written, instead of to sys.stdout / sys.stderr, so each shows once.
 """
 
 from __future__ import annotations
@@ -12,20 +16,28 @@ import contextvars
 import heapq
 import sys
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from monarch_worker.streams import StreamSplitter
 
 from ..ranks import format_ranks
 
-__all__ = ["StreamSplitter", "label", "write_lines", "fold_lines", "FOLD_WINDOW"]
+__all__ = ["StreamSplitter", "label", "write_lines", "fold_lines", "FOLD_WINDOW", "OUTPUT_SINK", "OutputSink"]
 
 
 FOLD_WINDOW = 0.1
 """Seconds the lines of a folding cell wait for the same line from other ranks before they are shown."""
 
 Who = int | tuple[int, ...]  # a line's rank, or the ranks of a folded line
+
+OutputSink = Callable[[Sequence[tuple[Who, str, Any]]], bool]
+"""Takes a batch of (rank, stream, text) items as ``write_lines`` would write them (stream "display": a rich output,
+``kernel.rich.RichOutput``); returns False to have them written as usual (e.g. its view has ended). Called from any
+thread, possibly under the mesh lock: it must only record them, never block or call into the mesh."""
+
+OUTPUT_SINK: contextvars.ContextVar[OutputSink | None] = contextvars.ContextVar("monarch_output_sink", default=None)
+"""Where the output written in this context goes instead of the notebook's streams (None: the streams)."""
 
 
 def label(rank: Who) -> str:
@@ -93,45 +105,48 @@ def fold_lines(lines: list[tuple[int, str, Any]]) -> list[tuple[Who, str, Any]]:
 
 def write_lines(lines: Sequence[tuple[Who, str, Any]], ctx: contextvars.Context | None = None) -> None:
     """Write (rank, stream, text) lines to sys.stdout / sys.stderr, labelled, inside ``ctx`` if given (``rank`` a
-    tuple: a folded line, see ``fold_lines``).
+    tuple: a folded line, see ``fold_lines``). Where that context has an ``OUTPUT_SINK`` that takes them, they go
+    there instead.
 
     An item whose stream is "display" carries a rich output (``kernel.rich.RichOutput``) in place of the text: it
     is published there, in order with the lines around it.
     """
     if not lines:
         return
-    if any(stream == "display" for _, stream, _ in lines):
-        def write_all() -> None:
-            start = 0
-            for i, (_, stream, item) in enumerate(lines):
-                if stream == "display":
-                    write_lines(lines[start:i])
-                    _flush(sys.stdout, sys.stderr)  # the lines before a rich output are shown before it
-                    item.publish()
-                    start = i + 1
-            write_lines(lines[start:])
-
-        if ctx is None:
-            write_all()
-        else:
-            ctx.run(write_all)
-        return
-
-    def write() -> None:
-        for stream, text in _by_stream(lines):
-            target = sys.stdout if stream == "stdout" else sys.stderr
-            other = sys.stderr if stream == "stdout" else sys.stdout
-            if _last_written[0] is other:
-                _flush(other)  # what the other stream holds came first: it is shown first
-            target.write(text)
-            _last_written[0] = target
-            if not _flushes_itself(target):
-                _flush(target)
-
     if ctx is None:
-        write()
+        _write_here(lines)
     else:
-        ctx.run(write)
+        ctx.run(_write_here, lines)
+
+
+def _write_here(lines: Sequence[tuple[Who, str, Any]]) -> None:
+    """``write_lines`` in the calling context."""
+    sink = OUTPUT_SINK.get()
+    if sink is not None and sink(lines):
+        return
+    if any(stream == "display" for _, stream, _ in lines):
+        start = 0
+        for i, (_, stream, item) in enumerate(lines):
+            if stream == "display":
+                _write_streams(lines[start:i])
+                _flush(sys.stdout, sys.stderr)  # the lines before a rich output are shown before it
+                item.publish()
+                start = i + 1
+        _write_streams(lines[start:])
+        return
+    _write_streams(lines)
+
+
+def _write_streams(lines: Sequence[tuple[Who, str, Any]]) -> None:
+    for stream, text in _by_stream(lines):
+        target = sys.stdout if stream == "stdout" else sys.stderr
+        other = sys.stderr if stream == "stdout" else sys.stdout
+        if _last_written[0] is other:
+            _flush(other)  # what the other stream holds came first: it is shown first
+        target.write(text)
+        _last_written[0] = target
+        if not _flushes_itself(target):
+            _flush(target)
 
 
 _last_written: list[Any] = [None]  # the stream the last write_lines wrote to (an order, not a resource)
