@@ -6,8 +6,8 @@ views; the same works from Python::
     from monarch_jupyter.widgets import cell_view
     view = cell_view(mesh)             # before submitting: follows the next cell
     with view.capture():               # optional: the cell's output shows in the view, not beside it
-        handle = mesh.run(code, block=False)
-    ...                                # the view keeps updating on its own
+        result = mesh.run(code)        # (block=False too: the view keeps updating on its own; output that a
+                                       # wait outside this block writes goes beside the view)
     view.finish()                      # optional: render the final state now
 
 ``mode`` is "auto" (a dashboard in a Jupyter kernel with ipywidgets, text in a terminal or script), "widget",
