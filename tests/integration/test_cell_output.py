@@ -23,8 +23,10 @@ def kc() -> Iterator[Any]:
     km: KernelManager
     km, kc = start_new_kernel(kernel_name="python3", startup_timeout=TIMEOUT, env=dict(os.environ), cwd=os.getcwd())
     try:
+        # No live view: these tests read the streams the kernel writes (a cell's view would take them; its flat
+        # text does not say which stream a line came from).
         reply, _ = execute(kc, "%load_ext monarch_jupyter\nm = %mesh start -n 2\n"
-                               "%config MeshMagics.stream_order = 'rank'")
+                               "%config MeshMagics.stream_order = 'rank'\n%config MeshMagics.live_view = 'off'")
         assert reply["status"] == "ok", reply
         yield kc
     finally:

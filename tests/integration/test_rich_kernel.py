@@ -27,7 +27,9 @@ def kernel():
 
     km, kc = start_new_kernel(kernel_name="python3", startup_timeout=60)
     try:
-        execute(kc, "%load_ext monarch\n%config MeshMagics.stream_order = 'rank'")
+        # No live view: these tests read the messages the kernel sends for the ranks' displays (a cell's view takes
+        # them in; test_live_kernel.py checks that path).
+        execute(kc, "%load_ext monarch\n%config MeshMagics.stream_order = 'rank'\n%config MeshMagics.live_view = 'off'")
         execute(kc, "%mesh start -n 2")
         yield kc
     finally:
@@ -204,7 +206,7 @@ class Table:
 Table(rank)""")
     (result,) = [m["content"]["data"] for m in msgs if m["msg_type"] == "execute_result"]
     assert result["text/plain"] == "{0: Table(0), 1: Table(1)}"
-    assert re.findall(r'<tr data-rank="(\d)"', result["text/html"]) == ["0", "1"]
+    assert re.findall(r'class="mj-rankmap-rank" data-rank="(\d)"', result["text/html"]) == ["0", "1"]
     msgs = execute(kernel, "%%mesh\nTable(7)")
     (result,) = [m["content"]["data"] for m in msgs if m["msg_type"] == "execute_result"]
     assert "all 2 ranks equal" in result["text/html"] and result["text/html"].count("<td>7</td>") == 1
