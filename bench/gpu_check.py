@@ -106,8 +106,9 @@ def _end_group(proc: subprocess.Popen) -> None:
 
 def run_one(check: Check, timeout: float) -> Outcome:
     """Run ``check`` in its own process group for at most ``timeout`` seconds; never raises for what it does."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p),
-               PYTHONUNBUFFERED="1")
+    # This checkout's packages first (monarch_worker through its .typecheck link), whatever is installed.
+    path = (ROOT, os.path.join(ROOT, ".typecheck"), os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p), PYTHONUNBUFFERED="1")
     t0 = time.monotonic()
     proc = subprocess.Popen(check.command(), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
