@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -140,9 +141,10 @@ def dashboard_cuda() -> None:
         assert row.cuda_reserved >= row.cuda_allocated, row
         assert mesh.status()[0]["cuda_allocated"] >= 256 * MiB, mesh.status()
         html = render_table([row])
-        assert "cuda 256 MiB/" in html, html
+        shown = re.search(r"cuda (\d+) MiB/(\d+(?:\.\d)? [MG]iB)", html)  # the memory column: allocated/reserved
+        assert shown is not None and int(shown.group(1)) >= 256, html
         detail(f"after 256 MiB: allocated {row.cuda_allocated / MiB:.0f} MiB, reserved "
-               f"{row.cuda_reserved / MiB:.0f} MiB; the table shows '{html.split('cuda ')[1].split('<')[0]}'")
+               f"{row.cuda_reserved / MiB:.0f} MiB; the table shows '{shown.group(0)}'")
         mesh.run("del x; torch.cuda.empty_cache()")
         row = _wait_row(monitor, lambda r: r.cuda_allocated < 256 * MiB)
         detail(f"after del + empty_cache: allocated {row.cuda_allocated / MiB:.0f} MiB")
@@ -286,7 +288,9 @@ def _release_by_force(n: int, code: str) -> None:
         except (MeshError, KeyboardInterrupt) as e:
             detail(f"the cell raised {type(e).__name__}")
         dead = [r for r, s in mesh.status().items() if s["state"] == "dead"]
-        if dead:
+        if len(dead) == n:
+            mesh.restart()  # every rank: a fresh mesh
+        elif dead:
             mesh.restart(ranks=dead)
         total = mesh.run("t = torch.ones(1, device=device); dist.all_reduce(t); float(t[0])")
         assert total == dict.fromkeys(range(n), float(n)), total
