@@ -1,7 +1,8 @@
 """Lightning in a notebook three ways: strategy="mesh", strategy="ddp_notebook", and the same script relaunched
 under torchrun with strategy="ddp".
 
-    python bench/bench_lightning.py [--nproc 2] [--steps 20] [--refits 3] [--long-steps 400] [--rounds 3]
+    python bench/bench_lightning.py [--nproc 2] [--steps 20] [--refits 3] [--long-steps 400] [--rounds 3] [--json PATH]
+    python bench/bench_lightning.py --first-only [--repeat 3] [--reference DIR]    the first fit only (issue 30)
 
 Prints, in one run, for each way: the first fit, a second fit, an edit-and-refit loop (edit the LightningModule,
 new Trainer, fit; mean of --refits rounds), and the steady-state seconds per training step (median over a long
@@ -14,6 +15,10 @@ fit after a warm-up, best of --rounds fits). Each way runs in a fresh interprete
 - torchrun: every fit is `python -m torch.distributed.run --standalone --nproc-per-node N workload.py`.
 
 Goals (issue 12): per-step time within 5% of torchrun's; refit at least 10x faster than a torchrun relaunch.
+With --first-only (issue 30): the first fit, counted from the `import lightning` cell to the end of the fit, within
+2x of ddp_notebook's, in the order %mesh start then import lightning; and the first fit (from the Trainer) in the other
+order, where the ranks started after Lightning was imported. --reference DIR measures another checkout (before a
+change) in the same run, the ways alternating.
 The machine is shared: numbers of one run are indicative; the per-step ratio is the median of many steps.
 """
 
@@ -101,12 +106,31 @@ import json, os, statistics, sys, time, types, warnings
 warnings.filterwarnings("ignore")
 mode, nproc, steps, long_steps, refits, src_path, times_path = sys.argv[1:8]
 nproc, steps, long_steps, refits = int(nproc), int(steps), int(long_steps), int(refits)
-t0 = time.perf_counter()
+out = {}
+# A notebook: %load_ext monarch (registers strategy="mesh" for when Lightning is imported), then either %mesh start
+# and the `import lightning` cell (BENCH_ORDER=mesh_first), or the other way round (import_first). A Jupyter kernel
+# warms the ranks up when they start after Lightning was imported; MONARCH_LIGHTNING_WARM_ON_START=1 does it here.
+mesh_first = os.environ.get("BENCH_ORDER", "import_first") == "mesh_first"
+
+def start_mesh():
+    global mesh
+    from monarch_jupyter import Mesh
+    t = time.perf_counter()
+    mesh = Mesh(nproc)
+    out["mesh_start"] = time.perf_counter() - t
+
+if mode == "mesh":
+    import monarch_jupyter.lightning  # noqa: F401
+    if mesh_first:
+        start_mesh()
+t0 = time.perf_counter()  # the `import lightning` cell
 import lightning as L
 import logging
 for name in ("lightning.pytorch", "lightning.fabric"):
     logging.getLogger(name).setLevel(logging.ERROR)
-out = {"import_lightning": time.perf_counter() - t0}
+out["import_lightning"] = time.perf_counter() - t0
+if mode == "mesh" and not mesh_first:
+    start_mesh()
 source = open(src_path).read()
 
 def cell(src):
@@ -117,11 +141,7 @@ def cell(src):
     return mod
 
 if mode == "mesh":
-    from monarch_jupyter import Mesh
     from monarch_jupyter.lightning import MeshStrategy
-    t = time.perf_counter()
-    mesh = Mesh(nproc)
-    out["mesh_start"] = time.perf_counter() - t
     strategy = lambda: MeshStrategy(live_view="off")
 else:
     strategy = lambda: "ddp_notebook"
@@ -133,6 +153,12 @@ t = time.perf_counter()
 tr = w.trainer(strategy(), nproc, steps)
 tr.fit(model, datamodule=data)
 out["first_fit"] = time.perf_counter() - t
+out["import_to_first_fit"] = time.perf_counter() - t0
+if os.environ.get("BENCH_FIRST_ONLY") == "1":
+    if mode == "mesh":
+        mesh.stop()
+    print("RESULT " + json.dumps(out))
+    sys.exit(0)
 t = time.perf_counter()
 try:
     tr.fit_loop.epoch_loop.max_steps = 2 * steps
@@ -159,12 +185,18 @@ print("RESULT " + json.dumps(out))
 '''
 
 
-def run_notebook(mode: str, args: argparse.Namespace, tmp: str) -> dict:
+def run_notebook(mode: str, args: argparse.Namespace, tmp: str, package: str | None = None,
+                 order: str = "import_first") -> dict:
+    """One way in a fresh interpreter; ``package``: import monarch_jupyter from that checkout (the reference);
+    ``order``: "import_first" (import lightning, then %mesh start) or "mesh_first"."""
     nb = os.path.join(tmp, "notebook.py")
     times = os.path.join(tmp, f"times-{mode}.json")
     with open(nb, "w") as f:
         f.write(NOTEBOOK)
-    env = dict(os.environ, BENCH_ROUNDS=str(args.rounds))
+    root = package or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = [root, os.path.join(root, ".typecheck"), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, BENCH_ROUNDS=str(args.rounds), BENCH_FIRST_ONLY="1" if args.first_only else "0",
+               MONARCH_LIGHTNING_WARM_ON_START="1", BENCH_ORDER=order, PYTHONPATH=os.pathsep.join(p for p in path if p))
     proc = subprocess.run([sys.executable, nb, mode, str(args.nproc), str(args.steps), str(args.long_steps),
                            str(args.refits), os.path.join(tmp, "workload.py"), times],
                           capture_output=True, text=True, timeout=1800, cwd=tmp, env=env)
@@ -172,7 +204,8 @@ def run_notebook(mode: str, args: argparse.Namespace, tmp: str) -> dict:
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{mode} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     out = json.loads(lines[-1][7:])
-    out["step"] = _steady(times, args)
+    if not args.first_only:
+        out["step"] = _steady(times, args)
     return out
 
 
@@ -216,6 +249,42 @@ def run_torchrun(args: argparse.Namespace, tmp: str) -> dict:
     return out
 
 
+def first_fits(args: argparse.Namespace, tmp: str) -> dict:
+    """--first-only: the first fit in each order, for this checkout, the reference (if any) and ddp_notebook, the ways
+    alternating over --repeat rounds; medians."""
+    ways = {"mesh": (None, "mesh"), "ddp_notebook": (None, "ddp_notebook")}
+    if args.reference:
+        ways["mesh (reference)"] = (args.reference, "mesh")
+    runs: dict[str, list[dict]] = {}
+    for _ in range(args.repeat):
+        for order in ("import_first", "mesh_first"):
+            for name, (package, mode) in ways.items():
+                if mode == "ddp_notebook" and order == "mesh_first":
+                    continue  # no mesh: one order
+                runs.setdefault(f"{name}|{order}", []).append(run_notebook(mode, args, tmp, package, order))
+    return {key: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for key, rs in runs.items()}
+
+
+def report_first(results: dict, args: argparse.Namespace) -> None:
+    nb = results["ddp_notebook|import_first"]
+    print(f"first Lightning fit of {args.steps} steps on {args.nproc} CPU ranks, medians of {args.repeat} runs "
+          f"(each a fresh interpreter, as a new kernel)")
+    print(f"  ddp_notebook: import lightning {nb['import_lightning']:.2f} s, first fit {nb['first_fit']:.2f} s; "
+          f"from the import cell to the end of the fit {nb['import_to_first_fit']:.2f} s")
+    for name in ("mesh", "mesh (reference)"):
+        if f"{name}|mesh_first" not in results:
+            continue
+        a, b = results[f"{name}|mesh_first"], results[f"{name}|import_first"]
+        print(f"  {name}:")
+        print(f"    %mesh start, then `import lightning`: from the import cell to the end of the first fit "
+              f"{a['import_to_first_fit']:.2f} s = {a['import_to_first_fit'] / nb['import_to_first_fit']:.2f}x "
+              f"ddp_notebook (goal <= 2x); the fit itself {a['first_fit']:.2f} s")
+        print(f"    `import lightning`, then %mesh start ({b['mesh_start']:.2f} s): first fit {b['first_fit']:.2f} s "
+              f"= {b['first_fit'] / nb['first_fit']:.2f}x ddp_notebook's; from the import cell to the end of the "
+              f"fit, the start included, {b['import_to_first_fit']:.2f} s = "
+              f"{b['import_to_first_fit'] / nb['import_to_first_fit']:.2f}x ddp_notebook")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, default=2)
@@ -224,12 +293,30 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=50, help="steps left out of the steady-state median")
     parser.add_argument("--refits", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3, help="steady-state fits per way (the best median counts)")
+    parser.add_argument("--first-only", action="store_true",
+                        help="only the first fit, in both orders (import lightning / %%mesh start), against "
+                             "ddp_notebook")
+    parser.add_argument("--repeat", type=int, default=3, help="--first-only: runs of each way (medians)")
+    parser.add_argument("--reference", default=None,
+                        help="--first-only: a checkout (folder) of monarch_jupyter to measure too, in the same run")
+    parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-lightning-") as tmp:
         with open(os.path.join(tmp, "workload.py"), "w") as f:
             f.write(textwrap.dedent(WORKLOAD))
-        results = {"mesh": run_notebook("mesh", args, tmp), "ddp_notebook": run_notebook("ddp_notebook", args, tmp),
-                   "torchrun": run_torchrun(args, tmp)}
+        if args.first_only:
+            results = first_fits(args, tmp)
+            report_first(results, args)
+        else:
+            results = {"mesh": run_notebook("mesh", args, tmp),
+                       "ddp_notebook": run_notebook("ddp_notebook", args, tmp), "torchrun": run_torchrun(args, tmp)}
+            report(results, args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+def report(results: dict, args: argparse.Namespace) -> None:
     print(f"{args.nproc} ranks on CPU; fits of {args.steps} steps; steady state: median step of {args.long_steps} "
           f"steps after {args.warmup}, best of {args.rounds} fits (MLP 256-512-512-10, batch 64)")
     if "mesh_start" in results["mesh"]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import importlib
 import json
 import os
 import select
@@ -171,6 +172,20 @@ class ForkServer:
                 self.spawn(sid, req)
             elif kind == P.FS_KILL:
                 self.kill(sid, int(req["signal"]))
+            elif kind == P.FS_IMPORT:
+                self.preload(req.get("modules", []))
+
+    def preload(self, modules: list[str]) -> None:
+        """Import ``modules`` (what the notebook imported: Lightning), so that ranks forked from now on start with
+        them, as the ranks of a fork-based launcher do. A module that fails to import is left out (a rank imports it
+        itself, and says why, when it needs it). Spawns and exit reports wait meanwhile (seconds, once)."""
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001 - only a head start
+                pass
+        gc.collect()
+        gc.freeze()  # as after torch (main): what was imported is long-lived
 
     def shutdown(self, code: int) -> None:
         """Kill every rank, end everything they started (but processes kept on purpose), reap it all, and exit.

@@ -3,9 +3,8 @@
 ``Mesh`` holds the parts (each in its own module, sharing one ``MeshState``, wired in parts.py) and forwards to
 them; docs/architecture.md has the module map.
 
-Threads: the caller's thread submits work and waits for it; the I/O thread (``monarch-io``) owns the socket; the
-launcher's reader thread delivers output and exits; the events thread (``monarch-events``) calls listeners.
-"""
+Threads: the caller's thread submits work, waits for it, runs ``registry.on_start`` hooks; ``monarch-io`` owns the
+socket; the launcher's reader thread delivers output and exits; ``monarch-events`` calls listeners."""
 
 from __future__ import annotations
 
@@ -176,6 +175,7 @@ class Mesh:
         self.lifecycle.start(wait)
         registry.set_current(self)
         self.events.flush()  # listeners saw the start when it returns
+        registry.started(self)  # hooks: e.g. the ranks import Lightning in the background (if the notebook did)
         return self
 
     def stop(self) -> None:

@@ -32,7 +32,7 @@ from ..ranks import format_ranks
 from .records import Who
 
 __all__ = ["StreamSplitter", "temp_file_sink", "label", "write_lines", "fold_lines", "OutputWriter", "FOLD_WINDOW",
-           "MESSAGE_LIMIT", "OUTPUT_SINK", "OutputSink"]
+           "MESSAGE_LIMIT", "OUTPUT_SINK", "OutputSink", "PLACE_HOLDER", "hold_place"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,23 @@ thread (never under the mesh lock): it must only record them, never block or cal
 
 OUTPUT_SINK: contextvars.ContextVar[OutputSink | None] = contextvars.ContextVar("monarch_output_sink", default=None)
 """Where the output written in this context goes instead of the notebook's streams (None: the streams)."""
+
+PLACE_HOLDER: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar("monarch_place_holder",
+                                                                                        default=None)
+"""Called (``hold_place``) just before the kernel itself writes into the running cell (a pdb prompt, a note): a
+cell's view that has not shown itself yet (it shows its first state at its first render) shows now, so that what
+the kernel writes lands below it. None: nothing to hold a place for."""
+
+
+def hold_place() -> None:
+    """Let the view of the running cell take its place before the kernel writes into the cell (``PLACE_HOLDER``).
+    Call it from the thread that writes, without the mesh lock; it never raises."""
+    fn = PLACE_HOLDER.get()
+    if fn is not None:
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - a view's failure must not stop the prompt
+            log.debug("the cell's view could not take its place", exc_info=True)
 
 
 def label(rank: Who) -> str:

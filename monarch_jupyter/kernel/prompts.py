@@ -38,7 +38,7 @@ from monarch_worker import protocol as P
 from ..ranks import format_ranks, parse_ranks, plural, ranks_text
 from .cells import CellTable
 from .dispatch import Dispatcher
-from .output import OutputWriter, label, write_lines
+from .output import OutputWriter, hold_place, label, write_lines
 from .records import CellRecord
 from .state import MeshState
 
@@ -358,6 +358,7 @@ class PromptServer:
         if ask is not None:
             try:
                 with self._live_output(cell):
+                    hold_place()  # the cell's view first, then the prompt below it
                     return ask(prompt)
             except EOFError:
                 pass
@@ -552,6 +553,7 @@ class PromptServer:
 
     @staticmethod
     def _write(text: str) -> None:
+        hold_place()
         sys.stdout.write(text)
         sys.stdout.flush()
 

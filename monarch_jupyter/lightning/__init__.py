@@ -19,6 +19,7 @@ See docs/lightning.md.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import logging
@@ -131,12 +132,45 @@ def _register_one(family: str, kind: str) -> bool:
         log.debug("no ddp hint", exc_info=True)
     if kind == "trainer":
         try:
+            from ..kernel import registry
             from .launch import warm_up
 
             warm_up(family)  # a mesh already runs: its ranks import Lightning now, not at the first fit
+            if _warms_ranks():  # local ranks started from now on: forked with Lightning imported (one import)
+                from ..kernel.launch.local import preload
+                from .rank import modules
+
+                preload(list(modules(family)))
+            # Meshes started (or restarted) later: their ranks import it as soon as they are up.
+            registry.on_start(_WARM_ON_START.setdefault(family, functools.partial(_warm_on_start, family)))
         except Exception:  # noqa: BLE001
             log.debug("no warm-up", exc_info=True)
     return True
+
+
+_WARM_ON_START: dict[str, Any] = {}  # family -> its start hook (one per family, so registering is idempotent)
+
+
+def _warms_ranks() -> bool:
+    """Ranks get Lightning ahead of the first fit (below) in a Jupyter kernel; elsewhere (a script or test process
+    that merely imported Lightning) ranks stay as they are, unless ``MONARCH_LIGHTNING_WARM_ON_START`` is "1"
+    (always) or "0" (never)."""
+    env = os.environ.get("MONARCH_LIGHTNING_WARM_ON_START")
+    if env in ("0", "1"):
+        return env == "1"
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    return getattr(shell, "kernel", None) is not None
+
+
+def _warm_on_start(family: str, mesh: Any) -> None:
+    """A mesh started after Lightning was imported: its ranks import Lightning at once, in the background
+    (``launch.warm_up``; nothing to do for local ranks forked after the fork server imported it), so the first fit
+    does not wait for it."""
+    if _warms_ranks():
+        from .launch import warm_up
+
+        warm_up(family, mesh)
 
 
 class _Unavailable:

@@ -214,10 +214,15 @@ def _check_lightning(family: str) -> None:
             "as the notebook)") from None
 
 
+def modules(family: str) -> tuple[str, ...]:
+    """The modules a rank needs for a job of ``family`` ("lightning" or "standalone"), slowest first."""
+    return PYTORCH[family], f"{PYTORCH[family]}.trainer.call", FABRIC[family]
+
+
 def warm_up(family: str) -> None:
     """Import Lightning now (the controller asks for it in the background when a mesh meets Lightning), so that
     the first fit does not wait seconds for it."""
-    for name in (PYTORCH[family], f"{PYTORCH[family]}.trainer.call", FABRIC[family]):
+    for name in modules(family):
         importlib.import_module(name)
 
 

@@ -6,12 +6,13 @@ figure shows once. The flat form (``[rankN]: line``) goes into the display's ``t
 what frontends without widgets, nbval and a saved notebook's plain view read; its ``text/html`` is the static form
 (table, charts, every rank's output under its name) for nbconvert, GitHub and VS Code without ipywidgets.
 
-A stable place. Where a person watches (the request allows stdin: JupyterLab, Notebook 7, VS Code), the view shows a
-one-line placeholder as the cell starts, so what the kernel itself prints into the cell later (a pdb prompt, a
-note) lands below it, as early output would. A cell that ends within ``DEFER`` seconds turns the placeholder into
-its compact result: a header line and the output, no table (two small messages, no widget). A cell still running
-then gets the live widget in the placeholder's place. Where nobody watches (nbval, nbconvert, papermill run with
-stdin off), the view is one display at the cell's end (a placeholder at the start only for ``--async`` cells).
+A stable place, and few messages. Where a person watches (the request allows stdin: JupyterLab, Notebook 7, VS Code),
+the view shows nothing as the cell starts: a cell that ends within ``DEFER`` seconds gets one display, its compact
+result (a header line and the output, no table, no widget), and nothing else; a cell still running then gets the
+live widget, as its first display. When the kernel itself is about to print into the cell before that (a pdb
+prompt, a note; ``kernel.output.hold_place``), the view first shows a one-line placeholder, so what the kernel
+prints lands below it. Where nobody watches (nbval, nbconvert, papermill run with stdin off), the view is one
+display at the cell's end (a placeholder at the start only for ``--async`` cells).
 
 The live widget (ipywidgets 8, no extension of ours), a ``VBox``: the dashboard (``dashboard.MeshDashboard`` or
 ``FoldedDashboard``), an HTML widget with the charts (``outputs.render_charts``), a ``Tab`` strip ("all ranks", then a
@@ -38,7 +39,7 @@ from typing import Any
 import ipywidgets as widgets
 from ipywidgets.widgets.widget_string import HTMLStyle
 
-from ..kernel.output import OUTPUT_SINK
+from ..kernel.output import OUTPUT_SINK, PLACE_HOLDER
 from ..ranks import format_ranks, ranks_text
 from .dashboard import HEAD_STYLE, STYLE, DashboardView, html_page, render_body, render_header, shared
 from .model import ATTENTION_STATES, FAILED_STATES, MeshMonitor, RowView, Summary, stragglers
@@ -67,7 +68,8 @@ class CellDashboardView(DashboardView):
     live:
         Make the live widget at all (False where nobody watches: one display, at the end).
     placeholder:
-        Show the placeholder when the view is shown (``show``), not only at the end.
+        Show the placeholder when the view is shown (``show``), not only at the end; with ``live``, only when the
+        kernel is about to print into the cell before the view showed anything (``hold_place``).
     """
 
     def __init__(self, monitor: MeshMonitor, ranks: list[int], *, title: str, fold_threshold: int, plain: str,
@@ -104,17 +106,26 @@ class CellDashboardView(DashboardView):
         """Within this block, the output of cells submitted from this context comes to the view (submit the cell in
         it: its context is captured at submission, so output that arrives later comes here too)."""
         token = OUTPUT_SINK.set(self.output.take)
+        holder = PLACE_HOLDER.set(self.hold_place)
         try:
             yield self.output
         finally:
+            PLACE_HOLDER.reset(holder)
             OUTPUT_SINK.reset(token)
 
     def show(self) -> None:
-        """Display the live widget now (``defer`` 0) or the placeholder (``placeholder``); else nothing yet."""
+        """Display the live widget now (``defer`` 0), or the placeholder (``placeholder`` where nobody watches: an
+        ``--async`` cell); else nothing yet (a watched cell's first display is its result or its live widget)."""
         if self.live and self.defer <= 0:
             self._make_live(*self.snapshot())
-        elif self.placeholder:
+        elif self.placeholder and not self.live:
             self._send(self._compact_bundle())
+
+    def hold_place(self) -> None:
+        """The kernel is about to print into the cell: show the placeholder first if nothing is shown yet."""
+        with self.lock:
+            if not self._shown and not self.final and self.placeholder:
+                self._send(self._compact_bundle())
 
     def _compact_bundle(self) -> dict:
         """The placeholder, which is also the whole final view of a quick cell that went well and printed nothing:

@@ -151,6 +151,11 @@ class LiveView:
 
     # ------------------------------------------------------------------ public
 
+    @property
+    def lock(self) -> threading.RLock:
+        """The view's lock: renders happen under it (lock order: mesh lock -> this -> the monitor's)."""
+        return self._lock
+
     def start(self) -> LiveView:
         """Start following (a cell view: the next cell submitted), render now, keep rendering until final."""
         if not self._listening and not self.final:

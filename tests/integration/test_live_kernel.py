@@ -1,8 +1,9 @@
 """A cell's view through a real Jupyter kernel (jupyter_client): what a frontend receives on IOPub.
 
-Where a person watches (the request allows stdin, as JupyterLab's do): a placeholder display when the cell starts,
-the live widget in its place after ``DEFER`` seconds, the final state as an update of that display, and the ranks'
-output only there (no stream or display_data message of theirs beside it). Where nobody watches (nbval, nbconvert:
+Where a person watches (the request allows stdin, as JupyterLab's do): nothing when the cell starts; a quick cell's
+one display at its end; a longer cell's live widget after ``DEFER`` seconds, the final state as an update of that
+display (a placeholder first only when the kernel prints into the cell before: a pdb prompt); and the ranks' output
+only there (no stream or display_data message of theirs beside it). Where nobody watches (nbval, nbconvert:
 stdin off): one display at the cell's end. Either way the final ``text/plain`` holds the flat ``[rankN]:`` lines.
 """
 
@@ -72,15 +73,20 @@ def kinds(msgs: list[dict]) -> list[str]:
                                                              "clear_output", "execute_result", "error")]
 
 
-def test_live_cell_placeholder_then_widget_then_final_state(kernel):
+def last_view(msgs: list[dict]) -> dict:
+    """The data of the cell view's last display (its first display, or its last update)."""
+    return [m["content"]["data"] for m in msgs if m["msg_type"] in ("display_data", "update_display_data")][-1]
+
+
+def test_live_cell_widget_then_final_state(kernel):
     execute(kernel, "%load_ext monarch")
     execute(kernel, "%mesh start -n 2")
     msgs = execute(kernel, LOOP)
-    assert kinds(msgs) == ["display_data", "update_display_data", "update_display_data"]
-    shown, live, final = [m["content"] for m in msgs if m["msg_type"].endswith("display_data")]
-    assert shown["data"]["text/plain"] == PLAIN and WIDGET not in shown["data"]  # the placeholder: no widget yet
-    assert live["transient"] == final["transient"] == shown["transient"]  # one place: the same display throughout
-    assert WIDGET in live["data"] and WIDGET in final["data"]
+    # No placeholder: the live widget is the first display (after DEFER s), the final state its update.
+    assert kinds(msgs) == ["display_data", "update_display_data"]
+    live, final = [m["content"] for m in msgs if m["msg_type"].endswith("display_data")]
+    assert live["transient"] == final["transient"]  # one place: the same display throughout
+    assert live["data"]["text/plain"] == PLAIN and WIDGET in live["data"] and WIDGET in final["data"]
     updates = html_updates(msgs)
     running = {int(n) for u in updates for n in re.findall(r'data-state="running" data-n="(\d+)"', u)}
     assert len(running & set(range(1, 8))) >= 3, running  # live: several intermediate counts while it ran
@@ -125,8 +131,13 @@ def _quick_cells(kernel):
     assert shown["text/plain"] == PLAIN
     assert 'class="mj-header"' in shown["text/html"] and "mj-table" not in shown["text/html"]  # one line, no table
     msgs = execute(kernel, "%%mesh\nprint('hello from', rank)")
-    final = [m["content"]["data"] for m in msgs if m["msg_type"] == "update_display_data"][0]
+    assert kinds(msgs) == ["display_data"]  # a quick cell's messages coalesce into one: its final state
+    final = last_view(msgs)
     assert sorted(final["text/plain"].splitlines()[1:]) == ["[rank0]: hello from 0", "[rank1]: hello from 1"]
+    assert 'class="mj-table"' not in final["text/html"] and WIDGET not in final  # compact: no table, no widget
+    msgs = execute(kernel, "%%mesh\nraise ValueError(f'no {rank}')", errors=False)
+    assert kinds(msgs) == ["display_data", "error"]  # the view's final state, then the cell's error
+    assert "error 0,1" in last_view(msgs)["text/plain"]
 
 
 def test_unattended_run_gets_one_display_at_the_end(kernel):
@@ -146,8 +157,8 @@ def test_rank_displays_and_figures_are_in_the_view_under_their_rank(kernel):
     msgs = execute(kernel, "%%mesh\nfrom IPython.display import HTML, display\n"
                            "display(HTML(f'<b class=\"mine\">rich {rank}</b>'))\n")
     shown = kinds(msgs)  # the view's own display and its updates (live after DEFER s, final): none of the ranks'
-    assert shown[0] == "display_data" and set(shown[1:]) == {"update_display_data"}, shown
-    final = [m["content"]["data"] for m in msgs if m["msg_type"] == "update_display_data"][-1]
+    assert shown[0] == "display_data" and set(shown[1:]) <= {"update_display_data"}, shown
+    final = last_view(msgs)
     assert sorted(final["text/plain"].splitlines()[1:]) == ["[rank0]: <IPython.core.display.HTML object>",
                                                             "[rank1]: <IPython.core.display.HTML object>"]
     for r in (0, 1):
@@ -158,15 +169,15 @@ def test_rank_displays_and_figures_are_in_the_view_under_their_rank(kernel):
 def test_no_output_line_lost_with_the_dashboard_on(kernel):
     msgs = execute(kernel, "%%mesh --order rank\nfor i in range(3000):\n    print(f'line {i}')\n")
     assert "stream" not in kinds(msgs)
-    text = [m["content"]["data"] for m in msgs if m["msg_type"] == "update_display_data"][-1]["text/plain"]
+    text = last_view(msgs)["text/plain"]
     for r in (0, 1):
         got = re.findall(rf"^\[rank{r}\]: line (\d+)$", text, re.M)
         assert got == [str(i) for i in range(3000)]
 
 
-def test_a_cell_that_never_starts_takes_its_placeholder_away(kernel):
+def test_a_cell_that_never_starts_shows_only_its_error(kernel):
     msgs = execute(kernel, "%%mesh\ndef (:", errors=False)
-    assert kinds(msgs) == ["display_data", "clear_output", "error"]
+    assert kinds(msgs) == ["error"]  # nothing was shown, so nothing to take away
 
 
 def test_async_cell_keeps_updating_after_it_returns(kernel):
@@ -188,3 +199,20 @@ def test_async_cell_keeps_updating_after_it_returns(kernel):
     assert len(updates) >= 2, "no widget updates after the async cell returned"
     assert 'data-state="done" data-n="8"' in updates[-1] and 'data-final="true"' in updates[-1]
     execute(kernel, "h = _\nassert h.done() and h.result() is None")
+
+
+def test_a_pdb_prompt_lands_below_the_view(kernel):
+    """The kernel prints the prompt into the cell: the view shows its placeholder first (kernel.output.hold_place),
+    although the cell is still "quick" (a long DEFER) and would otherwise show nothing before its end."""
+    execute(kernel, "import monarch_jupyter.widgets.celldash as _cd\n_defer, _cd.DEFER = _cd.DEFER, 60.0")
+    try:
+        msgs = execute(kernel, '%%mesh --pdb-commands "c"\nx = rank\nif rank == 0:\n    breakpoint()\nx')
+    finally:
+        execute(kernel, "_cd.DEFER = _defer")
+    shown = kinds(msgs)
+    assert shown[0] == "display_data" and "stream" in shown, shown
+    first = msgs[[m["msg_type"] for m in msgs].index("display_data")]["content"]["data"]
+    assert first["text/plain"] == PLAIN and WIDGET not in first  # the placeholder
+    prompt = "".join(m["content"]["text"] for m in msgs if m["msg_type"] == "stream")
+    assert "Pdb rank 0" in prompt and "c" in prompt, prompt
+    assert shown.index("display_data") < shown.index("stream")

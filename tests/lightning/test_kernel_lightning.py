@@ -419,6 +419,16 @@ def test_weights_equal_torchrun_ddp_bitwise(kernel: Kernel, tmp_path: Path) -> N
     assert all(torch.equal(a[k], b[k]) for k in a), {k: (a[k] - b[k]).abs().max().item() for k in a}
 
 
+def test_ranks_started_after_import_lightning_import_it_at_once(kernel: Kernel) -> None:
+    """The notebook imported Lightning before these ranks started (a full restart): they import it in the background
+    as soon as they are up (issue 30, item 3), so the first fit does not wait for it. The %%mesh cell runs after that
+    background import, in order, so it sees Lightning already imported although no Trainer was made since."""
+    kernel.ok("%mesh restart")
+    out = kernel.ok("%%mesh\nimport sys\n"
+                    "print('warm', 'lightning.pytorch' in sys.modules, 'lightning.fabric' in sys.modules)")
+    assert out.view.count("warm True True") == 2, out.view
+
+
 def test_mesh_stopped_gives_a_clear_error(kernel: Kernel) -> None:
     kernel.ok("%mesh stop")
     out = kernel.run("new_trainer()")

@@ -32,7 +32,7 @@ from .base import Launcher, LauncherEvents, LaunchError, WorkPipe
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LocalLauncher", "ForkServer", "prewarm", "shutdown", "fork_server_pid"]
+__all__ = ["LocalLauncher", "ForkServer", "prewarm", "preload", "shutdown", "fork_server_pid"]
 
 
 class ForkServer:
@@ -46,6 +46,7 @@ class ForkServer:
 
     _instance: ForkServer | None = None
     _instance_lock = threading.Lock()
+    preloaded: list[str] = []  # modules every fork server of this kernel imports (``preload``), in order
 
     @classmethod
     def get(cls, start_timeout: float) -> ForkServer:
@@ -85,6 +86,25 @@ class ForkServer:
         self._reader = threading.Thread(target=self._read_loop, name="monarch-forkserver", daemon=True)
         self._reader.start()
         self._start_timeout = start_timeout
+        if self.preloaded:  # read once it has imported torch, before any spawn request
+            self.import_modules(self.preloaded)
+
+    @classmethod
+    def preload(cls, modules: list[str]) -> None:
+        """See the module function ``preload``."""
+        with cls._instance_lock:
+            new = [m for m in modules if m not in cls.preloaded]
+            cls.preloaded.extend(new)
+            server = cls._instance
+        if new and server is not None and server.proc.poll() is None:
+            server.import_modules(new)
+
+    def import_modules(self, modules: list[str]) -> None:
+        """Ask this fork server to import ``modules`` now (it does before its next fork); never raises."""
+        try:
+            self._send(P.FS_IMPORT, -1, {"modules": list(modules)})
+        except OSError:
+            pass  # it is gone: the next one imports ``preloaded`` when it starts
 
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -286,6 +306,13 @@ def fork_server_pid() -> int | None:
     with ForkServer._instance_lock:
         server = ForkServer._instance
     return None if server is None or server.proc.poll() is not None else server.proc.pid
+
+
+def preload(modules: list[str]) -> None:
+    """Have this kernel's fork server import ``modules`` (now if it runs, else when it starts), so that ranks forked
+    from then on start with them instead of importing them themselves (Lightning: seconds per rank). Returns at once;
+    the fork server imports them before it forks the next rank."""
+    ForkServer.preload(modules)
 
 
 def prewarm(start_timeout: float = 60.0) -> None:
