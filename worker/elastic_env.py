@@ -17,6 +17,10 @@ so every rank of every kind of mesh gets them all, with the values torchrun woul
   store at MASTER_ADDR:MASTER_PORT (the mesh's, hosted by rank 0 for the whole generation) is already up, so code
   that rendezvouses with ``env://`` itself connects to it as a client, as under torchrun.
 
+A mesh started with ``torchft=True`` also gives each rank torchft's launcher variables: ``TORCHFT_LIGHTHOUSE``
+(the mesh's Lighthouse, in the rank's environment from the start), ``REPLICA_GROUP_ID`` (the rank: one replica group
+per rank) and ``NUM_REPLICA_GROUPS`` (the world size).
+
 Threads (``apply_thread_settings``): a rank forked from the fork server inherits the OpenMP/MKL settings torch read
 when the fork server imported it, so the rank's own OMP_NUM_THREADS / MKL_NUM_THREADS are applied after the fork
 with ``torch.set_num_threads``, as a fresh interpreter would apply them.
@@ -90,6 +94,9 @@ def apply(*, rank: int, world_size: int, local_rank: int, local_world_size: int,
                                 group_world_size=int(str(elastic.get("group_world_size", 1))),
                                 run_id=str(elastic.get("run_id", "")) or "none",
                                 error_file=_error_file(local_rank), environ=env))
+    if "TORCHFT_LIGHTHOUSE" in env:  # a mesh with torchft: each rank is one replica group (monarch_worker.ft)
+        env["REPLICA_GROUP_ID"] = str(rank)
+        env["NUM_REPLICA_GROUPS"] = str(world_size)
     if env is os.environ:
         apply_thread_settings()
 

@@ -218,6 +218,11 @@ def main() -> None:
     import torch.distributed  # noqa: F401
     import zmq  # noqa: F401  - imports only; no Context (it would start threads) before forking
 
+    try:  # torchft, where installed: a rank restarted into a torchft loop rejoins it without importing it (starts
+        import torchft  # noqa: F401  no thread on import; docs/fault_tolerance.md)
+    except Exception:  # noqa: BLE001 - not installed, or broken: the ranks import it themselves if they use it
+        pass
+
     from . import startup  # noqa: F401  - the rank runtime, imported once here
 
     # The objects of torch and the rest are long-lived: move them out of the collector's view before forking, so

@@ -263,7 +263,9 @@ class IOThread:
             info.pid = info.pid or msg.pid
             info.last_heard = time.monotonic()
             by_identity[identity] = msg.rank
-            if msg.rank == 0:
+            if msg.rank in state.solo:  # a replacement that joins the group later (kernel/healing.py)
+                sends.append((identity, self.welcome(info, P.NO_GROUP)))
+            elif msg.rank == 0:
                 sends.append((identity, self.welcome(info, 0)))
             elif state.store_port is not None:
                 sends.append((identity, self.welcome(info, state.store_port)))

@@ -16,7 +16,7 @@ from monarch_worker import protocol as P
 from monarch_worker.serialize import dumps
 
 from ..errors import MeshError, MeshNotRunningError
-from ..ranks import RankMap, format_ranks, parse_ranks
+from ..ranks import RankMap, parse_ranks
 from . import config, hints, registry, scripts
 from .cells import CellHandle
 from .compiling import compile_cell, notebook_refs, sources_of
@@ -44,10 +44,8 @@ class Mesh:
         ``TorchrunLauncher(...)``, ``SlurmLauncher(nodes=..., srun_args=...)``); docs/multihost.md explains each.
     **options:
         Any option of ``monarch_worker.options.MeshOptions`` (docs/configuration.md lists them with units and
-        defaults): ``backend``, ``start_timeout`` (s), ``timeout`` (s, a cell's default), ``heartbeat_timeout``
-        (s), ``heartbeat_interval`` (s), ``pg_timeout`` (s), ``interrupt_grace`` (s), ``env``, ``address``,
-        ``port``, ``encrypt``, ``secret_file``, ``output_fold``, ``output_line_limit`` (bytes),
-        ``oversubscribe``. Each is also an attribute: ``mesh.interrupt_grace = 2``.
+        defaults: ``backend``, ``start_timeout``, ``on_rank_death``, ``torchft``, ...). Each is also an attribute:
+        ``mesh.interrupt_grace = 2``.
 
     Ranks see RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT as torchrun sets them,
     and names ``rank``, ``world_size``, ``local_rank``, ``device``, ``dist`` and ``torch`` in their namespace.
@@ -224,7 +222,7 @@ class Mesh:
 
     def run(self, code: str, ranks: str | int | Iterable[int] | None = None, *, timeout: float | None = None,
             block: bool = True, namespace: dict[str, Any] | None = None, filename: str | None = None,
-            order: str = "arrival") -> RankMap | None | CellHandle:
+            order: str = "arrival", replay: bool = False, rejoin: bool = False) -> RankMap | None | CellHandle:
         """Run ``code`` (a cell) on ``ranks`` (default: all) in their persistent namespaces.
 
         Parameters
@@ -245,6 +243,9 @@ class Mesh:
         order:
             "arrival" writes output lines as they arrive; "rank" writes rank r's lines only after every lower
             rank of the cell finished it, so the output is the same every run (rank 0 still streams live).
+        replay, rejoin:
+            With ``on_rank_death="restart"``: ``replay`` runs the cell again on a rank's replacement (it defines the
+            namespace); ``rejoin``: a replacement rejoins the cell while it runs (a torchft loop). See healing.py.
 
         Returns
         -------
@@ -272,7 +273,8 @@ class Mesh:
         refs, sources = notebook_refs(code, namespace, compiled) if namespace is not None else ({}, {})
         payload, buffers = dumps(refs) if refs else (b"", [])
         handle = self.waiter.submit(cell_id, [(chosen, P.Exec(cell_id, code, filename, sources), payload, buffers)],
-                                    "the cell", order, waited=block)
+                                    "the cell", order, waited=block, rejoin=rejoin)
+        self.parts.history.cell(code, filename, sources, refs, chosen, replay)
         try:
             return self._finish(handle, timeout, block)
         except MeshError as e:  # a NameError for a notebook name: how to send it (hints.py)
@@ -429,16 +431,14 @@ class Mesh:
         mesh, whose ranks are all on this host with local rank = rank)."""
         return self.listener.placement() if self.listener is not None else {}
 
+    def on_rejoin(self, fn: Callable[[], Any]) -> Callable[[], Any]:
+        """With ``on_rank_death="restart"``: run ``fn()`` on every replacement of a rank that died, after it got back
+        what the notebook had sent (pushes, notebook functions, ``--replay`` cells). Returns ``fn`` (a decorator)."""
+        self.parts.history.add_hook(fn)
+        return fn
+
     def __repr__(self) -> str:
-        ranks = self.state.ranks
-        if not ranks:
-            return f"<Mesh {self.nproc} ranks: not started>"
-        states: dict[str, list[int]] = {}
-        for r, i in ranks.items():
-            states.setdefault(i.state.value, []).append(r)
-        backend = next((i.backend for i in ranks.values() if i.backend), self.options.backend)
-        summary = ", ".join(f"{s}: {format_ranks(rs)}" for s, rs in states.items())
-        return f"<Mesh world_size={self.nproc} backend={backend} ({summary})>"
+        return f"<Mesh {self.state.describe()}>"
 
     def _check_running(self) -> None:
         if not self.state.running and self.listener is not None and self.listener.is_open:

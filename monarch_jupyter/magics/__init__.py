@@ -147,6 +147,10 @@ class MeshMagics(Magics):
     @argument("--encrypt", action="store_true", help="slurm/torchrun: encrypt connections (CurveZMQ)")
     @argument("--force", action="store_true",
               help="local: start even more ranks than this host can carry (oversubscribe)")
+    @argument("--on-rank-death", choices=["report", "restart"], default=None,
+              help="restart: a rank that dies is started again and gets back what the notebook sent "
+                   "(default: on_rank_death)")
+    @argument("--torchft", action="store_true", help="run a torchft Lighthouse; each rank is one replica group")
     def _start(self, rest: str) -> Mesh:
         """%mesh start [-n N] [--backend gloo|nccl] [--timeout S] [--launcher local|torchrun|slurm] [...]: start N
         ranks on this host, under torchrun, or with srun inside a SLURM allocation."""
@@ -182,6 +186,11 @@ class MeshMagics(Magics):
                 port=args.port,
                 encrypt=args.encrypt,
                 oversubscribe=args.force,
+                on_rank_death=args.on_rank_death or self.option("on_rank_death"),
+                restart_limit=self.option("restart_limit"),
+                restart_window=self.option("restart_window"),
+                torchft=args.torchft or self.option("torchft"),
+                torchft_min_replicas=self.option("torchft_min_replicas"),
             )
         except ValueError as e:
             raise UsageError(str(e)) from None
@@ -314,6 +323,10 @@ class MeshMagics(Magics):
     @argument("--no-widget", action="store_true", help="no live per-rank view for this cell")
     @argument("--async", dest="async_", action="store_true",
               help="return a CellHandle at once (done(), wait(timeout), result()); the live view keeps updating")
+    @argument("--replay", action="store_true",
+              help="on_rank_death restart: run this cell again on a rank's replacement (it defines the namespace)")
+    @argument("--rejoin", action="store_true",
+              help="on_rank_death restart: a rank's replacement rejoins this cell while it runs (a torchft loop)")
     def _cell(self, line: str, cell: str) -> Any:
         """%%mesh [--ranks SPEC] [--timeout S] [--out NAME] [--order arrival|rank] [--no-widget] [--async]:
         run the cell on the ranks."""
@@ -347,6 +360,8 @@ class MeshMagics(Magics):
                     filename=filename,
                     order=args.order or self.setting("stream_order"),
                     block=not args.async_,
+                    replay=args.replay,
+                    rejoin=args.rejoin,
                 )
         except ValueError as e:
             raise UsageError(str(e)) from None

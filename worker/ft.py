@@ -1,0 +1,100 @@
+"""torchft on a mesh: each rank is one replica group, the mesh's Lighthouse forms the quorums.
+
+torchft (``pip install torchft``) expects its launcher to run a Lighthouse, to start every replica group with
+``TORCHFT_LIGHTHOUSE``, ``REPLICA_GROUP_ID`` and a c10d store of its own, and to start a lost replica again. A mesh
+started with ``torchft=True`` (``%mesh start --torchft``) does all of it: the Lighthouse is a process the mesh owns
+(monarch_worker.lighthouse), the variables are in every rank's environment (elastic_env.py), and with
+``on_rank_death="restart"`` a rank that dies is started again and rejoins the running cell (kernel/healing.py).
+
+``manager(...)`` makes the rank's ``torchft.Manager`` as one replica group of one process: group rank 0 of 1, the
+replica id from ``REPLICA_GROUP_ID``, and a TCPStore this rank hosts for its group (the mesh's own store, hosted by
+rank 0, is shared by every rank and would mix their keys). Everything else is torchft's own: its managed process
+group, ``DistributedDataParallel`` and ``Optimizer`` wrappers, and its checkpoint transport, which sends a healthy
+peer's ``state_dict`` to a recovering one over HTTP (never through the notebook or a disk).
+
+::
+
+    from monarch_worker import ft
+    from torchft import DistributedDataParallel, Optimizer, ProcessGroupGloo
+    manager = ft.manager(ProcessGroupGloo(), state_dict=lambda: {"model": model.state_dict(), ...},
+                         load_state_dict=lambda sd: ...)
+    model, opt = DistributedDataParallel(manager, model), Optimizer(manager, opt)
+    while manager.current_step() < 1000: ...
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+__all__ = ["manager", "replica_group", "FtSetupError", "TIMEOUT"]
+
+#: Seconds torchft's Manager gives a collective, a should_commit and a checkpoint transfer (its ``timeout``); the
+#: quorum waits up to 10 times this. Short enough that a dead peer on another host costs seconds, not minutes.
+TIMEOUT = 30.0
+
+_store: Any = None  # this rank's TCPStore for its replica group, kept for the process's life
+
+
+class FtSetupError(RuntimeError):
+    """torchft cannot run here as the mesh would run it (the message names the fix)."""
+
+
+def replica_group() -> dict[str, Any]:
+    """The keyword arguments that make ``torchft.Manager`` one replica group of this rank alone: ``rank`` 0,
+    ``world_size`` 1, ``store_addr``/``store_port`` of a TCPStore this rank hosts (made on the first call, kept),
+    ``lighthouse_addr`` and ``replica_id`` (``mesh_rank<REPLICA_GROUP_ID>``).
+
+    Raises FtSetupError when the mesh was not started with ``torchft=True`` (no ``TORCHFT_LIGHTHOUSE``)."""
+    global _store
+    lighthouse = os.environ.get("TORCHFT_LIGHTHOUSE", "")
+    group = os.environ.get("REPLICA_GROUP_ID", "")
+    if not lighthouse or not group:
+        raise FtSetupError("this rank has no torchft Lighthouse (TORCHFT_LIGHTHOUSE is not set): start the mesh with "
+                           "%mesh start --torchft  (Mesh(n, torchft=True)), which runs one and gives every rank its "
+                           "address")
+    if _store is None:
+        import torch.distributed as dist
+
+        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        _store = dist.TCPStore(addr, 0, is_master=True, wait_for_workers=False)
+    return {"rank": 0, "world_size": 1, "store_addr": os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            "store_port": _store.port, "lighthouse_addr": lighthouse, "replica_id": f"mesh_rank{group}"}
+
+
+def manager(pg: Any = None, *, state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None],
+            min_replica_size: int = 1, timeout: float = TIMEOUT, **kwargs: Any) -> Any:
+    """This rank's ``torchft.Manager`` (one replica group per rank; see the module docstring).
+
+    Parameters
+    ----------
+    pg:
+        torchft's managed process group (default ``ProcessGroupGloo``: the CPU; pass ``ProcessGroupNCCL()`` on GPUs).
+    state_dict, load_state_dict:
+        What a recovering rank receives from a healthy peer, and how it loads it (model and optimizer state).
+    min_replica_size:
+        Replica groups (ranks) a step needs to commit.
+    timeout:
+        Seconds for collectives, should_commit and checkpoint transfers; the quorum gets 10 times as long.
+    kwargs:
+        Any other ``torchft.Manager`` argument.
+
+    Raises
+    ------
+    FtSetupError
+        torchft is not installed on the rank, or the mesh runs no Lighthouse.
+    """
+    try:
+        import torchft
+    except ImportError as e:
+        raise FtSetupError(f"torchft is not importable on this rank ({e}): pip install torchft, then restart the "
+                           "mesh") from None
+    if pg is None:
+        pg = torchft.ProcessGroupGloo(timeout=timedelta(seconds=timeout))
+    options = {**replica_group(), "timeout": timedelta(seconds=timeout),
+               "quorum_timeout": timedelta(seconds=10 * timeout), "connect_timeout": timedelta(seconds=timeout),
+               **kwargs}
+    return torchft.Manager(pg=pg, state_dict=state_dict, load_state_dict=load_state_dict,
+                           min_replica_size=min_replica_size, **options)
