@@ -218,8 +218,12 @@ def main() -> None:
     import torch.distributed  # noqa: F401
     import zmq  # noqa: F401  - imports only; no Context (it would start threads) before forking
 
-    try:  # torchft, where installed: a rank restarted into a torchft loop rejoins it without importing it (starts
-        import torchft  # noqa: F401  no thread on import; docs/fault_tolerance.md)
+    # torchft, where installed: a rank restarted into a torchft loop rejoins it without importing it (no thread on
+    # import; docs/fault_tolerance.md). Its Rust log reads RUST_LOG once, here: INFO lines, several per training
+    # step, would flood the cells, so only its warnings unless the user chose.
+    os.environ.setdefault("RUST_LOG", "torchft=warn")
+    try:
+        import torchft  # noqa: F401
     except Exception:  # noqa: BLE001 - not installed, or broken: the ranks import it themselves if they use it
         pass
 
