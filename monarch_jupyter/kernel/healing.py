@@ -179,7 +179,10 @@ class Healer:
                 state.healing -= set(ranks)
                 state.cond.notify_all()
         self.healed += len(ranks)
-        self._say(healed_note(ranks, why_dead, self.last_seconds, sent, rejoined, not alone), ranks)
+        note = healed_note(ranks, why_dead, self.last_seconds, sent, rejoined, not alone)
+        with state.lock:
+            state.healed_note = note
+        self._say(note, ranks)
         state.events.emit("healed", ranks=ranks, seconds=self.last_seconds, rejoined=rejoined)
         if alone:
             self._regroup_when_idle(ranks)

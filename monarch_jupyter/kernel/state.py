@@ -158,6 +158,7 @@ class MeshState:
         self.healing: set[int] = set()
         self.healer: threading.Thread | None = None
         self.solo: set[int] = set()
+        self.healed_note = ""  # what the last healing said (repeated to a cell that waited for it)
         self.extra_env: dict[str, str] = {}  # what every rank of this generation gets besides ``options.env``
         self.generation = 0  # counts starts and restarts
         self.run_id = str(uuid.uuid4())  # torchrun's TORCHELASTIC_RUN_ID of ranks it did not start (one per mesh)

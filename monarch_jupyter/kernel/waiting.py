@@ -119,6 +119,8 @@ class Waiter:
                 if healing and noted:
                     state.cond.wait(0.05)
             if not healing:
+                if noted and state.healed_note:  # where the user looks now, besides the cell that saw the death
+                    sys.stderr.write(f"note: {state.healed_note}\n")
                 return
             if not noted:
                 noted = True
