@@ -220,8 +220,8 @@ def main() -> None:
 
     # torchft, where installed: a rank restarted into a torchft loop rejoins it without importing it (no thread on
     # import; docs/fault_tolerance.md). Its Rust log reads RUST_LOG once, here: INFO lines, several per training
-    # step, would flood the cells, so only its warnings unless the user chose.
-    os.environ.setdefault("RUST_LOG", "torchft=warn")
+    # step, would flood the cells, so warnings only (of any Rust library) unless the user chose.
+    os.environ.setdefault("RUST_LOG", "warn")
     try:
         import torchft  # noqa: F401
     except Exception:  # noqa: BLE001 - not installed, or broken: the ranks import it themselves if they use it

@@ -184,7 +184,7 @@ class Deaths:
             out[r] = e
         if not self.state.running:
             return out, ""
-        healing = self.state.options.on_rank_death == "restart"
+        healing = self.state.options.on_rank_death == "restart" and set(dead) <= set(self.state.healing)
         return out, heal_hint(dead) if healing else restart_hint(dead, self.state.nproc)
 
 

@@ -215,7 +215,7 @@ class Healer:
                 for r in ranks:
                     if r in rec.left:
                         self.cells.rank_died(rec, r, RankDiedError(r, state.ranks[r].returncode,
-                                                                   reason="died; it was not restarted"),
+                                                                   reason="not restarted"),
                                              time.monotonic())
             state.cond.notify_all()
         self._say(text, ranks)

@@ -130,7 +130,8 @@ def heal_hint(dead: list[int]) -> str:
 
 def give_up_note(rank: int, deaths: int, limit: int, window: float) -> str:
     """``rank`` died ``deaths`` times within ``window`` seconds, more than ``limit``: it stays dead."""
-    return (f"rank {rank} died {deaths} times within {window:g} s (restart_limit {limit}): it is not restarted "
+    return (f"rank {rank} died {deaths} {'time' if deaths == 1 else 'times'} within {window:g} s (restart_limit "
+            f"{limit}): it is not restarted "
             f"again and stays dead. Its last output is above; fix the cause, then  %mesh restart --rank {rank}  "
             "starts it by hand (or raise restart_limit).")
 

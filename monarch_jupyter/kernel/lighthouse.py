@@ -58,7 +58,7 @@ class Lighthouse:
         Rust log at warnings only (its INFO lines, several per step, would flood the cell), unless set."""
         if not self.address:
             return {}
-        return {"TORCHFT_LIGHTHOUSE": self.address, "RUST_LOG": os.environ.get("RUST_LOG", "torchft=warn")}
+        return {"TORCHFT_LIGHTHOUSE": self.address, "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
 
     def start(self, port: int = 0) -> str:
         """Start the Lighthouse on ``port`` (0: any free port); returns its address.
@@ -68,7 +68,7 @@ class Lighthouse:
             [sys.executable, "-m", "monarch_worker.lighthouse", "--port", str(port),
              "--min-replicas", str(self.min_replicas())],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-            env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "torchft=warn")})
+            env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")})
         line = _read_line(proc, START_TIMEOUT)
         try:
             address = str(json.loads(line)["address"])

@@ -94,7 +94,7 @@ def test_a_rank_that_keeps_dying_is_given_up_and_the_mesh_stays_usable(capfd: py
         finally:
             os.unlink(flag)
         err = capfd.readouterr().err
-        assert "rank 1 died 2 times within 60 s (restart_limit 1): it is not restarted again" in err
+        assert "rank 1 died 2 times within 60 s (restart_limit 1): it is not restarted again" in err, err
         assert m.run("rank", ranks=0) == {0: 0}  # the survivor runs cells of its own
         with pytest.raises(MeshError, match="not run"):
             m.run("rank")
@@ -109,3 +109,25 @@ def test_report_stays_the_default() -> None:
         wait_for("rank 1 dead", lambda: m.status()[1]["state"] == "dead")
         with pytest.raises(MeshError, match="not run"):
             m.run("rank")
+
+
+def test_ranks_that_joined_one_process_per_rank_cannot_be_restarted_and_say_so(
+        capfd: pytest.CaptureFixture) -> None:
+    from tests.conftest import reap
+    from tests.integration.test_join import start_ranks
+
+    m = Mesh.listen(2, show=False, on_rank_death="restart", heartbeat_timeout=3.0, timeout=WAIT)
+    procs = start_ranks(m, 2)
+    try:
+        assert m.wait_ready(WAIT)
+        pids = m.status()
+        victim = next(p for p in procs if p.pid == pids[1]["pid"])
+        victim.kill()
+        wait_for("rank 1 to be given up", lambda: m.status()[1]["state"] == "dead" and not m.state.healing)
+        err = capfd.readouterr().err
+        assert "rank 1 died and cannot be restarted from here (these ranks were started one process per rank " \
+               "elsewhere" in err, err
+        assert m.run("rank", ranks=0) == {0: 0}  # the survivor is usable
+    finally:
+        m.stop()
+        reap(procs)
