@@ -9,16 +9,24 @@ started with ``torchft=True`` (``%mesh start --torchft``) does all of it: the Li
 ``manager(...)`` makes the rank's ``torchft.Manager`` as one replica group of one process: group rank 0 of 1, the
 replica id from ``REPLICA_GROUP_ID``, and a TCPStore this rank hosts for its group (the mesh's own store, hosted by
 rank 0, is shared by every rank and would mix their keys). Everything else is torchft's own: its managed process
-group, ``DistributedDataParallel`` and ``Optimizer`` wrappers, and its checkpoint transport, which sends a healthy
-peer's ``state_dict`` to a recovering one over HTTP (never through the notebook or a disk).
+group, ``Optimizer`` wrapper, and its checkpoint transport, which sends a healthy peer's ``state_dict`` to a
+recovering one over HTTP (never through the notebook or a disk).
+
+``DistributedDataParallel`` is torchft's, with one fix: in torchft 0.2.0 its gradient hook asserts that the
+allreduce's future exists, which it does not when the allreduce failed because a peer died during it (torchft has
+recorded the error and the step will not commit). A rank SIGKILLed at a random moment (the punisher's pattern) lands
+in an allreduce most of the time, and the survivors' loops then ended with ``AssertionError`` (``assert fut._fut``
+in torchft/ddp.py) in 3 of 3 runs of bench/bench_elastic.py with a kill every 3 s. The hook here returns the
+bucket unchanged in that case, as torchft's own ``Manager.allreduce`` documents for a failed allreduce (the step is
+discarded by ``should_commit``), and the loop goes on.
 
 ::
 
     from monarch_worker import ft
-    from torchft import DistributedDataParallel, Optimizer, ProcessGroupGloo
+    from torchft import Optimizer, ProcessGroupGloo
     manager = ft.manager(ProcessGroupGloo(), state_dict=lambda: {"model": model.state_dict(), ...},
                          load_state_dict=lambda sd: ...)
-    model, opt = DistributedDataParallel(manager, model), Optimizer(manager, opt)
+    model, opt = ft.DistributedDataParallel(manager, model), Optimizer(manager, opt)
     while manager.current_step() < 1000: ...
 """
 
@@ -29,7 +37,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["manager", "replica_group", "FtSetupError", "TIMEOUT"]
+__all__ = ["manager", "replica_group", "DistributedDataParallel", "FtSetupError", "TIMEOUT"]
 
 #: Seconds torchft's Manager gives a collective, a should_commit and a checkpoint transfer (its ``timeout``); the
 #: quorum waits up to 10 times this. Short enough that a dead peer on another host costs seconds, not minutes.
@@ -98,3 +106,41 @@ def manager(pg: Any = None, *, state_dict: Callable[[], Any], load_state_dict: C
                **kwargs}
     return torchft.Manager(pg=pg, state_dict=state_dict, load_state_dict=load_state_dict,
                            min_replica_size=min_replica_size, **options)
+
+
+def __getattr__(name: str) -> Any:
+    """``DistributedDataParallel``: made on first use (it subclasses torchft's, imported only then)."""
+    if name == "DistributedDataParallel":
+        cls = _ddp_class()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _ddp_class() -> type:
+    """torchft's DistributedDataParallel whose gradient hook survives an allreduce that failed (module docstring)."""
+    import torch
+    import torchft
+
+    class DistributedDataParallel(torchft.DistributedDataParallel):
+        """torchft's ``DistributedDataParallel(manager, module)``; an allreduce that fails because a peer died
+        leaves the gradients as they are (the step is not committed) instead of raising AssertionError."""
+
+        @staticmethod
+        def _comm_hook(state: Any, bucket: Any) -> Any:
+            work = state.allreduce(bucket.buffer())
+            work.wait()
+            fut = work.get_future()
+            inner = getattr(fut, "_fut", None)
+            if inner is not None:
+                return inner
+            if isinstance(fut, torch.futures.Future):  # a _DummyWork's: the manager had errored already
+                return fut
+            done: torch.futures.Future = torch.futures.Future()
+            done.set_result(bucket.buffer())  # torchft recorded the error: should_commit discards this step
+            return done
+
+    # torch checks a hook's annotations as objects (this module's are strings: ``from __future__ import annotations``)
+    DistributedDataParallel._comm_hook.__annotations__ = {
+        "state": object, "bucket": torch.distributed.GradBucket, "return": torch.futures.Future[torch.Tensor]}
+    return DistributedDataParallel

@@ -336,8 +336,9 @@ class Healer:
                     if self.queue.pending or any(i.state is RankState.DEAD for i in state.ranks.values()):
                         return  # another death: its healing makes the group
                     state.cond.wait(0.5)
-                if not state.running or state.stopping:
-                    return
+                if (not state.running or state.stopping or self.queue.pending
+                        or any(i.state is RankState.DEAD for i in state.ranks.values())):
+                    return  # stopped, or another death: its healing makes the group
             self.restarts.regroup([], time.monotonic() + state.options.start_timeout)
         except MonarchError as e:
             self._say(f"no fresh process group could be made after the restart: {e}", ranks)

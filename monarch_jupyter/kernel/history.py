@@ -80,8 +80,9 @@ class History:
             self._pushes, self._refs, self._cells = {}, {}, []
 
     def pushed(self, values: dict[str, Any], ranks: list[int], device: str | None) -> None:
-        """``values`` were bound on ``ranks`` (a push, or one rank's part of a scatter)."""
-        if not self.keeping:
+        """``values`` were bound on ``ranks`` (a push, or one rank's part of a scatter); not the healer's own replay
+        of them (which would move them after the cells that use them)."""
+        if not self.keeping or self.state.healer is threading.current_thread():
             return
         with self._lock:
             self._fresh()

@@ -19,7 +19,7 @@ WAIT = 120.0
 SETUP = """
 import os, signal, time, torch
 from monarch_worker import ft
-from torchft import DistributedDataParallel, Optimizer
+from torchft import Optimizer
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
 opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -29,7 +29,7 @@ opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 LOOP = """
 manager = ft.manager(state_dict=lambda: {"model": model.state_dict(), "opt": opt.state_dict()},
                      load_state_dict=lambda sd: (model.load_state_dict(sd["model"]), opt.load_state_dict(sd["opt"])))
-ddp, optim = DistributedDataParallel(manager, model), Optimizer(manager, opt)
+ddp, optim = ft.DistributedDataParallel(manager, model), Optimizer(manager, opt)
 steps = []
 while manager.current_step() < STEPS:
     step = manager.current_step()
