@@ -215,8 +215,8 @@ def main() -> None:
     os.close(devnull)
     import cloudpickle  # noqa: F401
     import torch  # noqa: F401  - the point of the fork server: pay for this once
-    import torch.distributed  # noqa: F401
     import torch._dynamo  # noqa: F401  - what a rank's first optimizer imports (1.7 s here); no thread on import
+    import torch.distributed  # noqa: F401
     import zmq  # noqa: F401  - imports only; no Context (it would start threads) before forking
 
     # torchft, where installed: a rank restarted into a torchft loop rejoins it without importing it (no thread on

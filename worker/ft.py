@@ -37,7 +37,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["manager", "replica_group", "DistributedDataParallel", "FtSetupError", "TIMEOUT"]
+__all__ = ["manager", "replica_group", "DistributedDataParallel", "FtSetupError", "TIMEOUT"]  # noqa: F822 - made lazily
 
 #: Seconds torchft's Manager gives a collective, a should_commit and a checkpoint transfer (its ``timeout``); the
 #: quorum waits up to 10 times this. Short enough that a dead peer on another host costs seconds, not minutes.
