@@ -37,7 +37,7 @@ from typing import Any
 from monarch_worker import protocol as P
 from monarch_worker.serialize import dumps
 
-from ..errors import MonarchError, RankDiedError, describe_returncode
+from ..errors import MeshError, MonarchError, RankDiedError, describe_returncode
 from ..ranks import ranks_text
 from .cells import CellTable
 from .dispatch import Dispatcher
@@ -305,6 +305,9 @@ class Healer:
                 msg = P.Exec(cell_id, item.code, item.filename or "<replay>", item.sources)
             handle = self.submit(cell_id, [([rank], msg, payload, buffers)], item.what, tracks_failures=False)
             handle.result(REPLAY_TIMEOUT)
+        except MeshError as e:  # the rank's own error, not the fold of it
+            first = next(iter(e.errors.values()), e)
+            return f"{getattr(first, 'ename', type(first).__name__)}: {getattr(first, 'evalue', first)}"
         except Exception as e:  # noqa: BLE001 - reported; the rank runs on without it
             return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         return ""
