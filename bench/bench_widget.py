@@ -99,8 +99,8 @@ class ControlProbe(threading.Thread):
 def count_lines(msgs: list[dict], n: int, lines: int) -> tuple[int, bool]:
     """Lines `L <rank> <i>` in the output; True when every rank's lines all came, in order.
 
-    Output is stream messages (ours), or display data updated in place by display id (ipyparallel's %%px): the
-    last version of each display counts.
+    Output is stream messages (ours with --no-widget), or display data updated in place by display id (the text/plain
+    of a cell's view; ipyparallel's %%px): the last version of each display counts.
     """
     parts, displays = [], {}
     for m in msgs:
@@ -119,10 +119,10 @@ def count_lines(msgs: list[dict], n: int, lines: int) -> tuple[int, bool]:
 
 
 def widget_updates(msgs: list[dict]) -> tuple[int, int]:
-    """(dashboard updates, bytes of their HTML) among ``msgs``: the table, the charts and the per-rank outputs."""
+    """(dashboard updates, bytes of their HTML) among ``msgs``: the table, the charts and the cell's output."""
     values = [m["content"]["data"].get("state", {}).get("value", "") for m in msgs if m["msg_type"] == "comm_msg"]
     values = [v for v in values if isinstance(v, str) and ("mj-dashboard" in v or "mj-rank-output" in v
-                                                           or "mj-charts" in v)]
+                                                           or "mj-charts" in v or "mj-outputs" in v)]
     return len(values), sum(len(v) for v in values)
 
 

@@ -10,7 +10,8 @@ Every fenced block of a checked page (getting started, guides) is one of:
 ``text``                   right after a ``python`` or ``bash`` block: what that block prints. Compared as a
                            multiset of lines (ranks' lines interleave in any order); with
                            ``<!-- output: digits vary -->`` before it, every run of digits is masked and runs
-                           of blanks are squeezed first (timings). The live dashboard's display is not output here.
+                           of blanks are squeezed first (timings). A ``%%mesh`` cell's dashboard counts with the
+                           ranks' lines it holds (the flat text after its first line), not with its header.
                            A cell that raises must show its error this way: an error in a cell without a
                            ``text`` block fails the page (:func:`mismatch`).
 any block after            not run, and the page shows why (:mod:`doctools.hooks`)
@@ -135,6 +136,9 @@ def _cell_output(outputs: list[dict]) -> str:
             parts.append(o.get("text", ""))
         elif kind == "execute_result":
             parts.append(o.get("data", {}).get("text/plain", "") + "\n")
+        elif kind == "display_data" and 'class="mj-dashboard"' in str(o.get("data", {}).get("text/html", "")):
+            flat = str(o["data"].get("text/plain", "")).split("\n", 1)  # a cell's view: its header, then its lines
+            parts.append(flat[1] + "\n" if len(flat) > 1 else "")
         elif kind == "error":
             parts.append("\n".join(o.get("traceback", [])) + "\n")
     return "".join(parts)

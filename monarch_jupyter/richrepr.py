@@ -4,6 +4,10 @@ Only values with a rich repr (``_repr_html_``, ``_repr_png_``, ``_repr_svg_``, `
 or ``_repr_latex_``: DataFrames, images, figures that came back from ranks) get an HTML view; a mapping of plain
 values (numbers, tensors, strings) keeps only its text, which nbval compares in saved notebooks. Its
 ``text/plain`` never changes: it comes from ``RankMap._repr_pretty_``.
+
+The rows are a CSS grid of ``div`` elements, not a ``<table>``: JupyterLab's rendered-HTML rules for tables (right
+alignment, zebra stripes, centring) would restyle a table around the values, and a DataFrame among them would sit
+in a striped row. The values' own HTML (a DataFrame's table) is shown as JupyterLab shows it anywhere.
 """
 
 from __future__ import annotations
@@ -86,20 +90,26 @@ def rankmap_html(values: Mapping[int, Any], ranks_label: str) -> str | None:
     """HTML for per-rank ``values`` (rank -> value), or None when no value has a rich repr (text only then).
 
     ``ranks_label`` names the ranks ("ranks 0-3"). All equal: one value under "all N ranks equal (ranks 0-3)";
-    else a table, one row per rank (at most ``MAX_RANKS_SHOWN``).
+    else one row per rank, its name and its value's HTML (at most ``MAX_RANKS_SHOWN``).
     """
     items = list(values.items())
     if not items or not any(has_rich_repr(v) for _, v in items):
         return None
     first = items[0][1]
-    style = "font-size:smaller;color:var(--jp-ui-font-color2,#666);margin:2px 0"
+    note = "font-size:smaller;color:var(--jp-ui-font-color2,#666);margin:2px 0"
     if len(items) > 1 and all(values_equal(first, v) for _, v in items[1:]):
-        return (f'<div class="mj-rankmap" data-equal="true"><div style="{style}">all {len(items)} ranks equal '
+        return (f'<div class="mj-rankmap" data-equal="true"><div style="{note}">all {len(items)} ranks equal '
                 f"({html.escape(ranks_label)})</div>{_value_html(first)}</div>")
     rows = []
     for rank, value in items[:MAX_RANKS_SHOWN]:
-        rows.append(f'<tr data-rank="{rank}"><th style="vertical-align:top;text-align:right">rank {rank}</th>'
-                    f'<td style="text-align:left">{_value_html(value)}</td></tr>')
+        rows.append(f'<div class="mj-rankmap-rank" data-rank="{rank}" style="{_NAME}">rank {rank}</div>'
+                    f'<div class="mj-rankmap-value" data-rank="{rank}" style="min-width:0;overflow-x:auto">'
+                    f"{_value_html(value)}</div>")
     more = len(items) - MAX_RANKS_SHOWN
-    tail = f'<div style="{style}">... and {more} more ranks (index the mapping)</div>' if more > 0 else ""
-    return f'<div class="mj-rankmap" data-equal="false"><table>{"".join(rows)}</table>{tail}</div>'
+    tail = f'<div style="{note}">... and {more} more ranks (index the mapping)</div>' if more > 0 else ""
+    return f'<div class="mj-rankmap" data-equal="false"><div style="{_GRID}">{"".join(rows)}</div>{tail}</div>'
+
+
+_GRID = "display:grid;grid-template-columns:max-content minmax(0,1fr);gap:6px 12px;align-items:start"
+_NAME = ("font-weight:600;white-space:nowrap;padding-top:2px;color:var(--jp-ui-font-color1,inherit);"
+         "font-family:var(--jp-code-font-family,monospace);font-size:var(--jp-code-font-size,12px)")

@@ -66,6 +66,19 @@ def reap(procs: list[subprocess.Popen], timeout: float = 30) -> list[int | None]
     return codes
 
 
+def cell_text(msgs: list[dict]) -> str:
+    """What a cell's plain view holds, from its IOPub messages: its stream text, then the last ``text/plain`` of each
+    cell dashboard (``mj-dash-*`` display ids), where the lines a cell's ranks wrote are (widgets.celldash)."""
+    streams = "".join(m["content"]["text"] for m in msgs if m["msg_type"] == "stream")
+    dashboards: dict[str, str] = {}
+    for m in msgs:
+        display_id = m["content"].get("transient", {}).get("display_id", "") if m["msg_type"] in (
+            "display_data", "update_display_data") else ""
+        if display_id.startswith("mj-dash-"):
+            dashboards[display_id] = m["content"]["data"].get("text/plain", "")
+    return streams + "".join(text + "\n" for text in dashboards.values())
+
+
 def magic_shell() -> object:
     """IPython's shared InteractiveShell with %mesh registered (another test module may have unloaded it)."""
     from IPython.core.interactiveshell import InteractiveShell

@@ -291,14 +291,14 @@ def read_output(rank: LocalRank, stream: str, batch: EventBatch, on_record: Call
             else:
                 rank.err_fd = -1
             for kind, value in rank.splitters[stream].flush():
-                if kind == "line":
-                    _line(rank, stream, str(value), batch, tee)
+                if kind in ("line", "errline"):
+                    _line(rank, "stderr" if kind == "errline" else stream, str(value), batch, tee)
             return False
         if stream == "stdout" and rank.err_fd >= 0:
             read_output(rank, "stderr", batch, on_record, tee, until_empty=True)
         for kind, value in rank.splitters[stream].feed(data):
-            if kind == "line":
-                _line(rank, stream, str(value), batch, tee)
+            if kind in ("line", "errline"):  # errline: the rank's stderr, embedded in its stdout (protocol.py)
+                _line(rank, "stderr" if kind == "errline" else stream, str(value), batch, tee)
             elif kind == "msg":
                 record: tuple[int, bytes] = value  # type: ignore[assignment]
                 on_record(rank, record[0], record[1])

@@ -161,6 +161,32 @@ def sync_marker(cell_id: int) -> bytes:
     return SYNC_PREFIX + str(cell_id).encode() + SYNC_SUFFIX
 
 
+# Python-level stderr of a rank, written into its stdout pipe, in order with its stdout (a progress bar's last update
+# and the print after it, as the rank wrote them): each piece is
+#
+#   ERR_PREFIX | body length (4 hex digits) | body (UTF-8, cut at character boundaries)
+#
+# in one write() of at most PIPE_BUF bytes (atomic on a pipe). C-level writes to fd 2 (and a subprocess's stderr)
+# still go to the stderr pipe. The header is ASCII, so the stream stays text for ranks that relay their own output.
+ERR_PREFIX = b"\x1b]monarch-err;"
+ERR_HEADER_LEN = len(ERR_PREFIX) + 4
+ERR_BODY_MAX = 4096 - ERR_HEADER_LEN  # PIPE_BUF
+
+
+def err_pieces(data: bytes) -> list[bytes]:
+    """``data`` (UTF-8 text a rank wrote on its stderr) as embedded pieces for its stdout pipe (see above)."""
+    out = []
+    start, n = 0, len(data)
+    while start < n:
+        end = min(start + ERR_BODY_MAX, n)
+        while end < n and end > start and data[end] & 0xC0 == 0x80:  # not inside a character
+            end -= 1
+        body = data[start:end]
+        out.append(ERR_PREFIX + b"%04x" % len(body) + body)
+        start = end
+    return out
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Records: signed messages that a local rank writes into its own stdout pipe, in line with its output.
 #

@@ -5,9 +5,11 @@
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import sys
+from typing import Any
 
 from . import display, elastic_env, live, recovery
 from . import protocol as P
@@ -19,12 +21,35 @@ from .runtime import JoinRejected, Rank
 __all__ = ["run_rank", "apply_thread_settings"]
 
 
-def _unbuffered_std_streams() -> None:
-    """Python-level prints go straight to fds 1 and 2, in order with C-level writes to the same fds."""
-    import io
+class OrderedStderr(io.RawIOBase):
+    """Python-level stderr of a rank whose stdout pipe is read by its controller or host agent: what is written
+    goes into the stdout pipe as embedded pieces (protocol.err_pieces, each one atomic write), so a progress bar on
+    stderr and the prints around it show in the order the rank wrote them. ``fileno()`` is still fd 2: C code and
+    subprocesses given it write to the stderr pipe, as before."""
 
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return 2
+
+    def isatty(self) -> bool:
+        return False
+
+    def write(self, data: Any) -> int:
+        data = bytes(data)
+        for piece in P.err_pieces(data):
+            view = memoryview(piece)
+            while view:  # a piece is at most PIPE_BUF bytes: one write on a blocking pipe, in practice
+                view = view[os.write(1, view):]
+        return len(data)
+
+
+def _unbuffered_std_streams(ordered_stderr: bool) -> None:
+    """Python-level prints go straight to fds 1 and 2, in order with C-level writes to the same fds; with
+    ``ordered_stderr``, Python-level stderr goes into the stdout pipe, in order with stdout (OrderedStderr)."""
     for fd, name in ((1, "stdout"), (2, "stderr")):
-        raw = io.FileIO(fd, "w", closefd=False)
+        raw: Any = OrderedStderr() if fd == 2 and ordered_stderr else io.FileIO(fd, "w", closefd=False)
         stream = io.TextIOWrapper(raw, encoding="utf-8", errors="backslashreplace", write_through=True,
                                   line_buffering=False)
         setattr(sys, name, stream)
@@ -40,7 +65,9 @@ def run_rank(config: RankConfig) -> int:
         from .relay import OutputRelay
 
         relay = OutputRelay(tee=config.relay_tee)  # fds 1 and 2 feed it from now on
-    _unbuffered_std_streams()
+    # A rank that relays its own output (one process per rank) keeps its stderr on fd 2: its relay may tee both
+    # streams to a terminal as they are.
+    _unbuffered_std_streams(ordered_stderr=relay is None)
     recovery.prepare_process()
     rank = Rank(config)
     signal.signal(signal.SIGINT, rank.on_sigint)

@@ -42,7 +42,8 @@ def temp_file_sink(prefix: str, where: str = "") -> LongLineSink:
 # Markers and records start alike (protocol.SYNC_PREFIX, protocol.RECORD_PREFIX).
 _ESCAPE = b"\x1b]monarch-"
 _RECORD_MIN = len(P.RECORD_PREFIX) + P.RECORD_HEADER.size
-_PREFIX_MAX = max(len(P.SYNC_PREFIX), len(P.RECORD_PREFIX))
+_PREFIX_MAX = max(len(P.SYNC_PREFIX), len(P.RECORD_PREFIX), len(P.ERR_PREFIX))
+_HEX = frozenset(b"0123456789abcdef")
 _FLAGS_MAX = P.RECORD_MORE | P.RECORD_SYNC
 assert P.SYNC_PREFIX.startswith(_ESCAPE) and P.RECORD_PREFIX.startswith(_ESCAPE)
 
@@ -68,11 +69,15 @@ class StreamSplitter:
         self._spill_path = ""
         self._spill_bytes = 0  # bytes of that line so far (its head included)
         self._spill_head = 0  # bytes of its head (what is shown)
+        self._err: StreamSplitter | None = None  # the rank's Python-level stderr, embedded in its stdout (protocol)
 
     def feed(self, data: bytes) -> list[tuple[str, object]]:
-        """Returns events in order: ("line", text) for a complete line, ("sync", cell_id) for a marker, and
-        ("msg", (flags, body)) for a record (protocol.RECORD_PREFIX: a message the rank wrote into the stream)."""
-        if not self._raw and not self._line and not self._decoder.getstate()[0]:
+        """Returns events in order: ("line", text) for a complete line, ("sync", cell_id) for a marker,
+        ("msg", (flags, body)) for a record (protocol.RECORD_PREFIX: a message the rank wrote into the stream), and,
+        on a stdout, ("errline", text) for a line of the rank's Python-level stderr embedded in it, in order with
+        the stdout lines around it (protocol.ERR_PREFIX)."""
+        if not self._raw and not self._line and not self._decoder.getstate()[0] and (
+                self._err is None or not self._err.pending()):
             # The common cases: one marker or one record, nothing else.
             if data.startswith(P.SYNC_PREFIX) and data.endswith(P.SYNC_SUFFIX):
                 body = data[len(P.SYNC_PREFIX):-len(P.SYNC_SUFFIX)]
@@ -124,6 +129,25 @@ class StreamSplitter:
                 events.append(("msg", (flags, rest[_RECORD_MIN:_RECORD_MIN + n])))
                 raw = rest[_RECORD_MIN + n:]
                 continue
+            if self._records and rest.startswith(P.ERR_PREFIX):
+                if len(rest) < P.ERR_HEADER_LEN:
+                    self._text(raw[:i], events)
+                    self._raw = rest
+                    break
+                size = rest[len(P.ERR_PREFIX):P.ERR_HEADER_LEN]
+                n = int(size, 16) if _HEX.issuperset(size) else P.ERR_BODY_MAX + 1
+                if n > P.ERR_BODY_MAX:  # not a piece of stderr: text that only looks like one
+                    self._text(raw[:i + len(_ESCAPE)], events)
+                    raw = raw[i + len(_ESCAPE):]
+                    continue
+                if len(rest) < P.ERR_HEADER_LEN + n:
+                    self._text(raw[:i], events)
+                    self._raw = rest
+                    break
+                self._text(raw[:i], events)
+                self._embedded(rest[P.ERR_HEADER_LEN:P.ERR_HEADER_LEN + n], events)
+                raw = rest[P.ERR_HEADER_LEN + n:]
+                continue
             if rest.startswith(P.SYNC_PREFIX):
                 # A marker is the prefix, up to 19 digits, the suffix; anything else is text that looks like one.
                 digits = rest[len(P.SYNC_PREFIX):len(P.SYNC_PREFIX) + 20]
@@ -143,8 +167,8 @@ class StreamSplitter:
                 events.append(("sync", cell_id))
                 raw = rest[j + len(P.SYNC_SUFFIX):]
                 continue
-            if len(rest) < _PREFIX_MAX and (P.SYNC_PREFIX.startswith(rest)
-                                            or self._records and P.RECORD_PREFIX.startswith(rest)):
+            if len(rest) < _PREFIX_MAX and (P.SYNC_PREFIX.startswith(rest) or self._records and (
+                    P.RECORD_PREFIX.startswith(rest) or P.ERR_PREFIX.startswith(rest))):
                 self._text(raw[:i], events)
                 self._raw = rest  # the start of a marker or record; the rest comes with the next read
                 break
@@ -228,7 +252,18 @@ class StreamSplitter:
         self._line, self._spill_bytes, self._spill_path = "", 0, ""
         return text
 
+    def _embedded(self, body: bytes, events: list) -> None:
+        """A piece of the rank's stderr embedded in this stdout: its complete lines as ("errline", text)."""
+        if self._err is None:
+            self._err = StreamSplitter(records=False, line_limit=self.line_limit, sink=self._sink)
+        events.extend(("errline", text) for kind, text in self._err.feed(body) if kind == "line")
+
+    def _flush_err(self, events: list) -> None:
+        if self._err is not None:
+            events.extend(("errline", text) for kind, text in self._err.flush() if kind == "line")
+
     def _flush_partial(self, events: list) -> None:
+        self._flush_err(events)
         if self._spill_bytes:
             events.append(("line", self._end_long()))
             return
@@ -240,13 +275,19 @@ class StreamSplitter:
     def end_line(self) -> list[tuple[str, object]]:
         """The line written so far without a newline, as a ("line", text) event (its cell ended): bytes held back
         because they might have begun a marker are part of it."""
-        if not self._line and not self._raw and not self._decoder.getstate()[0] and not self._spill_bytes:
+        if (not self._line and not self._raw and not self._decoder.getstate()[0] and not self._spill_bytes
+                and (self._err is None or not self._err.pending())):
             return []
         events: list[tuple[str, object]] = []
         self._text(self._raw, events)
         self._raw = b""
         self._flush_partial(events)
         return events
+
+    def pending(self) -> bool:
+        """Bytes of a line without its newline are held (or of a marker not complete yet)."""
+        return bool(self._line or self._raw or self._decoder.getstate()[0] or self._spill_bytes
+                    or (self._err is not None and self._err.pending()))
 
     def flush(self) -> list[tuple[str, object]]:
         """The last line without a newline (at exit or when a cell ends without a marker)."""

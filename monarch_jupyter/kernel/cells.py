@@ -139,6 +139,8 @@ class CellTable:
             info = state.ranks[r]
             info.cells.append(rec)
             info.state = RankState.RUNNING
+        # Told before anything it causes: no line of its output can be routed before this (it needs the lock).
+        state.events.emit("cell_started", cell_id=rec.cell_id, ranks=rec.ranks, handle=rec.handle)
 
     def mark_background(self, handle: CellHandle) -> None:
         """The package's own work (not the user's): a cell that waits behind it gets no note."""

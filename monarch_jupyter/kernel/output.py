@@ -9,6 +9,10 @@ Who writes: the thread that waits for a cell writes that cell's lines itself; ev
 for, output of no cell) is queued to the mesh's ``OutputWriter`` (any thread, any lock held), whose thread
 ``monarch-output`` writes it in the order queued, outside the mesh lock. A waiter that starts waiting flushes the
 writer first, so the lines of a cell come out in the order its ranks wrote them.
+
+A view that shows a cell's output itself (the cell's live dashboard, monarch_jupyter.widgets) sets ``OUTPUT_SINK``
+in the context the cell is submitted from: the lines and rich outputs written in that context then go to the view,
+in the order they would have been written, instead of to sys.stdout / sys.stderr, so each shows once.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import logging
 import sys
 import threading
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from monarch_worker.streams import StreamSplitter, temp_file_sink
@@ -28,7 +32,7 @@ from ..ranks import format_ranks
 from .records import Who
 
 __all__ = ["StreamSplitter", "temp_file_sink", "label", "write_lines", "fold_lines", "OutputWriter", "FOLD_WINDOW",
-           "MESSAGE_LIMIT"]
+           "MESSAGE_LIMIT", "OUTPUT_SINK", "OutputSink"]
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +41,14 @@ FOLD_WINDOW = 0.1
 """Seconds the lines of a folding cell wait for the same line from other ranks before they are shown."""
 
 Batch = tuple[Sequence[tuple[Who, str, Any]], contextvars.Context | None]  # lines, and where to write them
+
+OutputSink = Callable[[Sequence[tuple[Who, str, Any]]], bool]
+"""Takes a batch of (rank, stream, text) items as ``write_lines`` would write them (stream "display": a rich output,
+``kernel.rich.RichOutput``); returns False to have them written as usual (e.g. its view has ended). Called from any
+thread (never under the mesh lock): it must only record them, never block or call into the mesh."""
+
+OUTPUT_SINK: contextvars.ContextVar[OutputSink | None] = contextvars.ContextVar("monarch_output_sink", default=None)
+"""Where the output written in this context goes instead of the notebook's streams (None: the streams)."""
 
 
 def label(rank: Who) -> str:
@@ -104,45 +116,48 @@ def fold_lines(lines: list[tuple[int, str, Any]]) -> list[tuple[Who, str, Any]]:
 
 def write_lines(lines: Sequence[tuple[Who, str, Any]], ctx: contextvars.Context | None = None) -> None:
     """Write (rank, stream, text) lines to sys.stdout / sys.stderr, labelled, inside ``ctx`` if given (``rank`` a
-    tuple: a folded line, see ``fold_lines``).
+    tuple: a folded line, see ``fold_lines``). Where that context has an ``OUTPUT_SINK`` that takes them, they go
+    there instead.
 
     An item whose stream is "display" carries a rich output (``kernel.rich.RichOutput``) in place of the text: it
     is published there, in order with the lines around it.
     """
     if not lines:
         return
-    if any(stream == "display" for _, stream, _ in lines):
-        def write_all() -> None:
-            start = 0
-            for i, (_, stream, item) in enumerate(lines):
-                if stream == "display":
-                    write_lines(lines[start:i])
-                    _flush(sys.stdout, sys.stderr)  # the lines before a rich output are shown before it
-                    item.publish()
-                    start = i + 1
-            write_lines(lines[start:])
-
-        if ctx is None:
-            write_all()
-        else:
-            ctx.run(write_all)
-        return
-
-    def write() -> None:
-        for stream, text in _by_stream(lines):
-            target = sys.stdout if stream == "stdout" else sys.stderr
-            other = sys.stderr if stream == "stdout" else sys.stdout
-            if _last_written[0] is other:
-                _flush(other)  # what the other stream holds came first: it is shown first
-            _write_capped(target, text)
-            _last_written[0] = target
-            if not _flushes_itself(target):
-                _flush(target)
-
     if ctx is None:
-        write()
+        _write_here(lines)
     else:
-        ctx.run(write)
+        ctx.run(_write_here, lines)
+
+
+def _write_here(lines: Sequence[tuple[Who, str, Any]]) -> None:
+    """``write_lines`` in the calling context."""
+    sink = OUTPUT_SINK.get()
+    if sink is not None and sink(lines):
+        return
+    if any(stream == "display" for _, stream, _ in lines):
+        start = 0
+        for i, (_, stream, item) in enumerate(lines):
+            if stream == "display":
+                _write_streams(lines[start:i])
+                _flush(sys.stdout, sys.stderr)  # the lines before a rich output are shown before it
+                item.publish()
+                start = i + 1
+        _write_streams(lines[start:])
+        return
+    _write_streams(lines)
+
+
+def _write_streams(lines: Sequence[tuple[Who, str, Any]]) -> None:
+    for stream, text in _by_stream(lines):
+        target = sys.stdout if stream == "stdout" else sys.stderr
+        other = sys.stderr if stream == "stdout" else sys.stdout
+        if _last_written[0] is other:
+            _flush(other)  # what the other stream holds came first: it is shown first
+        _write_capped(target, text)
+        _last_written[0] = target
+        if not _flushes_itself(target):
+            _flush(target)
 
 
 _last_written: list[Any] = [None]  # the stream the last write_lines wrote to (an order, not a resource)
@@ -194,7 +209,6 @@ def _flush(*streams: Any) -> None:
             stream.flush()
         except (OSError, ValueError):  # closed or broken: what it held is gone either way
             pass
-
 
 
 class OutputWriter:

@@ -413,8 +413,8 @@ class PromptServer:
         self._await(sent, cell, stream=None)
         for t in sent:
             text = self._take_output(t)
-            lines = [(t, "stdout", ln) for ln in text.rstrip("\n").split("\n")] if text else []
-            write_lines(lines)
+            if text:  # each rank's answer is part of the conversation: written with it (not into the cell's view)
+                self._write("".join(f"{label(t)} {ln}\n" for ln in text.rstrip("\n").split("\n")))
 
     def _continue_all(self, key: int | None) -> list[int]:
         with self.state.lock:

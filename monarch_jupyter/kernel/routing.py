@@ -72,18 +72,23 @@ class OutputRouter:
         i, n = 0, len(events)
         while i < n:
             with state.lock:
-                # A run of lines between two sync markers goes to one cell: it is routed as one batch.
+                # A run of lines between two sync markers goes to one cell: it is routed as one batch (the rank's
+                # stderr lines embedded in its stdout, "errline", as runs of their own, in place).
                 run: list[str] = []
+                run_kind = "line"
                 while i < n and events[i][0] != "msg":
                     kind, value = events[i]
                     i += 1
-                    if kind == "line":
+                    if kind in ("line", "errline"):
+                        if kind != run_kind:
+                            self._route_run(info, stream, run_kind, run)
+                            run, run_kind = [], kind
                         run.append(str(value))
                         continue
-                    self.route_lines(info, stream, run)
+                    self._route_run(info, stream, run_kind, run)
                     run = []
                     self.cells.on_sync(rank, stream, int(value))  # type: ignore[call-overload]
-                self.route_lines(info, stream, run)
+                self._route_run(info, stream, run_kind, run)
             if i == n:
                 return
             part: Any = events[i][1]  # (flags, body) of a record
@@ -148,12 +153,20 @@ class OutputRouter:
                 self.route_line(info, "stderr", str(text))
             self.cells.end_output(rec, info.rank)
 
+    def _route_run(self, info: RankInfo, stream: str, kind: str, texts: list[str]) -> None:
+        """Lines read from ``stream``: its own ("line"), or stderr lines embedded in it ("errline"), which belong to
+        the cell whose output ``stream`` carries now."""
+        if kind == "errline":
+            self.route_lines(info, "stderr", texts, via=stream)
+        else:
+            self.route_lines(info, stream, texts)
+
     def route_line(self, info: RankInfo, stream: str, text: str) -> None:
         """One line of ``info``'s output to its cell."""
         self.state.assert_locked()
         self.route_lines(info, stream, [text])
 
-    def route_lines(self, info: RankInfo, stream: str, texts: list[str]) -> None:
+    def route_lines(self, info: RankInfo, stream: str, texts: list[str], via: str | None = None) -> None:
         """Under the lock: lines of ``info``'s output, in order, to the cell they belong to (one cell: no sync
         marker between them); one "output" event for all of them."""
         self.state.assert_locked()
@@ -165,7 +178,7 @@ class OutputRouter:
                 kept.append(text)
                 if len(kept) == LAST_LINES:
                     break
-        target = self.cells.target(info.rank, stream, info.cells)
+        target = self.cells.target(info.rank, via or stream, info.cells)
         info.last_lines.extend(reversed(kept))
         info.last_line_cells.extend([-1 if target is None else target.cell_id] * len(kept))
         if target is None and self.state.held_output is not None:  # a start of many ranks: folded later
@@ -182,8 +195,8 @@ class OutputRouter:
         info = self.state.ranks.get(rank)
         if info is None:
             return
-        lines = [(stream, str(value)) for stream, splitter in info.splitters.items()
-                 for kind, value in splitter.flush() if kind == "line"]
+        lines = [("stderr" if kind == "errline" else stream, str(value)) for stream, splitter in info.splitters.items()
+                 for kind, value in splitter.flush() if kind in ("line", "errline")]
         if lines:
             with self.state.lock:
                 for stream, text in lines:

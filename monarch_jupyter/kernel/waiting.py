@@ -142,12 +142,6 @@ class Waiter:
             if not sent:
                 raise
             raise self.interrupted(rec) from None
-        # From here on the ranks run it: an interrupt that lands before the caller waits must reach them too
-        # (a fast cell's first output can be on screen, and interrupted, before that).
-        try:
-            self.state.events.emit("cell_started", cell_id=rec.cell_id, ranks=rec.ranks, handle=rec.handle)
-        except KeyboardInterrupt:
-            raise self.interrupted(rec) from None
         return rec.handle
 
     def result(self, rec: CellRecord, timeout: float | None) -> RankMap | None:

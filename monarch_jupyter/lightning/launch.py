@@ -19,6 +19,7 @@ Flow of ``trainer.fit(model, datamodule=dm)`` (Lightning calls ``MeshLauncher.la
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -250,10 +251,13 @@ def _run(mesh: Mesh, strategy: Any, job: rank_side.Job) -> RankMap:
             new = {}
         mode, fold = _live_view_mode(strategy)
         view = None
+        captured = contextlib.ExitStack()  # the job's output shows in its view, not beside it (widgets.cell_view)
         if mode != "off":
             from ..widgets import cell_view
 
             view = cell_view(mesh, mode=mode, fold_threshold=fold)
+            if view is not None:
+                captured.enter_context(view.capture())
         handle = mesh.call(rank_side.run_job, shipment.data, shipment.slots, new, kept.take_dropped(),
                            shipment.tokens, shipment.sources, job.family, block=False)
         assert isinstance(handle, CellHandle)
@@ -282,6 +286,7 @@ def _run(mesh: Mesh, strategy: Any, job: rank_side.Job) -> RankMap:
                                             f"({getattr(orig, 'ename', type(orig).__name__)})")
             raise MeshError(errors, e.results, what=job.what, hint=e.hint) from None
         finally:
+            captured.close()
             if view is not None:
                 view.finish()
         values = dict(results or {})

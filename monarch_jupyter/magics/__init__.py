@@ -7,6 +7,7 @@ Options that users set once go in traitlets (``c.MeshMagics.default_nproc = 8`` 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import logging
 import shlex
@@ -349,9 +350,10 @@ class MeshMagics(Magics):
             view = cell_view(m, chosen, mode=self.setting("live_view"), fold_threshold=self.setting("dashboard_fold"),
                              title="mesh cell (auto mode)" if self.auto.on else "mesh cell",
                              defer=0.0 if args.async_ else None)  # an --async cell returns at once: show it now
+        capture = view.capture() if view is not None else contextlib.nullcontext()
         try:
-            with m.debugger.options(args.pdb_commands,
-                                    args.on_interrupt or self.setting("debug_on_interrupt")):
+            with capture, m.debugger.options(args.pdb_commands,
+                                             args.on_interrupt or self.setting("debug_on_interrupt")):
                 result = m.run(
                     cell,
                     ranks=args.ranks,

@@ -5,8 +5,9 @@ views; the same works from Python::
 
     from monarch_jupyter.widgets import cell_view
     view = cell_view(mesh)             # before submitting: follows the next cell
-    handle = mesh.run(code, block=False)
-    ...                                # the view keeps updating on its own
+    with view.capture():               # optional: the cell's output shows in the view, not beside it
+        result = mesh.run(code)        # (block=False too: the view keeps updating on its own; output that a
+                                       # wait outside this block writes goes beside the view)
     view.finish()                      # optional: render the final state now
 
 ``mode`` is "auto" (a dashboard in a Jupyter kernel with ipywidgets, text in a terminal or script), "widget",
@@ -19,7 +20,6 @@ import logging
 import sys
 from typing import Any
 
-from ..ranks import ranks_text
 from .model import MeshMonitor, monitor_for
 from .text import StatusText, TextLiveView
 from .view import LiveView
@@ -27,10 +27,25 @@ from .view import LiveView
 log = logging.getLogger(__name__)
 
 __all__ = ["status_view", "cell_view", "choose_mode", "monitor_for", "MeshMonitor", "StatusText", "LiveView",
-           "TextLiveView", "MODES"]
+           "TextLiveView", "MODES", "frontend_watches"]
 
 MODES = ("auto", "widget", "text", "off")
 LIVE_STATUS_VIEWS = 3  # `%mesh status` dashboards of one mesh that keep updating
+
+
+def frontend_watches() -> bool:
+    """False when the running cell was sent by a kernel client that runs the notebook unattended: its request does
+    not allow stdin (nbval, nbconvert and papermill run notebooks so; JupyterLab, Notebook 7 and VS Code allow it).
+    True otherwise, also outside a kernel (a script that asks for a widget view gets a live one)."""
+    try:
+        from IPython import get_ipython
+
+        kernel = getattr(get_ipython(), "kernel", None)
+        if kernel is None:
+            return True
+        return bool(kernel.get_parent("shell").get("content", {}).get("allow_stdin", True))
+    except Exception:  # noqa: BLE001 - a kernel without get_parent (not ipykernel): assume a person watches
+        return True
 
 
 def _in_widget_frontend() -> bool:
@@ -114,9 +129,12 @@ def _publish_unflushed(bundle: dict, display_id: str = "", update: bool = False)
         return False
 
 
-def cell_view(mesh: Any, ranks: list[int] | None = None, *, mode: str = "auto",
-              fold_threshold: int = 16, title: str = "mesh cell", defer: float | None = None) -> LiveView | None:
+def cell_view(mesh: Any, ranks: list[int] | None = None, *, mode: str = "auto", fold_threshold: int = 16,
+              title: str = "mesh cell", defer: float | None = None, watched: bool | None = None) -> LiveView | None:
     """Show a live view of the next cell submitted to ``mesh`` (call it just before ``Mesh.run``).
+
+    In a widget frontend the view is one display: the per-rank table, charts and, for a cell submitted inside
+    ``view.capture()``, the cell's output (otherwise the output streams beside it as usual).
 
     Parameters
     ----------
@@ -129,13 +147,22 @@ def cell_view(mesh: Any, ranks: list[int] | None = None, *, mode: str = "auto",
     title:
         The dashboard's title ("mesh cell (auto mode)" for cells that auto mode sent to the mesh).
     defer:
-        Seconds the cell runs before the live widget replaces the view's text (None: ``celldash.DEFER``; 0: the
-        widget at once). A cell that ends sooner shows its final state as static HTML, without a widget.
+        Seconds the cell runs before the live widget replaces the view's placeholder (None: ``celldash.DEFER``; 0:
+        the widget at once). A cell that ends sooner shows its final state as static HTML, without a widget.
+    watched:
+        A person watches the frontend (None: ``frontend_watches()``): a placeholder shows at once and the live widget
+        after ``defer`` seconds. False (nbval, nbconvert): one display of the final state at the cell's end, or,
+        with ``defer`` 0 (an ``--async`` cell), a placeholder at once that the final state replaces.
 
     Returns
     -------
     The view (already shown and updating), or None for mode "off". Call ``finish()`` after a blocking cell to
     render its final state at once; a view of a non-blocking cell finishes by itself when the cell is done.
+
+    Raises
+    ------
+    ValueError
+        ``mode`` is not one of ``MODES``.
     """
     mode = choose_mode(mode)
     if mode == "off":
@@ -146,16 +173,18 @@ def cell_view(mesh: Any, ranks: list[int] | None = None, *, mode: str = "auto",
         return TextLiveView(monitor, chosen, follow_cell=True).start()
     import contextvars
 
-    from .celldash import DEFER, CellDashboardView
+    from .celldash import DEFER, CellDashboardView, plain_header
 
     ctx = contextvars.copy_context()  # the cell's: later updates come from other threads
 
     def publish(bundle: dict, display_id: str, update: bool) -> None:
         ctx.run(publish_bundle, bundle, display_id, update)
 
+    watched = frontend_watches() if watched is None else watched
+    defer = DEFER if defer is None else defer
     view = CellDashboardView(monitor, chosen, title=title, fold_threshold=fold_threshold,
-                             plain=f"{title} on {ranks_text(chosen)} (live per-rank view)", publish=publish,
-                             defer=DEFER if defer is None else defer)
+                             plain=plain_header(title, chosen), publish=publish, defer=defer, live=watched,
+                             placeholder=watched or defer <= 0)
     view.show()
     view.start()
     return view

@@ -1,77 +1,134 @@
-"""A ``%%mesh`` cell's live dashboard: the per-rank table, live metric charts and each rank's own output.
+"""A ``%%mesh`` cell's view: the per-rank table, metric charts, and the cell's output, all in one display.
 
-Cost. Most cells are short, and a widget costs a comm (its whole state), its display and an update at its end:
-three messages through ipykernel's IOPub thread, over 1 ms of the kernel's time per cell. So a cell shows nothing
-for its first ``DEFER`` seconds. A cell that ends sooner gets one display at its end: its final table as static
-HTML (each rank's output in a ``<details>``, charts as SVG), no widget. A cell still running after ``DEFER``
-seconds gets the live widget then (displayed from the ticker thread, in the cell's context). Both displays carry
-the same ``text/plain`` (stable: nbval compares it) and a ``text/html`` (the static form; for the widget, what
-frontends without widgets show, updated to the final state at the end); notebooks/nbval_sanitize.cfg folds the
-dashboard's HTML, whose times and memory vary, into one token.
+One place. The view captures the cell's output (``capture()``, ``kernel.output.OUTPUT_SINK``): what the ranks print
+and display becomes part of this view instead of stream and display_data messages beside it, so each line and
+figure shows once. The flat form (``[rankN]: line``) goes into the display's ``text/plain`` at the end, which is
+what frontends without widgets, nbval and a saved notebook's plain view read; its ``text/html`` is the static form
+(table, charts, every rank's output under its name) for nbconvert, GitHub and VS Code without ipywidgets.
 
-The live widget (ipywidgets 8, no extension of ours): the dashboard (``dashboard.MeshDashboard`` or
-``FoldedDashboard``), an HTML widget with the charts (``outputs.render_charts``: numbers from ``progress(...,
-loss=...)`` and tqdm postfixes, one line per rank, points capped by the monitor) and a ``Tab`` strip with one tab
-per rank holding that rank's whole output in the cell, rich outputs included (tabs switch in the browser, with no
-round trip to the busy kernel). Past ``fold_threshold`` ranks the strip has tabs only for failed, stopped or lagging
-ranks, and an "other ranks" tab with a selector for the rest (the selector is answered by the kernel, so while a
-cell keeps the kernel busy it shows its choice once the cell ends).
+A stable place. Where a person watches (the request allows stdin: JupyterLab, Notebook 7, VS Code), the view shows a
+one-line placeholder as the cell starts, so what the kernel itself prints into the cell later (a pdb prompt, a
+note) lands below it, as early output would. A cell that ends within ``DEFER`` seconds turns the placeholder into
+its compact result: a header line and the output, no table (two small messages, no widget). A cell still running
+then gets the live widget in the placeholder's place. Where nobody watches (nbval, nbconvert, papermill run with
+stdin off), the view is one display at the cell's end (a placeholder at the start only for ``--async`` cells).
 
-Every update goes through ``LiveView``'s ticker, at most 4 a second; a rank's output tab at most once a second while
-the cell runs.
+The live widget (ipywidgets 8, no extension of ours), a ``VBox``: the dashboard (``dashboard.MeshDashboard`` or
+``FoldedDashboard``), an HTML widget with the charts (``outputs.render_charts``), a ``Tab`` strip ("all ranks", then a
+tab per rank) and the output itself: one copy of every item, in HTML widgets of a few items each (only the last
+one changes as output grows). The tabs filter that copy in the browser with CSS (``:has()`` on Lumino's current
+tab), so switching tabs needs no round trip to the busy kernel and no item is in the page twice; a rank's tab shows
+once it has output, an error or a prompt. Past ``fold_threshold`` ranks the strip has tabs only for the ranks that
+failed, stopped or lag (at most ``TABS_FOLDED``), and "other ranks" with a selector answered by the kernel (so while
+a cell keeps the kernel busy it shows its choice once the cell ends).
+
+Every update goes through ``LiveView``'s ticker, at most 4 a second; the output at most once a second while the cell
+runs.
 """
 
 from __future__ import annotations
 
+import contextlib
+import html
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import ipywidgets as widgets
 from ipywidgets.widgets.widget_string import HTMLStyle
 
-from .dashboard import DashboardView, html_page, render_body, shared
-from .model import ATTENTION_STATES, MeshMonitor, RowView, Summary, stragglers
-from .outputs import render_charts, render_details, render_rank_output
+from ..kernel.output import OUTPUT_SINK
+from ..ranks import format_ranks, ranks_text
+from .dashboard import HEAD_STYLE, STYLE, DashboardView, html_page, render_body, render_header, shared
+from .model import ATTENTION_STATES, FAILED_STATES, MeshMonitor, RowView, Summary, stragglers
+from .outputs import render_charts, render_failure, render_item, render_items
+from .record import CellOutput, Item, last_lines
 
-__all__ = ["CellDashboardView", "DEFER", "OUTPUT_TICK", "TABS_FOLDED"]
+__all__ = ["CellDashboardView", "DEFER", "OUTPUT_TICK", "TABS_FOLDED", "SEGMENT_ITEMS"]
 
 DEFER = 0.3  # seconds a cell runs before its view becomes a live widget
-OUTPUT_TICK = 1.0  # seconds between two renders of one rank's output tab while the cell runs
-TABS_FOLDED = 8  # rank tabs of a folded dashboard (failed or lagging ranks), besides "other ranks"
+OUTPUT_TICK = 1.0  # seconds between two renders of the cell's output while it runs
+TABS_FOLDED = 8  # rank tabs of a folded dashboard (failed or lagging ranks), besides "all ranks" and "other ranks"
+SEGMENT_ITEMS = 8  # output items per HTML widget of the live view (a change re-sends only its widget)
+LINES_SHOWN = 5000  # lines of output the view shows, the last ones (the flat text/plain keeps them all)
+MERGED = "all ranks"
 
 
 class CellDashboardView(DashboardView):
-    """The live view of one cell in a widget frontend (see the module docstring).
+    """The view of one cell in a widget frontend (see the module docstring).
 
-    ``publish(bundle, display_id, update)`` sends display data (widgets.publish_bundle in the kernel).
+    Parameters
+    ----------
+    publish:
+        ``publish(bundle, display_id, update)`` sends display data in the cell's context (widgets.publish_bundle).
+    defer:
+        Seconds before the live widget replaces the placeholder (0: at once).
+    live:
+        Make the live widget at all (False where nobody watches: one display, at the end).
+    placeholder:
+        Show the placeholder when the view is shown (``show``), not only at the end.
     """
 
     def __init__(self, monitor: MeshMonitor, ranks: list[int], *, title: str, fold_threshold: int, plain: str,
-                 publish: Any, defer: float = DEFER) -> None:
-        self.display_id = f"mj-dash-{uuid.uuid4().hex}"
+                 publish: Any, defer: float = DEFER, live: bool = True, placeholder: bool = True) -> None:
+        self.uid = uuid.uuid4().hex
+        self.display_id = f"mj-dash-{self.uid}"
+        self.output = CellOutput()
         self._publish = publish
         self._born = time.monotonic()
         self.defer = defer
+        self.live = live
+        self.placeholder = placeholder
+        self._shown = False  # something is displayed under display_id
+        self._output_seen = -1  # the record's version at the last render of the output
+        self._output_time = 0.0
         self._fold_threshold = fold_threshold
-        self.outputs: widgets.Tab | None = None
         self.charts: widgets.HTML | None = None
+        self.outputs: widgets.Tab | None = None  # the tab strip (its panels are empty: the output is below it)
+        self.segments: widgets.VBox | None = None  # the output items, a few per HTML widget
+        self.failures: widgets.HTML | None = None  # failed ranks and ranks at a prompt, after the output
         self.picker: widgets.Dropdown | None = None
         self.picked: widgets.HTML | None = None
         self._tab_ranks: list[int] = []
-        self._tab_logged: dict[int, int] = {}
-        self._tab_time: dict[int, float] = {}
+        self._segments: dict[int, tuple[tuple, widgets.HTML]] = {}  # chunk index -> (its items' key, widget)
         self._metrics_seen = -1
+        self._metrics_born = monitor.metrics_version
         super().__init__(monitor, ranks, follow_cell=True, title=title, fold_threshold=fold_threshold, plain=plain,
                          lazy=True)
 
+    # ------------------------------------------------------------------ capture and show (the cell's thread)
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[CellOutput]:
+        """Within this block, the output of cells submitted from this context comes to the view (submit the cell in
+        it: its context is captured at submission, so output that arrives later comes here too)."""
+        token = OUTPUT_SINK.set(self.output.take)
+        try:
+            yield self.output
+        finally:
+            OUTPUT_SINK.reset(token)
+
     def show(self) -> None:
-        """With ``defer`` 0: display the live widget now. Otherwise nothing is shown yet (see the module docstring)."""
-        if self.defer <= 0:
+        """Display the live widget now (``defer`` 0) or the placeholder (``placeholder``); else nothing yet."""
+        if self.live and self.defer <= 0:
             self._make_live(*self.snapshot())
+        elif self.placeholder:
+            self._send(self._compact_bundle())
+
+    def _compact_bundle(self) -> dict:
+        """The placeholder, which is also the whole final view of a quick cell that went well and printed nothing:
+        one line naming the cell and its ranks (its result follows as the cell's own ``Out``)."""
+        assert self.fixed_plain is not None
+        head = f'<div class="mj-header"><b>{_e(self.title)}</b><span class="mj-sep">·</span>' \
+               f"{_e(self.fixed_plain.rsplit(' on ', 1)[-1])}</div>"
+        return {"text/plain": self.fixed_plain,
+                "text/html": f'{HEAD_STYLE}<div class="mj-dashboard mj-compact">{head}</div>'}
 
     def wants_render(self) -> bool:
-        return self.widget_made is None and time.monotonic() - self._born >= self.defer
+        if self.widget_made is None:
+            return self.live and time.monotonic() - self._born >= self.defer
+        return self.output.version != self._output_seen
 
     def _on_mesh_event(self, kind: str, data: dict) -> None:
         if (kind == "cell_done" and self.widget_made is None and self.handle is not None
@@ -82,92 +139,204 @@ class CellDashboardView(DashboardView):
             return
         super()._on_mesh_event(kind, data)
 
+    def finish(self) -> None:
+        """Render the final state now (see ``LiveView.finish``); output that reached the view after the final render
+        on ``cell_done`` (the waiting thread writes the cell's last lines after that) is rendered again. From then
+        on, output of the cell (a rank's thread printing late) is written to the notebook as usual."""
+        super().finish()
+        if self.final and self.handle is not None:  # (a cell that never started was abandoned: nothing to show)
+            if self.output.version != self._output_seen:
+                self.render_again()
+            self.output.close()
+
+    def abandon(self) -> None:
+        """The cell never started: the placeholder goes (the error shows in its place)."""
+        self.output.close()
+        if self._shown:
+            from IPython.display import clear_output
+
+            self.ctx.run(clear_output)
+            self._shown = False
+        super().abandon()
+
     # ------------------------------------------------------------------ rendering (under the view lock)
 
     def render(self, rows: list[RowView], summary: Summary, final: bool) -> None:
         if self.widget_made is None:
-            if final:  # a fast cell: one display, its final state as static HTML
-                self._publish({"text/plain": self.fixed_plain, "text/html": self._static(rows, summary, True)},
-                              self.display_id, False)
+            if final:  # a quick cell (or nobody watches): one display of its final state
+                self._output_seen = self.output.version
+                if self._quick() and self._clean(summary):
+                    if not self._shown:  # else the placeholder says it all: no message at all
+                        self._send(self._compact_bundle())
+                else:
+                    self._send(self._final_bundle(rows, summary, compact=self._quick()))
+                self._close_if_unwaited()
                 return
-            if time.monotonic() - self._born < self.defer:
+            if not self.live or time.monotonic() - self._born < self.defer:
                 return
             self._make_live(rows, summary)
         super().render(rows, summary, final)
         self._render_extras(rows, final)
         if final:  # frontends without widgets (nbconvert, GitHub) show the final state too
-            self._publish(self._bundle(self._static(rows, summary, True)), self.display_id, True)
+            bundle = self._final_bundle(rows, summary, compact=False)
+            assert self.widget_made is not None
+            bundle["application/vnd.jupyter.widget-view+json"] = self._view_json()
+            self._send(bundle)
+            self._close_if_unwaited()
 
-    def _static(self, rows: list[RowView], summary: Summary, final: bool) -> str:
+    def _quick(self) -> bool:
+        return time.monotonic() - self._born < self.defer
+
+    def final_shown(self) -> bool:
+        """A quick cell that went well and printed nothing, under its placeholder: that is its final view."""
+        handle = self.handle
+        if not (self._shown and self.widget_made is None and self._quick() and self.output.version == 0
+                and self.monitor.metrics_version == self._metrics_born and handle is not None):
+            return False
+        snap = handle.snapshot()
+        if snap.errors or len(snap.finished) != len(handle.ranks):
+            return False
+        self._output_seen = self.output.version
+        return True
+
+    def _clean(self, summary: Summary) -> bool:
+        """Every rank is done, none printed or displayed anything, none reported a metric."""
+        return (self.output.version == 0 and set(summary.by_state) == {"done"}
+                and self.monitor.metrics_version == self._metrics_born)
+
+    def _close_if_unwaited(self) -> None:
+        """At the final render: nobody waits for the cell (``--async``), so its output is all in; later output of
+        the cell goes to the notebook as usual. A waited cell's record closes in ``finish()``."""
+        if self.handle is None or not self.handle.waited:
+            self.output.close()
+
+    def _send(self, bundle: dict) -> None:
+        self._publish(bundle, self.display_id, self._shown)
+        self._shown = True
+
+    def _final_bundle(self, rows: list[RowView], summary: Summary, compact: bool) -> dict:
+        """The final display: the flat text as ``text/plain``, the static form as ``text/html``."""
+        flat = self.output.text()
+        states = " · ".join(f"{s} {format_ranks(rs)}" for s, rs in summary.by_state.items())
+        plain = f"{self.fixed_plain}: {states}" if set(summary.by_state) != {"done"} else str(self.fixed_plain)
+        return {"text/plain": plain + (f"\n{flat}" if flat else ""),
+                "text/html": self._static(rows, summary, compact)}
+
+    def _static(self, rows: list[RowView], summary: Summary, compact: bool) -> str:
+        """The final state as static HTML: the header, the table (not for a quick cell), charts and the output."""
         cell = self.cell_id if self.cell_id is not None else -1
-        ranks = [r.rank for r in rows]
-        charts = render_charts(self.monitor.metrics(cell, ranks))
-        details = render_details({r: self.monitor.rank_log(cell, r)[1] for r in ranks}) if final else ""
-        return html_page(render_body(rows, summary, self.title, self.folded) + charts + details, final)
+        charts = render_charts(self.monitor.metrics(cell, [r.rank for r in rows]), self.uid)
+        _, items = self.output.items()
+        body = render_header(summary, self.title) if compact else render_body(rows, summary, self.title, self.folded)
+        first, hidden = last_lines(items, LINES_SHOWN)
+        out = _hidden_note(hidden + self.output.dropped) + render_items(items[first:])
+        out += self._failures_html(rows, final=True)
+        style = HEAD_STYLE if compact and not out and not charts else STYLE
+        return html_page(body + charts + (f'<div class="mj-outputs">{out}</div>' if out else ""), True, style)
 
-    def _bundle(self, static: str) -> dict:
+    def _failures_html(self, rows: list[RowView], final: bool) -> str:
+        """Failed ranks (with their tracebacks at the end) and ranks stopped at a prompt."""
+        shown = [r for r in rows if r.state in FAILED_STATES or r.state == "breakpoint"]
+        if not shown:
+            return ""
+        errors = self.handle.snapshot().errors if final and self.handle is not None else {}
+        return "".join(render_failure(r.rank, r.state, r.error, getattr(errors.get(r.rank), "traceback", ""))
+                       for r in shown)
+
+    def _view_json(self) -> dict:
         assert self.widget_made is not None
-        return {"text/plain": self.fixed_plain, "text/html": static,
-                "application/vnd.jupyter.widget-view+json": {"version_major": 2, "version_minor": 0,
-                                                             "model_id": self.widget_made.model_id}}
+        return {"version_major": 2, "version_minor": 0, "model_id": self.widget_made.model_id}
 
     def _make_live(self, rows: list[RowView], summary: Summary) -> None:
         core = self.make_widget(rows, summary)
         self.charts = _html()
-        self.outputs = widgets.Tab(children=[], layout=widgets.Layout(display="none"))
-        box = widgets.VBox([core, self.charts, self.outputs], layout=shared("layout", widgets.Layout))
+        self.charts.layout = widgets.Layout(display="none")
+        self.segments = widgets.VBox([], layout=shared("layout", widgets.Layout))
+        self.segments.add_class("mj-outputs-box")
+        self.failures = _html()
+        self.outputs = widgets.Tab(children=[_html()], titles=(MERGED,))
+        self.outputs.add_class("mj-tabs")
+        ranks = [r.rank for r in rows]
+        self._set_tabs([] if self.folded else ranks, ranks)
+        box = widgets.VBox([core, self.charts, self.outputs, self.segments, self.failures],
+                           layout=shared("layout", widgets.Layout))
+        box.add_class("mj-cellview")
+        box.add_class(f"mj-cv-{self.uid}")
         box.plain = self.fixed_plain
         self.widget_made = box
-        self._publish(self._bundle(self._static(rows, summary, False)), self.display_id, False)
+        head = render_header(summary, self.title)
+        self._send({"text/plain": self.fixed_plain, "text/html": html_page(head, False),
+                    "application/vnd.jupyter.widget-view+json": self._view_json()})
 
     def _render_extras(self, rows: list[RowView], final: bool) -> None:
         cell = self.cell_id
-        if cell is None or self.outputs is None or self.charts is None:
+        if (cell is None or self.outputs is None or self.charts is None or self.segments is None
+                or self.failures is None):
             return
         ranks = [r.rank for r in rows]
         if self.monitor.metrics_version != self._metrics_seen:
             self._metrics_seen = self.monitor.metrics_version
-            charts = render_charts(self.monitor.metrics(cell, ranks))
+            # The dashboard's own HTML carries the style (dashboard.STYLE) of everything in the view.
+            charts = render_charts(self.monitor.metrics(cell, ranks), self.uid)
+            charts = f'<div class="mj-dashboard">{charts}</div>' if charts else ""
             if charts != self.charts.value:
-                self.charts.value = charts
-        logged = self.monitor.logged(cell, ranks)
-        if not any(logged.values()):
-            return
-        wanted = self._tab_choice(rows, logged)
+                with self.charts.hold_sync():
+                    self.charts.value = charts
+                    self.charts.layout.display = "" if charts else "none"
+        failures = self._failures_html(rows, final)
+        failures = f'<div class="mj-outputs">{failures}</div>' if failures else ""
+        if failures != self.failures.value:
+            self.failures.value = failures
+        version = self.output.version
         now = time.monotonic()
-        with self.outputs.hold_sync():
-            if wanted != self._tab_ranks:
-                self._set_tabs(wanted, ranks)
-            for i, r in enumerate(self._tab_ranks):
-                if logged.get(r, 0) == self._tab_logged.get(r, 0):
-                    continue
-                if not final and now - self._tab_time.get(r, 0.0) < OUTPUT_TICK:
-                    continue
-                self._tab_logged[r], self._tab_time[r] = logged[r], now
-                child = self.outputs.children[i]
-                if isinstance(child, widgets.HTML):
-                    child.value = render_rank_output(self.monitor.rank_log(cell, r)[1], r)
-            if self.picker is not None and self.picked is not None and self.picker.value is not None:
-                self._show_picked(self.picker.value)
-            if self.outputs.layout.display == "none":
-                self.outputs.layout.display = ""
+        if version == self._output_seen or (not final and now - self._output_time < OUTPUT_TICK):
+            return
+        self._output_seen, self._output_time = version, now
+        _, items = self.output.items()
+        if self.folded:
+            self._fold_tabs(rows, ranks)
+        self._set_segments(items)
+        if self.picker is not None and self.picked is not None and self.picker.value is not None:
+            self._show_picked(self.picker.value)
 
-    def _tab_choice(self, rows: list[RowView], logged: dict[int, int]) -> list[int]:
-        if not self.folded:
-            return [r.rank for r in rows if logged.get(r.rank)]
-        attention = [r.rank for r in rows if r.state in ATTENTION_STATES]
-        behind = [r.rank for r in stragglers(rows, limit=TABS_FOLDED)]
-        return sorted(dict.fromkeys(attention + behind))[:TABS_FOLDED]
+    def _set_segments(self, items: list[Item]) -> None:
+        """Put the last ``LINES_SHOWN`` lines' items into the HTML widgets of the output, ``SEGMENT_ITEMS`` items a
+        widget: only a widget whose items changed is sent again (as output grows, the last one)."""
+        assert self.segments is not None
+        first, hidden = last_lines(items, LINES_SHOWN, SEGMENT_ITEMS)
+        hidden += self.output.dropped
+        old, self._segments = self._segments, {}
+        for start in range(first, len(items), SEGMENT_ITEMS):
+            chunk = items[start:start + SEGMENT_ITEMS]
+            key = (hidden if start == first else 0, *((i.seq, i.changed, len(i.lines)) for i in chunk))
+            k = start // SEGMENT_ITEMS
+            was = old.pop(k, None)
+            if was is not None and was[0] == key:
+                self._segments[k] = was
+                continue
+            note = _hidden_note(hidden) if start == first else ""
+            value = f'<div class="mj-outputs">{note}{"".join(render_item(i) for i in chunk)}</div>'
+            if was is not None:
+                was[1].value = value
+                self._segments[k] = (key, was[1])
+            else:
+                self._segments[k] = (key, _html(value))
+        children = [w for _, w in self._segments.values()]
+        if children != list(self.segments.children):
+            self.segments.children = children
+        for _, w in old.values():
+            w.close()
+
+    # ------------------------------------------------------------------ tabs
 
     def _set_tabs(self, wanted: list[int], ranks: list[int]) -> None:
+        """Tabs "all ranks", then ``wanted`` (each shown once its rank has an item), then "other ranks" (folded)."""
         assert self.outputs is not None
-        old = dict(zip(self._tab_ranks, self.outputs.children, strict=False))
-        children = [old.get(r) or _html() for r in wanted]
-        titles = [f"rank {r}" for r in wanted]
-        for r in wanted:
-            if r not in old:
-                self._tab_logged.pop(r, None)
-                self._tab_time.pop(r, None)
+        self._tab_ranks = list(wanted)
+        children = list(self.outputs.children[:1])
+        children[0].value = self._tab_style(wanted)
+        children += [shared("empty", _html)] * len(wanted)  # the panels stay empty: one widget serves them all
+        titles = [MERGED] + [f"rank {r}" for r in wanted]
         if self.folded:
             if self.picker is None:
                 self.picker = widgets.Dropdown(options=ranks, value=None, description="rank")
@@ -175,25 +344,72 @@ class CellDashboardView(DashboardView):
                 self.picker.observe(lambda change: self._show_picked(change["new"]), "value")
             children.append(widgets.VBox([self.picker, self.picked]))
             titles.append("other ranks")
-        self._tab_ranks = wanted
-        self.outputs.children = children
-        self.outputs.titles = tuple(titles)
+        with self.outputs.hold_sync():
+            self.outputs.children = children
+            self.outputs.titles = tuple(titles)
+
+    def _tab_style(self, tab_ranks: list[int]) -> str:
+        """CSS that filters the output by the current tab (scoped to this cell's widget)."""
+        cv = f".mj-cv-{self.uid}"
+        tab = ".mj-tabs li.lm-TabBar-tab"
+        rules = [f"{cv}:not(:has(.mj-item)) .mj-tabs{{display:none}}"]
+        if self.folded:  # the selector's panel shows only when "other ranks" is current; the output then hides
+            rules.append(f"{cv}:not(:has({tab}:last-child.lm-mod-current)) .mj-tabs .widget-tab-contents"
+                         "{display:none}")
+            rules.append(f"{cv}:has({tab}:last-child.lm-mod-current) .mj-outputs-box{{display:none}}")
+        else:
+            rules.append(f"{cv} .mj-tabs .widget-tab-contents{{display:none}}")
+        for k, r in enumerate(tab_ranks, start=2):
+            rules.append(f'{cv}:not(:has(.mj-item[data-ranks~="{r}"])) {tab}:nth-child({k}){{display:none}}')
+            rules.append(f'{cv}:has({tab}:nth-child({k}).lm-mod-current) .mj-item:not([data-ranks~="{r}"])'
+                         "{display:none}")
+        return "<style>" + "\n".join(rules) + "</style>"
+
+    def _fold_tabs(self, rows: list[RowView], ranks: list[int]) -> None:
+        """Folded: a tab for each rank that failed, stopped or lags (appended, so that tabs never move)."""
+        attention = [r.rank for r in rows if r.state in ATTENTION_STATES]
+        behind = [r.rank for r in stragglers(rows, limit=TABS_FOLDED)]
+        wanted = list(self._tab_ranks)
+        for r in dict.fromkeys(attention + behind):
+            if r not in wanted and len(wanted) < TABS_FOLDED:
+                wanted.append(r)
+        if wanted != self._tab_ranks or self.picker is None:
+            self._set_tabs(wanted, ranks)
 
     def _show_picked(self, rank: Any) -> None:
-        if rank is None or self.picked is None or self.cell_id is None:
+        if rank is None or self.picked is None:
             return
-        value = render_rank_output(self.monitor.rank_log(self.cell_id, int(rank))[1], int(rank))
+        _, items = self.output.items()
+        mine = [i for i in items if int(rank) in i.ranks]
+        value = f'<div class="mj-outputs">{render_items(mine) or "no output"}</div>'
         if value != self.picked.value:
             self.picked.value = value
 
     def close(self) -> None:
         if self.widget_made is not None:
-            for w in (self.charts, self.outputs, self.picker, self.picked):
+            assert self.segments is not None and self.outputs is not None
+            for w in (*self.segments.children, self.segments, self.outputs.children[0], self.outputs, self.charts,
+                      self.failures, self.picker, self.picked, self.widget_made):
                 if w is not None:
                     w.close()
             super().close()
 
 
-def _html() -> widgets.HTML:
+def _hidden_note(lines: int) -> str:
+    """A note for the lines before those shown (the text/plain of the view has them, up to record.LINES_KEPT)."""
+    return f'<div class="mj-note">{lines} earlier lines not shown here</div>' if lines else ""
+
+
+def _html(value: str = "") -> widgets.HTML:
     """An HTML widget sharing the dashboards' layout and style models (no comm of its own for them)."""
-    return widgets.HTML(value="", layout=shared("layout", widgets.Layout), style=shared("style", HTMLStyle))
+    return widgets.HTML(value=value, layout=shared("layout", widgets.Layout), style=shared("style", HTMLStyle))
+
+
+def plain_header(title: str, ranks: list[int]) -> str:
+    """The first line of a cell view's ``text/plain``: '<title> on ranks 0,1' (then, where not every rank is done,
+    ': error 1 · done 0', and the ranks' lines)."""
+    return f"{title} on {ranks_text(ranks)}"
+
+
+def _e(text: str) -> str:
+    return html.escape(text, quote=True)

@@ -1,9 +1,10 @@
 """The live per-rank model behind every view: what each rank is doing, built from Mesh events only.
 
 A ``MeshMonitor`` listens to one mesh (``mesh.add_listener``) and keeps, per rank, the mesh-level facts (state,
-host, device, memory) and, per cell the rank ran recently, that cell's state, progress, last output line and
-failure. Views ask it for ``snapshot``s: immutable rows computed under its lock, so a view renders without
-holding any lock and a slow view never slows the mesh's threads.
+host, device, memory) and, per cell the rank ran recently, that cell's state, progress, last output line, failure
+and the metrics it reported (by global step). The cell's output itself is kept by the cell's view
+(``record.CellOutput``), in the order the cell shows it. Views ask it for ``snapshot``s: immutable rows computed
+under its lock, so a view renders without holding any lock and a slow view never slows the mesh's threads.
 
 Events arrive on the mesh's threads (I/O thread, launcher reader thread, the submitting thread); some while the
 mesh holds its own lock. The handler therefore only updates plain fields under the monitor's lock and never
@@ -23,7 +24,7 @@ import statistics
 import threading
 import time
 import weakref
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,11 +43,10 @@ STATE_ORDER = ("starting", "queued", "running", "breakpoint", "error", "dead", "
 CELLS_KEPT = 32  # cells remembered per rank
 BEHIND_BY = 0.02  # a running rank is "the slowest" when this fraction of the total behind the rank ahead
 SLOWER_BY = 0.1  # a finished rank is "the slowest" when it took this fraction longer than the fastest
-LOG_KEPT = 2000  # output items (lines and rich outputs) kept per rank and cell for the per-rank output view
 POINTS_KEPT = 400  # points kept per metric and rank; past that every other point is dropped (the curve stays whole)
 METRICS_KEPT = 8  # metrics charted per cell (the first reported)
-LOG_CELLS = 4  # a rank's last cells whose output the monitor keeps (older cells keep their state, not output)
-LOG_DISPLAY_MAX = 512 * 1024  # characters of a rich output kept for the per-rank view; larger ones kept as a note
+STEP_METRIC = "global_step"  # a reported metric of this name is the charts' x axis (not charted itself)
+_DIGITS = re.compile(r"\d+")
 _METRIC = re.compile(r"([A-Za-z_][\w./-]*)=([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)(?![\w.])")
 
 
@@ -67,9 +67,9 @@ class _CellRank:
     output_at: float | None = None  # time.monotonic() of its last line of output in the cell
     error: str = ""
     duration: float | None = None  # seconds the rank itself measured
-    log: deque = field(default_factory=lambda: deque(maxlen=LOG_KEPT))  # ("stdout"|"stderr"|"display", item)
-    logged: int = 0  # items appended to log so far (views re-render a rank's output when it moved)
-    metrics: dict = field(default_factory=dict)  # name -> [(x, y)]: numbers from progress postfixes
+    metrics: dict = field(default_factory=dict)  # name -> [(x, y)]: numbers from progress postfixes, x the step
+    steps: dict = field(default_factory=dict)  # loop -> (steps of its earlier runs, last n, ...): running count
+    metric_loop: dict = field(default_factory=dict)  # metric name -> the loop whose steps are its x axis
 
 
 @dataclass
@@ -155,7 +155,6 @@ class MeshMonitor:
             "output": self._on_output,
             "progress": self._on_progress,
             "heartbeat": self._on_heartbeat,
-            "display": self._on_display,
         }
         self.metrics_version = 0  # moves when a cell's metrics get a point
         mesh.add_listener(self.on_event)
@@ -223,8 +222,6 @@ class MeshMonitor:
             info.cells[cell_id] = cell
             while len(info.cells) > CELLS_KEPT:
                 info.cells.popitem(last=False)
-            for old in list(info.cells.values())[:-LOG_CELLS]:
-                old.log.clear()
             if info.state != "dead":
                 info.state = "running"
 
@@ -284,38 +281,38 @@ class MeshMonitor:
         if cell is not None:
             cell.last_line = lines[-1]
             cell.output_at = now
-            cell.log.extend((data["stream"], text) for text in lines[-(cell.log.maxlen or len(lines)):])
-            cell.logged += len(lines)
-
-    def _on_display(self, data: dict, now: float) -> None:
-        cell = self._rank(data["rank"]).cells.get(data.get("cell_id", -1))
-        if cell is not None:
-            bundle = data.get("data") or {}
-            size = sum(len(v) for v in bundle.values() if isinstance(v, str))
-            if size > LOG_DISPLAY_MAX:  # shown in the cell itself; the per-rank view names it only
-                kinds = ", ".join(k for k in bundle if k != "text/plain")
-                note = f"{bundle.get('text/plain', '')} ({kinds}, {size:,} characters: shown in the cell's output)"
-                data = {**data, "data": {"text/plain": note}}
-            cell.log.append(("display", data))
-            cell.logged += 1
-            cell.output_at = now
 
     def _on_progress(self, data: dict, now: float) -> None:
         info = self._rank(data["rank"])
         cell = info.cells.get(data.get("cell_id", -1))
         if cell is None:
             return
-        cell.n, cell.total = data.get("n"), data.get("total")
+        n = data.get("n")
+        cell.n, cell.total = n, data.get("total")
         cell.desc, cell.postfix = data.get("desc") or "", data.get("postfix") or ""
+        loop = _DIGITS.sub("#", cell.desc)  # "Epoch 3" and "Epoch 4" are one loop; "Validation" another
+        step = _running_step(cell.steps, loop, n, cell.total, cell.desc)
         if "=" in cell.postfix:
-            x = cell.n if cell.n is not None else now - (cell.started or now)
-            for name, value in _METRIC.findall(cell.postfix):
+            found = _METRIC.findall(cell.postfix)
+            named = [float(v) for k, v in found if k == STEP_METRIC]
+            x = named[0] if named else step if step is not None else now - (cell.started or now)
+            for name, value in found:
+                if name == STEP_METRIC:
+                    continue
+                # A metric's x axis is the steps of the loop it was first reported in: Lightning shows the last
+                # train loss during validation too, which must not be drawn against validation's steps.
+                if cell.metric_loop.setdefault(name, loop) != loop and not named:
+                    continue
                 series = cell.metrics.get(name)
                 if series is None:
                     if len(cell.metrics) >= METRICS_KEPT:
                         continue
                     series = cell.metrics[name] = []
-                series.append((float(x), float(value)))
+                point = (float(x), float(value))
+                if series and series[-1][0] == point[0]:
+                    series[-1] = point  # the same step reported again: its latest value
+                else:
+                    series.append(point)
                 if len(series) > POINTS_KEPT:
                     del series[1:-1:2]  # keep the first and last, every other point between
             self.metrics_version += 1
@@ -332,27 +329,11 @@ class MeshMonitor:
         with self._lock:
             return sorted(self._ranks)
 
-    def rank_log(self, cell_id: int, rank: int) -> tuple[int, list]:
-        """(items logged so far, the kept items) of ``rank``'s output in cell ``cell_id``: ("stdout"|"stderr",
-        text) lines and ("display", event data) rich outputs, oldest first (at most ``LOG_KEPT``)."""
-        with self._lock:
-            info = self._ranks.get(rank)
-            cell = info.cells.get(cell_id) if info is not None else None
-            return (0, []) if cell is None else (cell.logged, list(cell.log))
-
-    def logged(self, cell_id: int, ranks: Iterable[int]) -> dict[int, int]:
-        """rank -> items logged so far in cell ``cell_id`` (cheap: views check what moved)."""
-        with self._lock:
-            out = {}
-            for r in ranks:
-                info = self._ranks.get(r)
-                cell = info.cells.get(cell_id) if info is not None else None
-                out[r] = 0 if cell is None else cell.logged
-            return out
-
     def metrics(self, cell_id: int, ranks: Iterable[int]) -> dict[str, dict[int, list[tuple[float, float]]]]:
         """name -> rank -> [(step, value)] of the numbers ranks reported in cell ``cell_id`` (``progress(...,
-        loss=...)``, tqdm postfixes): x is the step count (seconds into the cell where none was given)."""
+        loss=...)``, tqdm postfixes). x is the global step: a reported ``global_step`` metric, else a running count
+        of the steps of the loop the metric was first reported in, over the whole cell (an epoch's count restarting
+        at 0 adds to it); seconds into the cell where no count was given."""
         out: dict[str, dict[int, list[tuple[float, float]]]] = {}
         with self._lock:
             for r in ranks:
@@ -478,3 +459,17 @@ def monitor_for(mesh: Any) -> MeshMonitor:
         if monitor is None:
             monitor = _monitors[mesh] = MeshMonitor(mesh)
         return monitor
+
+
+def _running_step(steps: dict, loop: str, n: float | None, total: float | None, desc: str) -> float | None:
+    """The running step count of ``loop`` at count ``n``: a count that goes back, or a new description after the
+    last run had reached its total (the next epoch, whose first reports the rank's throttle may have dropped),
+    starts on top of the steps the loop counted before. ``steps`` holds loop -> (steps before this run, last n, its
+    total, its description)."""
+    if n is None:
+        return None
+    base, last, last_total, last_desc = steps.get(loop, (0.0, None, None, desc))
+    if last is not None and (n < last or (desc != last_desc and last_total and last >= last_total)):
+        base += last
+    steps[loop] = (base, n, total, desc)
+    return base + n

@@ -95,14 +95,15 @@ def stable_text(rows: list[RowView], summary: Summary, *, title: str = "mesh") -
 
 
 def table_text(rows: list[RowView]) -> list[str]:
-    """One line per rank with everything (for terminals): state, device, host, time, progress, memory, output;
-    a failure (of the rank's latest cell) on a line of its own below."""
-    head = (f"{'rank':>4}  {'state':<10} {'device':<7} {'host':<14} {'time':>8}  {'progress':<30} "
-            f"{'memory':<10} last output")
+    """One line per rank with everything (for terminals): state, device, host, and of the rank's last cell its time,
+    progress and last output (so headed: an idle rank's are those of the cell before), memory; a failure (of that
+    cell) on a line of its own below."""
+    head = (f"{'rank':>4}  {'state':<10} {'device':<7} {'host':<14} {'last cell':>9}  {'progress':<30} "
+            f"{'memory':<10} last output (last cell)")
     out = [head]
     for row in rows:
         out.append(f"{row.rank:>4}  {row.state:<10} {row.device[:7]:<7} {row.host[:14]:<14} "
-                   f"{fmt_seconds(row.elapsed):>8}  {_cut(fmt_progress(row), 30):<30} {_cut(fmt_memory(row), 10):<10} "
+                   f"{fmt_seconds(row.elapsed):>9}  {_cut(fmt_progress(row), 30):<30} {_cut(fmt_memory(row), 10):<10} "
                    f"{_cut(row.last_line, 60)}")
         if row.error:
             out.append(f"{'':>6}└ {row.error}")

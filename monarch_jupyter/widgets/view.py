@@ -19,10 +19,12 @@ Lock order: mesh lock -> view lock -> monitor lock. A view never takes the mesh 
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -177,6 +179,17 @@ class LiveView:
         if self.final:
             self._stop_listening()
 
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[Any]:
+        """Submit the cell inside this block to have its output shown by the view instead of beside it (views that
+        show output do; this one does not: the output streams as usual)."""
+        yield None
+
+    def render_again(self) -> None:
+        """Render the current state once more (a final view: its final state again, e.g. after late output)."""
+        with self._lock:
+            self._render(final=self.final)
+
     def freeze(self) -> None:
         """Render once more and stop updating (the view keeps showing that state)."""
         self._final_render()
@@ -222,6 +235,9 @@ class LiveView:
     # ------------------------------------------------------------------ rendering (under the view lock)
 
     def _render(self, final: bool) -> None:
+        if final and self.final_shown():
+            self.final = True
+            return
         self._seen = self.monitor.version
         self._last_render = time.monotonic()
         rows, summary = self.snapshot()
@@ -266,6 +282,11 @@ class LiveView:
     def render(self, rows: list[RowView], summary: Summary, final: bool) -> None:
         """Show ``rows`` (called under the view's lock)."""
         raise NotImplementedError
+
+    def final_shown(self) -> bool:
+        """True when what the view shows already is its final state (checked before the final render, which it
+        then skips: the common quick cell costs no snapshot)."""
+        return False
 
     def wants_render(self) -> bool:
         """True when the view must render at the next tick although nothing changed (a deferred widget)."""

@@ -1,7 +1,7 @@
 """Rich output from ranks in a real browser: JupyterLab in headless Chromium (tests/browser/jlab.py).
 
 One notebook session: an HTML display from each rank, a rank's matplotlib plot, a long cell whose live metric
-chart moves while it runs and whose per-rank output tabs switch ranks in the browser, and Tab completion listing
+chart moves while it runs and whose rank tabs filter its output in the browser, and Tab completion listing
 a name that exists only on the ranks. Screenshots go to $BROWSER_TEST_ARTIFACTS, else build/browser-artifacts/
 (under the checkout; build/ is ignored by git): html_display.png, plot.png, chart_running.png, rank_tabs.png,
 completion.png.
@@ -53,8 +53,9 @@ display(HTML(f"<i class='mj-test-done'>rank {{rank}} finished</i>"))""",
     "%mesh stop",
 ]
 
-_JS_OWN = """(area, css) => Array.from(area.querySelectorAll(css))
-                           .filter(e => !e.closest('.mj-dashboard, .mj-rank-output')).map(e => e.innerText)"""
+# Every element matching css, with the name of the rank it sits under in the cell's view.
+_JS_OWN = """(area, css) => Array.from(area.querySelectorAll(css)).map(
+                 e => [e.closest('.mj-item').querySelector('.mj-who').innerText, e.innerText])"""
 _JS_POINTS = """(area) => Array.from(area.querySelectorAll('svg.mj-chart'), s => Number(s.dataset.points))"""
 
 
@@ -72,14 +73,14 @@ def test_rich_outputs_charts_tabs_and_completion_in_jupyterlab(tmp_path: Path) -
         notebook.run_cell(2, timeout=60)
         html = notebook.output_area(2).locator(".mj-test-html")
         html.first.wait_for(state="visible", timeout=20_000)
-        # The displays themselves (the dashboard's per-rank outputs hold copies, collapsed).
+        # Each display once, in the cell's view, under its rank's name.
         own = notebook.output_area(2).evaluate(_JS_OWN, ".mj-test-html")
-        assert sorted(own) == ["HTML from rank 0", "HTML from rank 1"]
+        assert sorted(own) == [["rank 0", "HTML from rank 0"], ["rank 1", "HTML from rank 1"]]
         notebook.output_area(2).scroll_into_view_if_needed()
         notebook.screenshot(ARTIFACTS / "html_display.png")
 
         notebook.run_cell(3, timeout=90)
-        img = notebook.output_area(3).locator(".jp-RenderedImage img")
+        img = notebook.output_area(3).locator(".mj-display img")
         img.first.wait_for(state="visible", timeout=20_000)
         assert img.count() == 1  # --ranks 0: one plot
         assert (img.first.get_attribute("src") or "").startswith(("data:image/png;base64,", "blob:"))
@@ -105,14 +106,15 @@ def test_rich_outputs_charts_tabs_and_completion_in_jupyterlab(tmp_path: Path) -
 
         tabs = area.locator(".lm-TabBar-tab")
         tabs.first.wait_for(state="visible", timeout=20_000)
-        assert tabs.all_inner_texts() == ["rank 0", "rank 1"]
+        assert tabs.all_inner_texts() == ["all ranks", "rank 0", "rank 1"]
+        shown = area.locator(".mj-outputs-box")
         for r in (1, 0):
-            tabs.nth(r).click()
-            shown = area.locator(f'.mj-rank-output[data-rank="{r}"]')
-            shown.wait_for(state="visible", timeout=10_000)
-            text = shown.inner_text()
+            tabs.nth(r + 1).click()  # the tab filters the view's one copy of the output, in the browser
+            notebook.page.wait_for_function(
+                "([el, other]) => !el.innerText.includes(other)", arg=[shown.element_handle(), f"rank {1 - r} step"],
+                timeout=10_000)
+            text = shown.inner_text() + area.locator(".mj-display").last.inner_text()
             assert f"rank {r} step {STEPS - 1}" in text and f"rank {r} finished" in text
-            assert f"rank {1 - r} step" not in text
             if r == 1:
                 shown.scroll_into_view_if_needed()
                 notebook.screenshot(ARTIFACTS / "rank_tabs.png")

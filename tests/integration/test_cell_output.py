@@ -23,8 +23,10 @@ def kc() -> Iterator[Any]:
     km: KernelManager
     km, kc = start_new_kernel(kernel_name="python3", startup_timeout=TIMEOUT, env=dict(os.environ), cwd=os.getcwd())
     try:
+        # No live view: these tests read the streams the kernel writes (a cell's view would take them; its flat
+        # text does not say which stream a line came from).
         reply, _ = execute(kc, "%load_ext monarch_jupyter\nm = %mesh start -n 2\n"
-                               "%config MeshMagics.stream_order = 'rank'")
+                               "%config MeshMagics.stream_order = 'rank'\n%config MeshMagics.live_view = 'off'")
         assert reply["status"] == "ok", reply
         yield kc
     finally:
@@ -134,3 +136,16 @@ def test_a_huge_line_is_cut_with_its_size_and_file_and_messages_stay_bounded(kc:
             assert f.read(1) == b"H" and (f.seek(-1, 2), f.read(1))[1] == b"T"
     finally:
         os.unlink(path)
+
+
+def test_a_ranks_stdout_and_stderr_come_in_the_order_it_wrote_them(kc: Any) -> None:
+    """Issue 26: a progress bar on stderr and the prints around it, as the rank wrote them (Python-level stderr
+    travels embedded in the stdout pipe; C-level writes to fd 2 keep their own pipe)."""
+    code = ("%%mesh --ranks 0\nimport sys\nfor i in range(30):\n    print('out', i)\n"
+            "    sys.stderr.write(f'err {i}\\n')\nprint('last', file=sys.stderr)\nprint('done')\n")
+    reply, msgs = execute(kc, code)
+    assert reply["status"] == "ok", reply
+    seen = [(m["content"]["name"], line) for m in msgs if m["msg_type"] == "stream"
+            for line in m["content"]["text"].splitlines()]
+    expected = [pair for i in range(30) for pair in (("stdout", f"[rank0]: out {i}"), ("stderr", f"[rank0]: err {i}"))]
+    assert seen == [*expected, ("stderr", "[rank0]: last"), ("stdout", "[rank0]: done")], seen

@@ -97,7 +97,9 @@ def kernel() -> Iterator[tuple[KernelManager, Any]]:
 
 
 def start_mesh(kc: Any, n: int = 2) -> list[int]:
-    r = execute(kc, f"%load_ext monarch_jupyter\nm = %mesh start -n {n}\n%config MeshMagics.stream_order = 'rank'")
+    # No live view: these tests read the ranks' lines in the streams as they come (a cell's view would take them).
+    r = execute(kc, f"%load_ext monarch_jupyter\nm = %mesh start -n {n}\n%config MeshMagics.stream_order = 'rank'\n"
+                    "%config MeshMagics.live_view = 'off'")
     assert r.status == "ok", r.traceback
     pids = worker_pids(kc)
     assert len(pids) == n + 1 and all(alive(p) for p in pids)

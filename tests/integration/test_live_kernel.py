@@ -1,4 +1,10 @@
-"""The live dashboard through a real Jupyter kernel (jupyter_client): what a frontend receives on IOPub."""
+"""A cell's view through a real Jupyter kernel (jupyter_client): what a frontend receives on IOPub.
+
+Where a person watches (the request allows stdin, as JupyterLab's do): a placeholder display when the cell starts,
+the live widget in its place after ``DEFER`` seconds, the final state as an update of that display, and the ranks'
+output only there (no stream or display_data message of theirs beside it). Where nobody watches (nbval, nbconvert:
+stdin off): one display at the cell's end. Either way the final ``text/plain`` holds the flat ``[rankN]:`` lines.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +25,8 @@ for i in range(8):
     time.sleep(0.2)
     progress(i + 1, 8, desc="train")
 """
+PLAIN = "mesh cell on ranks 0,1"
+WIDGET = "application/vnd.jupyter.widget-view+json"
 
 
 @pytest.fixture(scope="module")
@@ -36,10 +44,10 @@ def kernel():
             km.shutdown_kernel(now=False)
 
 
-def execute(kc, code: str, timeout: float = 60.0) -> list[dict]:
+def execute(kc, code: str, timeout: float = 60.0, allow_stdin: bool = True, errors: bool = True) -> list[dict]:
     """Run ``code``; IOPub messages of that execution until the kernel is idle again (errors raise)."""
     # stop_on_error=False: a cell of its own, not aborted after an earlier error (test_kernel.execute)
-    msg_id = kc.execute(code, stop_on_error=False)
+    msg_id = kc.execute(code, stop_on_error=False, allow_stdin=allow_stdin)
     msgs = []
     deadline = time.monotonic() + timeout
     while True:
@@ -47,7 +55,7 @@ def execute(kc, code: str, timeout: float = 60.0) -> list[dict]:
         if msg["parent_header"].get("msg_id") != msg_id:
             continue
         msgs.append(msg)
-        if msg["msg_type"] == "error":
+        if errors and msg["msg_type"] == "error":
             raise AssertionError("\n".join(msg["content"]["traceback"]))
         if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
             return msgs
@@ -58,51 +66,107 @@ def html_updates(msgs: list[dict]) -> list[str]:
             and "mj-dashboard" in str(m["content"]["data"].get("state", {}).get("value", ""))]
 
 
-def test_dashboard_streams_progress_and_ends_done(kernel):
+def kinds(msgs: list[dict]) -> list[str]:
+    """The output messages of a cell, in order."""
+    return [m["msg_type"] for m in msgs if m["msg_type"] in ("stream", "display_data", "update_display_data",
+                                                             "clear_output", "execute_result", "error")]
+
+
+def test_live_cell_placeholder_then_widget_then_final_state(kernel):
     execute(kernel, "%load_ext monarch")
     execute(kernel, "%mesh start -n 2")
     msgs = execute(kernel, LOOP)
-    shown = [m for m in msgs if m["msg_type"] == "display_data"]
-    assert len(shown) == 1
-    data = shown[0]["content"]["data"]
-    assert "application/vnd.jupyter.widget-view+json" in data
-    assert data["text/plain"] == "mesh cell on ranks 0,1 (live per-rank view)"
+    assert kinds(msgs) == ["display_data", "update_display_data", "update_display_data"]
+    shown, live, final = [m["content"] for m in msgs if m["msg_type"].endswith("display_data")]
+    assert shown["data"]["text/plain"] == PLAIN and WIDGET not in shown["data"]  # the placeholder: no widget yet
+    assert live["transient"] == final["transient"] == shown["transient"]  # one place: the same display throughout
+    assert WIDGET in live["data"] and WIDGET in final["data"]
     updates = html_updates(msgs)
     running = {int(n) for u in updates for n in re.findall(r'data-state="running" data-n="(\d+)"', u)}
     assert len(running & set(range(1, 8))) >= 3, running  # live: several intermediate counts while it ran
-    final = updates[-1]
-    assert 'data-final="true"' in final  # the final state is sent before the cell ends
-    assert re.findall(r'data-rank="(\d)" data-state="(\w+)" data-n="(\d+)"', final) == [("0", "done", "8"),
-                                                                                      ("1", "done", "8")]
-    assert not [m for m in msgs if m["msg_type"] == "clear_output"]
-    # One update, of the same display, at the end: its static form for frontends without widgets, final.
-    (update,) = [m for m in msgs if m["msg_type"] == "update_display_data"]
-    assert update["content"]["transient"] == shown[0]["content"]["transient"]
-    assert 'data-final="true"' in update["content"]["data"]["text/html"]
+    assert 'data-final="true"' in updates[-1]  # the final state is sent before the cell ends
+    assert re.findall(r'data-rank="(\d)" data-state="(\w+)" data-n="(\d+)"', updates[-1]) == [
+        ("0", "done", "8"), ("1", "done", "8")]
+    assert final["data"]["text/plain"] == PLAIN  # every rank done, no output: the header line only
+    assert 'data-final="true"' in final["data"]["text/html"]
 
 
-def test_fast_cell_gets_one_static_display_and_no_widget(kernel):
-    """A cell that ends before the widget is due: one display_data at its end (final table as HTML, each rank's
-    output in a <details>), no comm at all; its text/plain is the same stable text as a live dashboard's."""
-    msgs = execute(kernel, "%%mesh\nprint('hello from', rank)")
+def test_output_shows_once_in_the_view_and_flat_in_its_text_plain(kernel):
+    msgs = execute(kernel, "%%mesh\nimport sys, time\nprint('early', rank)\ntime.sleep(0.6)\n"
+                           "print('late', rank, file=sys.stderr)\n")
+    assert "stream" not in kinds(msgs)  # nothing beside the view
+    final = [m["content"] for m in msgs if m["msg_type"] == "update_display_data"][-1]["data"]
+    head, *flat = final["text/plain"].splitlines()
+    assert head == PLAIN
+    assert sorted(flat) == ["[rank0]: early 0", "[rank0]: late 0", "[rank1]: early 1", "[rank1]: late 1"]
+    # The static form (nbconvert, GitHub): each line once in the output, under its rank's name (the table's "last
+    # output" column repeats a rank's latest line on purpose).
+    page = final["text/html"].split('<div class="mj-outputs">', 1)[1]
+    assert page.count("early 0") == 1 and page.count("late 1") == 1
+    assert re.search(r'class="mj-item mj-stderr" data-ranks=" 1 "><span class="mj-who"[^>]*>rank 1</span>'
+                     r'<pre class="mj-text">late 1', page)
+
+
+def test_quick_cell_is_compact_and_has_no_widget(kernel):
+    # "Quick" is "ends within DEFER seconds": a long DEFER makes these cells quick however loaded the machine.
+    execute(kernel, "import monarch_jupyter.widgets.celldash as _cd\n_defer, _cd.DEFER = _cd.DEFER, 60.0")
+    try:
+        _quick_cells(kernel)
+    finally:
+        execute(kernel, "_cd.DEFER = _defer")
+
+
+def _quick_cells(kernel):
+    msgs = execute(kernel, "%%mesh\nrank * 10")
     assert not [m for m in msgs if m["msg_type"].startswith("comm")]
-    (shown,) = [m for m in msgs if m["msg_type"] in ("display_data", "update_display_data")]
-    data = shown["content"]["data"]
-    assert shown["msg_type"] == "display_data"
-    assert data["text/plain"] == "mesh cell on ranks 0,1 (live per-rank view)"
-    page = data["text/html"]
-    assert 'data-final="true"' in page and page.startswith("<style>\n.mj-dashboard ")
-    assert re.findall(r'data-rank="(\d)" data-state="(\w+)"', page) == [("0", "done"), ("1", "done")]
+    # One message: the placeholder is already the whole view of a quick cell that went well and printed nothing.
+    assert kinds(msgs) == ["display_data", "execute_result"]
+    shown = [m["content"]["data"] for m in msgs if m["msg_type"] == "display_data"][0]
+    assert shown["text/plain"] == PLAIN
+    assert 'class="mj-header"' in shown["text/html"] and "mj-table" not in shown["text/html"]  # one line, no table
+    msgs = execute(kernel, "%%mesh\nprint('hello from', rank)")
+    final = [m["content"]["data"] for m in msgs if m["msg_type"] == "update_display_data"][0]
+    assert sorted(final["text/plain"].splitlines()[1:]) == ["[rank0]: hello from 0", "[rank1]: hello from 1"]
+
+
+def test_unattended_run_gets_one_display_at_the_end(kernel):
+    """nbval and nbconvert send cells with stdin off: nobody watches a live widget. One display, at the end, whose
+    text/plain (compared by nbval) holds the flat lines: the same as a notebook saved from JupyterLab."""
+    msgs = execute(kernel, "%%mesh --order rank\nimport time\nprint('a', rank)\ntime.sleep(0.6)\nprint('b', rank)",
+                   allow_stdin=False)
+    assert kinds(msgs) == ["display_data"]
+    assert not [m for m in msgs if m["msg_type"].startswith("comm")]
+    data = msgs[[m["msg_type"] for m in msgs].index("display_data")]["content"]["data"]
+    assert data["text/plain"].splitlines() == [PLAIN, "[rank0]: a 0", "[rank0]: b 0",
+                                               "[rank1]: a 1", "[rank1]: b 1"]
+    assert 'data-final="true"' in data["text/html"] and "mj-table" in data["text/html"]  # a long cell: its table
+
+
+def test_rank_displays_and_figures_are_in_the_view_under_their_rank(kernel):
+    msgs = execute(kernel, "%%mesh\nfrom IPython.display import HTML, display\n"
+                           "display(HTML(f'<b class=\"mine\">rich {rank}</b>'))\n")
+    shown = kinds(msgs)  # the view's own display and its updates (live after DEFER s, final): none of the ranks'
+    assert shown[0] == "display_data" and set(shown[1:]) == {"update_display_data"}, shown
+    final = [m["content"]["data"] for m in msgs if m["msg_type"] == "update_display_data"][-1]
+    assert sorted(final["text/plain"].splitlines()[1:]) == ["[rank0]: <IPython.core.display.HTML object>",
+                                                            "[rank1]: <IPython.core.display.HTML object>"]
     for r in (0, 1):
-        assert re.search(rf'<details class="mj-rank-details" data-rank="{r}">.*hello from {r}', page, re.S)
+        assert re.search(rf'data-ranks=" {r} "><span class="mj-who"[^>]*>rank {r}</span><div class="mj-rich[^"]*">'
+                         rf'<b class="mine">rich {r}</b>', final["text/html"])
 
 
 def test_no_output_line_lost_with_the_dashboard_on(kernel):
     msgs = execute(kernel, "%%mesh --order rank\nfor i in range(3000):\n    print(f'line {i}')\n")
-    text = "".join(m["content"]["text"] for m in msgs if m["msg_type"] == "stream")
+    assert "stream" not in kinds(msgs)
+    text = [m["content"]["data"] for m in msgs if m["msg_type"] == "update_display_data"][-1]["text/plain"]
     for r in (0, 1):
         got = re.findall(rf"^\[rank{r}\]: line (\d+)$", text, re.M)
         assert got == [str(i) for i in range(3000)]
+
+
+def test_a_cell_that_never_starts_takes_its_placeholder_away(kernel):
+    msgs = execute(kernel, "%%mesh\ndef (:", errors=False)
+    assert kinds(msgs) == ["display_data", "clear_output", "error"]
 
 
 def test_async_cell_keeps_updating_after_it_returns(kernel):

@@ -50,7 +50,7 @@ def test_32_ranks_fold_to_summary_stragglers_and_failures():
         states = dict(re.findall(r'data-rank="(\d+)" data-state="(\w+)"', full))
         assert len(states) == 32
         assert states.pop("9") == "error" and set(states.values()) == {"done"}
-        assert view.widget._repr_mimebundle_()["text/plain"] == "mesh cell on ranks 0-31 (live per-rank view)"
+        assert view.widget._repr_mimebundle_()["text/plain"] == "mesh cell on ranks 0-31"
         assert len(view.widget.children) == 2  # header/summary + the accordion with the full table
     finally:
         mesh.stop()

@@ -183,7 +183,7 @@ def test_dashboard_widget_updates_live_and_keeps_final_state(mesh, tmp_path):
     mesh.run("1")
     assert view.widget.html.value == final
     bundle = view.widget._repr_mimebundle_()
-    assert bundle["text/plain"] == "mesh cell on ranks 0,1 (live per-rank view)"
+    assert bundle["text/plain"] == "mesh cell on ranks 0,1"
 
 
 def test_status_view_text_plain_is_stable(mesh):

@@ -58,8 +58,8 @@ def test_completion_falls_back_when_a_rank_is_stopped_or_dead(small):
     pid = m.status()[1]["pid"]
     os.kill(pid, signal.SIGSTOP)
     try:
-        texts, took = completions(shell, "%%mesh --ranks 1\nx = kernel_side")
-        assert "kernel_side_name" in texts and took < 5.0  # the kernel's own, after the 0.5 s budget
+        texts, _ = completions(shell, "%%mesh --ranks 1\nx = kernel_side")
+        assert "kernel_side_name" in texts  # the kernel's own, after the 0.5 s budget (a hang: pytest's timeout)
         assert m.complete("rank_side", 9, 1, timeout=0.3) is None
     finally:
         os.kill(pid, signal.SIGCONT)
@@ -67,8 +67,8 @@ def test_completion_falls_back_when_a_rank_is_stopped_or_dead(small):
     deadline = time.monotonic() + 30
     while m.status()[1]["state"] != "dead" and time.monotonic() < deadline:
         time.sleep(0.05)
-    t0 = time.monotonic()
-    assert m.complete("rank_side", 9, 1) is None and time.monotonic() - t0 < 0.2  # dead: no wait at all
+    t0 = time.monotonic()  # dead: no wait at all, not even a fraction of a long timeout
+    assert m.complete("rank_side", 9, 1, timeout=120) is None and time.monotonic() - t0 < 60
     texts, _ = completions(shell, "%%mesh --ranks 1\nx = kernel_side")
     assert "kernel_side_name" in texts
     texts, _ = completions(shell, "%%mesh\nx = rank_side")  # rank 0 still answers

@@ -18,7 +18,8 @@ from tests.conftest import magic_shell
 
 pytestmark = pytest.mark.slow
 
-ACCELERATE_SCRIPTS = Path(__import__("accelerate.test_utils.scripts").test_utils.scripts.__file__).parent
+accelerate_scripts = pytest.importorskip("accelerate.test_utils.scripts")  # the frameworks extra
+ACCELERATE_SCRIPTS = Path(accelerate_scripts.__file__).parent
 NO_INIT = "ran collectives without calling torch.distributed.init_process_group"
 DESTROY = "destroy_process_group() left the mesh's process group up"
 

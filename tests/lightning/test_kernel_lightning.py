@@ -99,6 +99,12 @@ class Outcome:
     displays: list[dict] = field(default_factory=list)
     comms: str = ""
     prompts: list[str] = field(default_factory=list)
+    views: dict[str, str] = field(default_factory=dict)  # the cell's views (display id -> their last text/plain)
+
+    @property
+    def view(self) -> str:
+        """The ranks' lines, as the cell's views hold them in their final text/plain (widgets.celldash)."""
+        return "\n".join(self.views.values())
 
     @property
     def ok(self) -> bool:
@@ -115,12 +121,13 @@ class Kernel:
 
     def run(self, code: str, *, answers: list[str] | None = None, interrupt_when: str | None = None,
             interrupt_on_output: tuple[str, ...] = ()) -> Outcome:
-        """Run ``code``; answer pdb prompts from ``answers``; interrupt the kernel once ``interrupt_when`` shows up
-        in the cell's comm (dashboard) messages, or once every string of ``interrupt_on_output`` is in its
+        """Run ``code`` as a person's frontend does (stdin allowed: the cell's view is live); answer pdb prompts from
+        ``answers`` (else "c"); interrupt the kernel once ``interrupt_when`` shows up in the cell's comm
+        (dashboard) messages, or once every string of ``interrupt_on_output`` is in its
         output."""
         kc, answers = self.kc, list(answers or [])
         # stop_on_error=False: a cell of its own, not aborted after an earlier error (test_kernel.execute)
-        msg_id = kc.execute(code, allow_stdin=answers is not None and bool(answers), stop_on_error=False)
+        msg_id = kc.execute(code, allow_stdin=True, stop_on_error=False)
         out = Outcome(reply={})
         idle, interrupted = False, False
         deadline = time.monotonic() + TIMEOUT
@@ -143,15 +150,20 @@ class Kernel:
                     setattr(out, content["name"], getattr(out, content["name"]) + content["text"])
                 elif kind == "execute_result":
                     out.results.append(content["data"]["text/plain"])
-                elif kind == "display_data":
-                    out.displays.append(content["data"])
+                elif kind in ("display_data", "update_display_data"):
+                    if kind == "display_data":
+                        out.displays.append(content["data"])
+                    display_id = content.get("transient", {}).get("display_id", "")
+                    if display_id.startswith("mj-dash-"):
+                        out.views[display_id] = content["data"].get("text/plain", "")
                 elif kind in ("comm_msg", "comm_open"):
                     out.comms += json.dumps(content.get("data", {}))
                 elif kind == "error":
                     out.errors.append(content)
                 elif kind == "status" and content["execution_state"] == "idle":
                     idle = True
-            printed = interrupt_on_output and all(t in out.stdout + out.stderr for t in interrupt_on_output)
+            shown = out.stdout + out.stderr + out.comms  # the ranks' lines show in the live view's comm messages
+            printed = interrupt_on_output and all(t in shown for t in interrupt_on_output)
             if not interrupted and ((interrupt_when and interrupt_when in out.comms) or printed):
                 self.km.interrupt_kernel()
                 interrupted = True
@@ -196,7 +208,7 @@ def test_fit_in_a_plain_cell_updates_the_notebooks_objects(kernel: Kernel) -> No
     assert any("mesh cell on ranks 0,1" in d.get("text/plain", "") for d in out.displays)
     assert "Epoch 1" in out.comms and "train_loss=" in out.comms
     assert "\r" not in out.stdout + out.stderr and "\x1b[" not in out.stdout + out.stderr
-    assert "[rank0]: `Trainer.fit` stopped: `max_epochs=2` reached." in out.stderr
+    assert "[rank0]: `Trainer.fit` stopped: `max_epochs=2` reached." in out.view  # in the cell's view, once
     state = kernel.value("dict(epoch=trainer.current_epoch, step=trainer.global_step, status=trainer.state.status,"
                          " changed=not all(torch.equal(w0[k], v) for k, v in model.state_dict().items()),"
                          " metrics=sorted(trainer.callback_metrics), logged=sorted(trainer.logged_metrics),"
@@ -229,7 +241,7 @@ def test_second_fit_edited_module_and_resume(kernel: Kernel) -> None:
         t2.fit(model2, datamodule=dm)
     '''))
     out = kernel.ok("t3 = new_trainer(limit_train_batches=1, limit_val_batches=0)\nt3.fit(model2, datamodule=dm)")
-    assert "[rank0]: edited step on rank 0" in out.stdout and "[rank1]: edited step on rank 1" in out.stdout
+    assert "[rank0]: edited step on rank 0" in out.view and "[rank1]: edited step on rank 1" in out.view
     # Resume from the best checkpoint of the first fit with a fresh Trainer.
     kernel.ok("t4 = new_trainer(max_epochs=3)\nt4.fit(Net(), datamodule=dm, ckpt_path=trainer.checkpoint_callback"
               ".best_model_path)")
@@ -307,7 +319,7 @@ def test_interrupt_names_the_cell_and_brings_the_counters_back(kernel: Kernel) -
         hung = new_trainer(max_epochs=5, limit_train_batches=None, limit_val_batches=0)
     '''))
     out = kernel.run("hung.fit(hang, datamodule=dm)",
-                     interrupt_on_output=("[rank0]: hanging on rank 0", "[rank1]: hanging on rank 1"))
+                     interrupt_on_output=("hanging on rank 0", "hanging on rank 1"))
     assert not out.ok and "TrainingInterrupted" in out.traceback
     assert "time.sleep at <cell In[" in out.traceback and "in training_step" in out.traceback, out.traceback
     assert "ipykernel_" not in out.traceback

@@ -126,3 +126,26 @@ def test_work_reader_splits_messages_across_reads() -> None:
     for i in range(0, len(data), 7):
         out += r.feed(data[i:i + 7])
     assert [P.unpack_frames(b) for b in out] == [[b"m", bytes([i]) * i] for i in range(1, 30)]
+
+
+def test_stderr_embedded_in_stdout_keeps_its_place_at_every_split() -> None:
+    """A rank's Python-level stderr travels in its stdout pipe (protocol.err_pieces): its lines come out as
+    ("errline", text) between the stdout lines they were written between, however the reads cut the bytes."""
+    data = (b"out 1\n" + b"".join(P.err_pieces("err é 1\nerr par".encode())) + b"out 2\n"
+            + b"".join(P.err_pieces(b"tial\n")) + b"out 3\n" + b"".join(P.err_pieces(b"no newline")) + sync_marker(4))
+    expected = [("line", "out 1"), ("errline", "err é 1"), ("line", "out 2"), ("errline", "err partial"),
+                ("line", "out 3"), ("errline", "no newline"), ("sync", 4)]
+    for step in (1, 2, 3, 7, len(data)):
+        s = StreamSplitter()
+        events = []
+        for i in range(0, len(data), step):
+            events += s.feed(data[i:i + step])
+        assert events == expected, step
+
+
+def test_text_that_only_looks_like_embedded_stderr_is_text() -> None:
+    s = StreamSplitter()
+    assert s.feed(P.ERR_PREFIX + b"zz12 not a piece\n") == [("line", "\x1b]monarch-err;zz12 not a piece")]
+    # On a stderr pipe the prefix is text too.
+    assert StreamSplitter(records=False).feed(b"".join(P.err_pieces(b"x\n"))) == [
+        ("line", "\x1b]monarch-err;0002x")]

@@ -1,0 +1,112 @@
+"""One view per cell, without processes: the output sink of kernel/output.py, the cell's output record, the HTML of
+its items (labels, stderr, escaping), the charts (global step, robust scale, legend, shared lines) and the running
+step count behind them."""
+
+from __future__ import annotations
+
+import contextvars
+import io
+import re
+import sys
+
+from monarch_jupyter.kernel.output import OUTPUT_SINK, write_lines
+from monarch_jupyter.widgets import model
+from monarch_jupyter.widgets.outputs import render_charts, render_failure, render_items
+from monarch_jupyter.widgets.record import CellOutput
+
+
+class Rich:
+    """What kernel.rich.RichOutput offers a sink: rank, kind, data, display_id."""
+
+    def __init__(self, rank: int, kind: str = "display", data: dict | None = None, display_id: str = "") -> None:
+        self.rank, self.kind, self.data, self.display_id = rank, kind, data or {}, display_id
+
+    def publish(self) -> None:  # what write_lines calls when no sink takes it
+        print(f"PUBLISHED {self.data.get('text/plain')}")
+
+
+def test_a_sink_in_the_context_takes_the_lines_instead_of_the_streams(monkeypatch):
+    out = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", out)
+    record = CellOutput()
+    ctx = contextvars.copy_context()
+    ctx.run(OUTPUT_SINK.set, record.take)
+    write_lines([(0, "stdout", "to the view")], ctx)
+    write_lines([(1, "stdout", "to the stream")])  # another context: no sink there
+    assert out.getvalue() == "[rank1]: to the stream\n"
+    assert record.text() == "[rank0]: to the view"
+    record.close()  # a closed record refuses: the output is written as usual
+    write_lines([(0, "stdout", "late"), (0, "display", Rich(0, data={"text/plain": "[rank0]: fig"}))], ctx)
+    assert out.getvalue().endswith("[rank0]: late\nPUBLISHED [rank0]: fig\n")
+
+
+def test_record_keeps_order_folds_updates_clears_and_bounds():
+    record = CellOutput(lines_kept=5)
+    record.take([(0, "stdout", "a"), (1, "stdout", "b"), ((0, 1), "stdout", "same"), (0, "stderr", "warn")])
+    record.take([(0, "display", Rich(0, data={"text/plain": "[rank0]: v1"}, display_id="d"))])
+    record.take([(0, "display", Rich(0, "update", {"text/plain": "[rank0]: v2"}, "d"))])
+    assert record.text().splitlines() == ["[rank0]: a", "[rank1]: b", "[rank0,1]: same", "[rank0]: warn",
+                                          "[rank0]: v2"]
+    record.take([(1, "stdout", f"n{i}") for i in range(4)])  # 8 lines kept at most 5: the oldest go
+    assert record.dropped == 3 and record.text().splitlines()[0] == "(3 earlier lines not kept)"
+    record.take([(1, "display", Rich(1, "clear"))])  # rank 1's own items go; rank 0's and folded lines stay
+    _, items = record.items()
+    assert [i.ranks for i in items] == [(0,), (0,)] and items[-1].kind == "display"
+    assert record.ranks() == {0}
+
+
+def test_items_html_labels_every_item_escapes_and_styles_stderr():
+    record = CellOutput()
+    record.take([(0, "stdout", "<b>not bold</b>"), (1, "stderr", "\x1b[31mred\x1b[0m warning"),
+                 (0, "display", Rich(0, data={"text/plain": "[rank0]: <Figure>", "image/png": "QUJD"}))])
+    _, items = record.items()
+    page = render_items(items)
+    assert "&lt;b&gt;not bold&lt;/b&gt;" in page and "<b>not bold" not in page
+    assert 'class="mj-item mj-stderr" data-ranks=" 1 "' in page and "red warning" in page and "\x1b" not in page
+    assert page.count('class="mj-who"') == 3 and page.count("<img") == 1  # a name on every item, figures too
+    assert re.findall(r'class="mj-who"[^>]*>([^<]+)<', page) == ["rank 0", "rank 1", "rank 0"]
+    failed = render_failure(1, "error", "ValueError: bad", "Traceback ...\nValueError: bad")
+    assert "<details" in failed and "ValueError: bad" in failed
+    assert "(Pdb rank 2)" in render_failure(2, "breakpoint", "")
+
+
+def test_chart_axis_legend_scale_and_shared_lines():
+    loss = [(float(x), 0.4 / (1 + 0.05 * x)) for x in range(1, 49)]
+    spiky = [(0.0, 15.01), *loss]
+    svg = render_charts({"loss": {0: spiky, 1: list(spiky), 2: [(x, y + 1) for x, y in loss]}})
+    assert svg.count("<polyline") == 2  # ranks 0 and 1 are one curve: one line named for both
+    assert "ranks 0,1" in svg and "rank 2" in svg and "first value off scale" in svg
+    labels = re.findall(r'<text class="mj-axis"[^>]*>([^<]+)</text>', svg)
+    assert labels[-1] == "48" and all(len(re.sub(r"\D", "", t).lstrip("0")) <= 3 for t in labels[:3]), labels
+    assert "15" not in labels[2]  # the first value does not set the scale
+    assert 'fill="currentColor"' in svg  # titles and labels take the theme's text colour
+    pad = int(re.search(r'<rect x="(\d+)" y="20"', svg).group(1))
+    assert pad >= 8 + 6 * max(len(t) for t in labels[:3])  # room for the longest y label
+
+
+def test_running_step_counts_over_epochs_and_names_a_global_step():
+    class Mesh:
+        nproc = 1
+
+        def status(self):
+            return {0: {"state": "idle"}}
+
+        def add_listener(self, fn):
+            pass
+
+    mon = model.MeshMonitor(Mesh())
+    mon.on_event("cell_started", {"cell_id": 1, "ranks": [0]})
+    for epoch in range(3):  # a tqdm bar per epoch: n restarts at 0
+        for n in range(0, 17, 4):
+            mon.on_event("progress", {"rank": 0, "cell_id": 1, "n": n, "total": 16, "desc": f"epoch {epoch}",
+                                      "postfix": f"loss={1 / (1 + n + 16 * epoch)}"})
+        mon.on_event("progress", {"rank": 0, "cell_id": 1, "n": 2, "total": 4, "desc": "Validation",
+                                  "postfix": "loss=9.0, val=0.5"})  # validation's steps are its own
+    series = {name: per_rank[0] for name, per_rank in mon.metrics(1, [0]).items()}
+    assert [x for x, _ in series["loss"]] == [float(x) for x in range(0, 49, 4)]
+    assert series["val"] and all(y == 0.5 for _, y in series["val"])
+    mon.on_event("cell_started", {"cell_id": 2, "ranks": [0]})
+    for step in (10, 20):
+        mon.on_event("progress", {"rank": 0, "cell_id": 2, "n": 1, "total": 2, "desc": "x",
+                                  "postfix": f"global_step={step}, loss=1.0"})
+    assert [x for x, _ in mon.metrics(2, [0])["loss"][0]] == [10.0, 20.0] and "global_step" not in mon.metrics(2, [0])
