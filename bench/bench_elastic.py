@@ -1,7 +1,7 @@
 """Training that survives: goodput under failures on a self-healing mesh with torchft, against torchrun's restart
 from a checkpoint and against a run with no failure, measured in one run.
 
-    python bench/bench_elastic.py [--n 4] [--steps 1500] [--every 4] [--checkpoint-every 20]
+    python bench/bench_elastic.py [--n 4] [--steps 1500] [--every 4] [--checkpoint-every 20] [--scale-only]
 
 A small DDP model (an MLP, the same data at each step on every run: batches seeded by the step) trains for a fixed
 number of steps, while a "punisher" (torchft's pattern) SIGKILLs one random rank every ``--every`` seconds:
@@ -19,6 +19,10 @@ is counted; torchrun's restarts are) and the fraction of the failure-free run's;
 death to the first committed step with the replacement in the quorum; the final loss of each run on a fixed batch;
 whether the mesh's replicas end with bitwise-equal weights. GPUs: with one CUDA device per rank the model runs on
 cuda:LOCAL_RANK and torchft's ProcessGroupNCCL carries the gradients (``--cpu`` keeps the CPU).
+
+Also (first, and alone with ``--scale-only``): ``mesh.scale`` 4 -> 6 -> 3 on a live mesh (CPU ranks): the seconds of
+each step against a fresh mesh of that size, whether the ranks that stayed kept their namespaces, the new ranks got
+the replayed model, and every rank is in a process group of the new size.
 """
 
 from __future__ import annotations
@@ -259,6 +263,52 @@ def _alive(pid: int) -> bool:
         return False
 
 
+SCALE_STEPS = (6, 3)  # %mesh scale from --n (4): 4 -> 6 -> 3
+
+
+def run_scale(n: int) -> dict:
+    """``mesh.scale`` 4 -> 6 -> 3 on a live self-healing mesh: seconds of each step, whether the ranks that stayed kept
+    their namespaces (a value only a non-replayed cell made, and the process id) and the new ranks got the model (a
+    ``--replay`` cell), and a collective of the new size. Reference in the same run: a full restart at each size
+    (fresh processes, namespaces lost)."""
+    from monarch_jupyter import Mesh
+
+    out: dict = {"steps": [], "restart_s": []}
+    with Mesh(n, on_rank_death="restart", start_timeout=300) as m:
+        m.push(CUDA=False)
+        m.run(MODEL, replay=True)
+        m.run("import os\nmine = (rank, os.getpid())")
+        before = m.run("mine")
+        size = n
+        for target in SCALE_STEPS:
+            t0 = time.perf_counter()
+            report = m.scale(target)
+            seconds = time.perf_counter() - t0
+            check = m.run("import os\nt = torch.ones(1)\ndist.all_reduce(t)\n"
+                          "(globals().get('mine'), t.item(), int(os.environ['WORLD_SIZE']), 'model' in globals())")
+            kept = all(check[r][0] == before[r] for r in range(min(size, target)))
+            new_ok = all(check[r][3] and check[r][0] is None for r in range(size, target))
+            group_ok = all(v[1:3] == (float(target), target) for v in check.values())
+            out["steps"].append({"from": size, "to": target, "seconds": seconds, "kept": kept,
+                                 "new_ranks_got_model": new_ok, "group_of_new_size": group_ok, "text": report.text})
+            size = target
+        for target in SCALE_STEPS:  # the reference: a fresh mesh of that size (what was possible before)
+            m.stop()
+            t0 = time.perf_counter()
+            with Mesh(target, start_timeout=300) as fresh:
+                fresh.run("t = torch.ones(1)\ndist.all_reduce(t)")
+                out["restart_s"].append(time.perf_counter() - t0)
+    return out
+
+
+def print_scale(scale: dict) -> None:
+    for step, ref in zip(scale["steps"], scale["restart_s"], strict=True):
+        print(f"  %mesh scale {step['from']} -> {step['to']}: {step['seconds']:.2f} s (a fresh mesh of {step['to']}: "
+              f"{ref:.2f} s, {step['seconds'] / ref:.2f}x)  namespaces kept: {step['kept']}  new ranks got the "
+              f"replayed model: {step['new_ranks_got_model']}  process group of {step['to']}: "
+              f"{step['group_of_new_size']}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, default=4, help="ranks")
@@ -266,8 +316,16 @@ def main() -> None:
     parser.add_argument("--every", type=float, default=4.0, help="seconds between two kills")
     parser.add_argument("--checkpoint-every", type=int, default=20, help="torchrun: steps between checkpoints")
     parser.add_argument("--cpu", action="store_true", help="the CPU even where there are GPUs")
+    parser.add_argument("--scale-only", action="store_true", help="only the %%mesh scale 4 -> 6 -> 3 steps")
     args = parser.parse_args()
     import torch
+
+    scale = run_scale(args.n)
+    if args.scale_only:
+        print(f"%mesh scale on CPU ranks ({os.cpu_count()} cores)")
+        print_scale(scale)
+        print(json.dumps({"scale": scale}))
+        return
 
     cuda = not args.cpu and torch.cuda.is_available() and torch.cuda.device_count() >= args.n
     folder = tempfile.mkdtemp(prefix="bench-elastic-")
@@ -293,7 +351,8 @@ def main() -> None:
         print(f"  death -> first committed step with the replacement in the quorum: median "
               f"{statistics.median(rec):.2f} s, max {max(rec):.2f} s over {len(rec)} deaths")
     print(f"  mesh vs torchrun goodput: {healed['steps_per_s'] / torchrun['steps_per_s']:.2f}x")
-    print(json.dumps({"clean": clean, "healed": healed, "torchrun": torchrun}))
+    print_scale(scale)
+    print(json.dumps({"clean": clean, "healed": healed, "torchrun": torchrun, "scale": scale}))
 
 
 if __name__ == "__main__":

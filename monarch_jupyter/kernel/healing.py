@@ -170,7 +170,7 @@ class Healer:
                 self._give_up(ranks, heal_failed_note(ranks, str(e), state.nproc))
             return  # a replacement that died is queued again: healed within the same limit
         self.last_seconds = time.monotonic() - first
-        sent = self._replay(ranks)
+        sent = self.replay(ranks)
         rejoined = self._rejoin(ranks, rejoining)
         with state.lock:
             if any(state.ranks[r].state is RankState.DEAD for r in ranks):
@@ -278,8 +278,9 @@ class Healer:
             with state.lock:
                 state.solo -= set(ranks)
 
-    def _replay(self, ranks: list[int]) -> str:
-        """Send each replacement what the notebook had sent it (history.py); returns what, in words."""
+    def replay(self, ranks: list[int]) -> str:
+        """Send each replacement (or new rank: resize.py) what the notebook had sent it (history.py); returns
+        what, in words."""
         said = ""
         for r in ranks:
             plan = self.history.plan(r)

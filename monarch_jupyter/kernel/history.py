@@ -55,6 +55,9 @@ class Replay:
         return f"the replay of {self.filename}" if self.code else "the notebook's " + ", ".join(sorted(self.refs))
 
 
+EVERY = -1  #: the rank key of values pushed to every rank (a rank a resize adds gets them too)
+
+
 class History:
     """What the notebook sent, per rank, to send again to its replacement (see the module docstring)."""
 
@@ -65,7 +68,8 @@ class History:
         self._generation = -1
         self._pushes: dict[tuple[int, str], tuple[int, Any, str | None]] = {}  # (rank, name) -> (seq, value, device)
         self._refs: dict[str, tuple[int, Any, dict]] = {}  # name -> (seq, object, its sources)
-        self._cells: list[tuple[int, list[int], str, str, dict, dict]] = []  # seq, ranks, code, filename, sources, refs
+        # seq, ranks (None: every rank, also ranks a resize adds), code, filename, sources, refs
+        self._cells: list[tuple[int, list[int] | None, str, str, dict, dict]] = []
         self.hooks: list[Callable[[], Any]] = []
 
     @property
@@ -87,7 +91,8 @@ class History:
         with self._lock:
             self._fresh()
             seq = next(self._seq)
-            for r in ranks:
+            everyone = set(ranks) >= set(range(self.state.nproc))
+            for r in [*ranks, *([EVERY] if everyone else [])]:  # EVERY: also for ranks a resize adds later
                 for name, value in values.items():
                     self._pushes[(r, name)] = (seq, value, device)
 
@@ -103,7 +108,9 @@ class History:
             for name, obj in refs.items():
                 self._refs[name] = (seq, obj, sources)
             if replay:
-                self._cells.append((seq, list(ranks), code, filename, dict(sources), dict(refs)))
+                everyone = set(ranks) >= set(range(self.state.nproc))
+                self._cells.append((seq, None if everyone else list(ranks), code, filename, dict(sources),
+                                    dict(refs)))
 
     def add_hook(self, fn: Callable[[], Any]) -> None:
         """``fn()`` runs on every replacement, after the rest (``mesh.on_rejoin``)."""
@@ -117,14 +124,18 @@ class History:
                 items: list[Replay] = []
             else:
                 items = [Replay("cell", seq, code=code, filename=filename, sources=sources, refs=refs)
-                         for seq, ranks, code, filename, sources, refs in self._cells if rank in ranks]
+                         for seq, ranks, code, filename, sources, refs in self._cells
+                         if ranks is None or rank in ranks]
                 replayed = {name for item in items for name in item.refs}
                 for name, (seq, obj, sources) in self._refs.items():
                     if name not in replayed:
                         items.append(Replay("cell", seq, sources=sources, refs={name: obj}))
-                for (r, name), (seq, value, device) in self._pushes.items():
-                    if r == rank:
-                        items.append(Replay("push", seq, values={name: value}, device=device))
+                newest: dict[str, tuple[int, Any, str | None]] = {}  # its own, or the newest sent to every rank
+                for (r, name), entry in self._pushes.items():
+                    if r in (rank, EVERY) and entry[0] >= newest.get(name, (-1, None, None))[0]:
+                        newest[name] = entry
+                for name, (seq, value, device) in newest.items():
+                    items.append(Replay("push", seq, values={name: value}, device=device))
             hooks = list(self.hooks)
         items.sort(key=lambda item: item.seq)
         merged: list[Replay] = []

@@ -23,6 +23,7 @@ from .compiling import compile_cell, notebook_refs, sources_of
 from .launch import JoinCommands, launcher_for
 from .parts import build
 from .recovery import InterruptReport
+from .resize import ScaleReport
 from .stacks import StackReport
 from .state import RankState
 
@@ -436,6 +437,29 @@ class Mesh:
         what the notebook had sent (pushes, notebook functions, ``--replay`` cells). Returns ``fn`` (a decorator)."""
         self.parts.history.add_hook(fn)
         return fn
+
+    def scale(self, n: int) -> ScaleReport:
+        """Grow or shrink the live mesh to ``n`` local ranks (``%mesh scale -n N``); returns a ScaleReport.
+
+        Ranks 0..min(old, n)-1 keep their processes and namespaces; new ranks are started through the fork server
+        and get what the notebook sent every rank (kept with ``on_rank_death="restart"``: pushes, notebook
+        functions, ``--replay`` cells, on_rejoin hooks); the highest ranks are stopped when shrinking. Every rank
+        joins a fresh default process group of ``n`` ranks, with RANK, WORLD_SIZE, LOCAL_WORLD_SIZE (and
+        ``world_size`` in its namespace) of the new world. Objects bound to the old group must be made again.
+
+        Raises
+        ------
+        ValueError
+            ``n`` < 1, or more local ranks than this host carries (``oversubscribe=True`` forces).
+        MonarchError
+            A cell runs, a rank is dead or being restarted, or the ranks were started elsewhere (joined).
+        MeshStartError
+            A new rank did not join within ``start_timeout`` seconds.
+        """
+        self._check_running()
+        report = self.parts.resizer.scale(n)
+        self.events.flush()
+        return report
 
     def __repr__(self) -> str:
         return f"<Mesh {self.state.describe()}>"

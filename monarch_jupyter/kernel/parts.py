@@ -36,6 +36,7 @@ from .postmortem import Inspector, PostMortem
 from .prompts import PromptServer
 from .recovery import Restarts
 from .releases import Releases
+from .resize import Resizer
 from .rich import RichRouter
 from .routing import OutputRouter
 from .segments import Segments
@@ -74,6 +75,7 @@ class Parts:
     history: History
     healer: Healer
     lighthouse: Lighthouse
+    resizer: Resizer
 
 
 def build(nproc: int, options: MeshOptions, join_launcher: JoinLauncher | None) -> Parts:
@@ -126,9 +128,10 @@ def build(nproc: int, options: MeshOptions, join_launcher: JoinLauncher | None) 
     debugger = MeshDebugger(prompts, PostMortem(state, waiter, prompts, inspector), inspector)
     healer = Healer(state, queue, cells, dispatcher, restarts, lifecycle, history, writer, waiter.submit,
                     lambda values, rank, device: transfers.push(values, [rank], device, REPLAY_TIMEOUT, "auto"))
+    resizer = Resizer(state, restarts, lifecycle, healer)  # %mesh scale: one regroup, as restarts and healing
     return Parts(events, state, writer, cells, dispatcher, stacks, interrupter, segments, router, deaths, listener, io,
                  lifecycle, restarts, releases, waiter, transfers, debugger, rich, completions, history, healer,
-                 lighthouse)
+                 lighthouse, resizer)
 
 
 def _not_held(rank: int) -> bool:

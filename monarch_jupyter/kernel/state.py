@@ -130,7 +130,8 @@ class MeshLock:
 
 class MeshState:
     """What the parts of one mesh share (see the module docstring). Attributes that change are guarded by
-    ``lock``; ``nproc``, ``options``, ``events`` and ``ids`` are set once."""
+    ``lock``; ``options``, ``events`` and ``ids`` are set once, ``nproc`` changes only in a resize (resize.py,
+    under the lock, with no cell running)."""
 
     def __init__(self, nproc: int, options: MeshOptions, events: EventBus) -> None:
         self.nproc = nproc
@@ -152,6 +153,8 @@ class MeshState:
         self.group_down = ""  # why the process group is broken ("" when it is fine)
         self.regrouping: set[int] = set()  # surviving ranks that get Regroup once the new store is up
         self.killing: dict[int, str] = {}  # rank -> why the controller killed it on purpose
+        self.local_world = -1  # LOCAL_WORLD_SIZE a Regroup gives survivors (-1: their own; resize.py sets it)
+        self.resizing = False  # a %mesh scale runs (resize.py): other scales are refused
         # Self-healing (kernel/healing.py): ranks being restarted after they died (cells for them wait), the thread
         # that restarts them (its own cells do not wait), and replacements welcomed without a process group (the
         # others run a cell they rejoin; a Regroup makes the group once it ended).
@@ -178,6 +181,7 @@ class MeshState:
         self.group_down = ""
         self.regrouping = set()
         self.killing = {}
+        self.local_world = -1
         self.healing, self.solo = set(), set()
         self.stopping = False
 

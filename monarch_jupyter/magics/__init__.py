@@ -22,6 +22,7 @@ from .. import errors
 from ..kernel import config, registry
 from ..kernel.launch import launcher_for
 from ..kernel.mesh import Mesh
+from ..kernel.resize import ScaleReport
 from ..ranks import parse_ranks
 from . import debug as debug_magics
 from . import scripts, transfer
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["MeshMagics", "load", "unload"]
 
-SUBCOMMANDS = ("start", "listen", "status", "stop", "restart", "stacks", *scripts.SUBCOMMANDS,
+SUBCOMMANDS = ("start", "listen", "status", "stop", "restart", "scale", "stacks", *scripts.SUBCOMMANDS,
                *transfer.SUBCOMMANDS, "debug", "inspect", "interrupt", "auto")
 
 
@@ -113,6 +114,7 @@ class MeshMagics(Magics):
             "status": self._status,
             "stop": self._stop,
             "restart": self._restart,
+            "scale": self._scale,
             "stacks": self._stacks,
             "run": lambda rest: scripts.run(self, rest),
             "push": lambda rest: transfer.push(self, rest),
@@ -283,6 +285,18 @@ class MeshMagics(Magics):
             where = ("the mesh is stopped and no rank is left running (%mesh restart  starts it again)"
                      if not m.running else "%mesh status  shows where each rank is")
             raise errors.mesh_interrupt(f"%mesh restart was interrupted; {where}") from None
+
+    @magic_arguments()
+    @argument("-n", "--nproc", dest="world_size", type=int, required=True, help="the number of ranks to have")
+    def _scale(self, rest: str) -> ScaleReport:
+        """%mesh scale -n N: grow or shrink the running mesh to N local ranks; the ranks that stay keep their
+        namespaces, and every rank joins a fresh process group of N ranks."""
+        args = self.parse_args(self._scale, rest, "scale")
+        m = self.current(require_running=True)
+        try:
+            return m.scale(args.world_size)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
 
     @magic_arguments()
     @argument("--ranks", "-r", default=None, help="ranks to interrupt (default: all)")
