@@ -112,10 +112,11 @@ class History:
                 self._cells.append((seq, None if everyone else list(ranks), code, filename, dict(sources),
                                     dict(refs)))
 
-    def add_hook(self, fn: Callable[[], Any]) -> None:
-        """``fn()`` runs on every replacement, after the rest (``mesh.on_rejoin``)."""
+    def add_hook(self, fn: Callable[[], Any]) -> Callable[[], Any]:
+        """``fn()`` runs on every replacement, after the rest (``mesh.on_rejoin``); returns ``fn``."""
         with self._lock:
             self.hooks.append(fn)
+        return fn
 
     def plan(self, rank: int) -> list[Replay]:
         """What ``rank``'s replacement is sent, in order; consecutive pushes with the same device are one."""

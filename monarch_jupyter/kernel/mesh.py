@@ -85,12 +85,10 @@ class Mesh:
 
     @property
     def nproc(self) -> int:
-        """The number of ranks (world size)."""
+        """The number of ranks (world size; ``world_size`` is the same)."""
         return self.state.nproc
 
-    @property
-    def world_size(self) -> int:
-        return self.state.nproc
+    world_size = nproc
 
     @property
     def running(self) -> bool:
@@ -337,8 +335,7 @@ class Mesh:
         MeshError
             Some ranks failed (e.g. ``device='cuda'`` on a rank without GPUs); a rank binds all values or none.
         """
-        merged = dict(values or {})
-        merged.update(kwvalues)
+        merged = {**(values or {}), **kwvalues}
         self._check_running()
         self.transfers.push(merged, ranks, device, timeout, via)
 
@@ -349,8 +346,7 @@ class Mesh:
         or a list/tuple (dim 0); ``device`` and ``timeout`` as for ``push``.
 
         Raises ValueError (fewer elements along ``dim`` than ranks, ``dim`` out of range, a 0-dim value, a name
-        the mesh defines, as for ``push``),
-        TypeError (not splittable), MeshError (as for ``push``).
+        the mesh defines, as for ``push``), TypeError (not splittable), MeshError (as for ``push``).
         """
         self._check_running()
         self.transfers.scatter(name, value, dim, ranks, device, timeout)
@@ -378,8 +374,7 @@ class Mesh:
     # ------------------------------------------------------------------ introspection and faults
 
     def status(self) -> dict[int, dict[str, Any]]:
-        """rank -> {"state", "pid", "host", "device", "rss", "cuda_allocated", "cuda_reserved" (bytes),
-        "returncode", "backend"}."""
+        """rank -> its "state", "pid", "host", "device", memory in bytes, "returncode", "backend" (MeshState.status)."""
         return self.state.status()
 
     def hosts(self) -> dict[str, list[int]]:
@@ -435,31 +430,12 @@ class Mesh:
     def on_rejoin(self, fn: Callable[[], Any]) -> Callable[[], Any]:
         """With ``on_rank_death="restart"``: run ``fn()`` on every replacement of a rank that died, after it got back
         what the notebook had sent (pushes, notebook functions, ``--replay`` cells). Returns ``fn`` (a decorator)."""
-        self.parts.history.add_hook(fn)
-        return fn
+        return self.parts.history.add_hook(fn)
 
     def scale(self, n: int) -> ScaleReport:
-        """Grow or shrink the live mesh to ``n`` local ranks (``%mesh scale -n N``); returns a ScaleReport.
-
-        Ranks 0..min(old, n)-1 keep their processes and namespaces; new ranks are started through the fork server
-        and get what the notebook sent every rank (kept with ``on_rank_death="restart"``: pushes, notebook
-        functions, ``--replay`` cells, on_rejoin hooks); the highest ranks are stopped when shrinking. Every rank
-        joins a fresh default process group of ``n`` ranks, with RANK, WORLD_SIZE, LOCAL_WORLD_SIZE (and
-        ``world_size`` in its namespace) of the new world. Objects bound to the old group must be made again.
-
-        Raises
-        ------
-        ValueError
-            ``n`` < 1, or more local ranks than this host carries (``oversubscribe=True`` forces).
-        MonarchError
-            A cell runs, a rank is dead or being restarted, or the ranks were started elsewhere (joined).
-        MeshStartError
-            A new rank did not join within ``start_timeout`` seconds.
-        """
-        self._check_running()
-        report = self.parts.resizer.scale(n)
-        self.events.flush()
-        return report
+        """Grow or shrink the live mesh to ``n`` local ranks (``%mesh scale -n N``); the ranks that stay keep their
+        namespaces. What new ranks get, and what is refused (ValueError, MonarchError, MeshStartError): resize.py."""
+        return self.parts.resizer.scale(n)
 
     def __repr__(self) -> str:
         return f"<Mesh {self.state.describe()}>"

@@ -146,6 +146,7 @@ class Resizer:
                 state.resizing = False
         report = ScaleReport(before, n, started, stopped, time.monotonic() - t0, sent)
         state.events.emit("resized", before=before, after=n, started=started, stopped=stopped)
+        state.events.flush()  # the live views show the new ranks before the report
         return report
 
     def regroup_to(self, nproc: int, fresh: list[int]) -> None:

@@ -110,3 +110,10 @@ def test_scale_in_the_notebook(kernel: tuple[KernelManager, Any]) -> None:
     r = execute(kc, "%mesh status")
     assert "mesh: world size 1; ranks 0: idle 0" in "".join(r.results), r.results
     assert execute(kc, "%mesh stop").status == "ok"
+
+
+def test_ranks_started_elsewhere_are_not_scaled_and_say_so() -> None:
+    with Mesh(1, launcher="torchrun", start_timeout=WAIT) as m:
+        with pytest.raises(MonarchError, match="started elsewhere .* whose launcher owns their processes"):
+            m.scale(2)
+        assert m.nproc == 1 and m.run("world_size") == {0: 1}
