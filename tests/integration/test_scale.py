@@ -117,3 +117,14 @@ def test_ranks_started_elsewhere_are_not_scaled_and_say_so() -> None:
         with pytest.raises(MonarchError, match="started elsewhere .* whose launcher owns their processes"):
             m.scale(2)
         assert m.nproc == 1 and m.run("world_size") == {0: 1}
+
+
+def test_scale_gives_torchft_replica_groups_of_the_new_world() -> None:
+    pytest.importorskip("torchft")
+    with Mesh(2, torchft=True, start_timeout=WAIT) as m:
+        m.scale(3)
+        env = m.run("import os\n(os.environ['REPLICA_GROUP_ID'], os.environ['NUM_REPLICA_GROUPS'], "
+                    "os.environ['TORCHFT_LIGHTHOUSE'])")
+        assert env == {r: (str(r), "3", m.parts.lighthouse.address) for r in range(3)}
+        m.scale(2)
+        assert m.run("os.environ['NUM_REPLICA_GROUPS']") == {0: "2", 1: "2"}
