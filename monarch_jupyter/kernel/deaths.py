@@ -67,6 +67,8 @@ class Deaths:
         the replacement."""
         self.state.assert_locked()
         heals = self.heals(natural)
+        if heals:  # before a caller its cells fail wakes: the cell it runs next waits for the healing
+            self.state.healing.add(info.rank)
         info.state = RankState.DEAD
         info.returncode = returncode
         info.death_reason = reason

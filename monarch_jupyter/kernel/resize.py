@@ -24,6 +24,7 @@ owns them); a cell running on any rank, a rank being restarted, or a dead rank.
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from dataclasses import dataclass
 
@@ -140,7 +141,7 @@ class Resizer:
                         state.launcher.signal(r, signal.SIGKILL)
             started = list(range(before, n))
             self.regroup_to(n, started)
-            sent = self.healer.replay(started) if started else ""
+            sent = self._replay(started) if started else ""
         finally:
             with state.lock:
                 state.resizing = False
@@ -148,6 +149,23 @@ class Resizer:
         state.events.emit("resized", before=before, after=n, started=started, stopped=stopped)
         state.events.flush()  # the live views show the new ranks before the report
         return report
+
+    def _replay(self, ranks: list[int]) -> str:
+        """Send new ``ranks`` what the notebook sent every rank (Healer.replay), as the replayer: what it sends is
+        not recorded again (history.py), and its own cells do not wait for a healing (``MeshState.healer``)."""
+        state = self.state
+        me = threading.current_thread()
+        with state.lock:
+            mine = state.healer is None
+            if mine:
+                state.healer = me
+        try:
+            return self.healer.replay(ranks)
+        finally:
+            if mine:
+                with state.lock:
+                    if state.healer is me:
+                        state.healer = None
 
     def regroup_to(self, nproc: int, fresh: list[int]) -> None:
         """Make the mesh ranks 0..nproc-1: forget ranks from ``nproc`` on, start ``fresh`` (new numbers, or

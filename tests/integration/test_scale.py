@@ -128,3 +128,15 @@ def test_scale_gives_torchft_replica_groups_of_the_new_world() -> None:
         assert env == {r: (str(r), "3", m.parts.lighthouse.address) for r in range(3)}
         m.scale(2)
         assert m.run("os.environ['NUM_REPLICA_GROUPS']") == {0: "2", 1: "2"}
+
+
+def test_a_grown_rank_that_dies_is_healed_with_its_history_in_order() -> None:
+    """What a new rank got is its history: when it dies, its replacement gets the push before the cell using it."""
+    with Mesh(2, on_rank_death="restart", start_timeout=WAIT) as m:
+        m.push(lr=0.5)
+        m.run("w = lr * 2", replay=True)
+        m.scale(3)
+        with pytest.raises(MeshError):
+            m.run("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)", ranks=2)
+        assert m.run("import os\nt = torch.ones(1)\ndist.all_reduce(t)\n(w, t.item())") == {
+            r: (1.0, 3.0) for r in range(3)}
