@@ -27,7 +27,9 @@ discarded by ``should_commit``), and the loop goes on.
     manager = ft.manager(ProcessGroupGloo(), state_dict=lambda: {"model": model.state_dict(), ...},
                          load_state_dict=lambda sd: ...)
     model, opt = ft.DistributedDataParallel(manager, model), Optimizer(manager, opt)
-    while manager.current_step() < 1000: ...
+    while manager.current_step() < 1000:
+        ...
+        ft.report(manager, 1000, loss=loss)  # the live view: step, quorum, loss
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["manager", "replica_group", "DistributedDataParallel", "FtSetupError", "TIMEOUT"]  # noqa: F822 - made lazily
+__all__ = ["manager", "report", "replica_group", "DistributedDataParallel", "FtSetupError", "TIMEOUT"]  # noqa: F822 - made lazily
 
 #: Seconds torchft's Manager gives a collective, a should_commit and a checkpoint transfer (its ``timeout``); the
 #: quorum waits up to 10 times this. Short enough that a dead peer on another host costs seconds, not minutes.
@@ -106,6 +108,18 @@ def manager(pg: Any = None, *, state_dict: Callable[[], Any], load_state_dict: C
                **kwargs}
     return torchft.Manager(pg=pg, state_dict=state_dict, load_state_dict=load_state_dict,
                            min_replica_size=min_replica_size, **options)
+
+
+def report(manager: Any, total: float | None = None, **metrics: Any) -> None:
+    """Show where this replica is in the live view (``%%mesh`` dashboard, ``%mesh status``): its committed step of
+    ``total`` (None: unknown), the replica groups in its last quorum of the mesh's world
+    (``quorum=2/2``; fewer while a peer is dead or healing) and ``metrics`` (``loss=...``), as ``progress()``.
+    Call it once per step, after ``optimizer.step()``; throttled as ``progress()`` is, so cheap in a tight loop."""
+    from .live import progress
+
+    world = os.environ.get("NUM_REPLICA_GROUPS", "?")
+    progress(manager.current_step(), total, desc="torchft", quorum=f"{manager.num_participants()}/{world}",
+             **metrics)
 
 
 def __getattr__(name: str) -> Any:

@@ -132,3 +132,16 @@ def test_fewer_ranks_than_min_replicas_wait_visibly_and_the_interrupt_works(flag
         assert "%mesh restart --rank 1" in str(info.value.hint)
         m.restart(ranks=1)
         assert m.run("t = torch.ones(1); dist.all_reduce(t); t.item()") == {0: 2.0, 1: 2.0}
+
+
+def test_report_shows_the_step_and_the_quorum_in_the_live_view() -> None:
+    with Mesh(2, torchft=True, start_timeout=WAIT) as m:
+        seen: list[dict] = []
+        m.add_listener(lambda kind, data: seen.append(data) if kind == "progress" else None)
+        m.push(STEPS=5, DIE_AT=-1, FLAG="/nonexistent")
+        m.run(SETUP)
+        assert m.run(LOOP.replace("manager.shutdown()", "ft.report(manager, STEPS)\nmanager.shutdown()"),
+                     timeout=WAIT) == {0: 5, 1: 5}
+        m.events.flush()
+        assert {(d["rank"], d["n"], d["total"], d["desc"], d["postfix"]) for d in seen} >= {
+            (0, 5.0, 5.0, "torchft", "quorum=2/2"), (1, 5.0, 5.0, "torchft", "quorum=2/2")}, seen
