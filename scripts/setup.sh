@@ -17,10 +17,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
 
-extras=notebooks,plots,lightning
+extras=notebooks,plots,lightning,ft
 case "${1:-}" in
   "") ;;
-  --dev) extras=test,notebooks,plots,lightning,frameworks,lint,docs ;;
+  --dev) extras=test,notebooks,plots,lightning,ft,frameworks,lint,docs ;;
   *) echo "usage: bash scripts/setup.sh [--dev]" >&2; exit 2 ;;
 esac
 

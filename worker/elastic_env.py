@@ -17,6 +17,10 @@ so every rank of every kind of mesh gets them all, with the values torchrun woul
   store at MASTER_ADDR:MASTER_PORT (the mesh's, hosted by rank 0 for the whole generation) is already up, so code
   that rendezvouses with ``env://`` itself connects to it as a client, as under torchrun.
 
+A mesh started with ``torchft=True`` also gives each rank torchft's launcher variables: ``TORCHFT_LIGHTHOUSE``
+(the mesh's Lighthouse, in the rank's environment from the start), ``REPLICA_GROUP_ID`` (the rank: one replica group
+per rank) and ``NUM_REPLICA_GROUPS`` (the world size).
+
 Threads (``apply_thread_settings``): a rank forked from the fork server inherits the OpenMP/MKL settings torch read
 when the fork server imported it, so the rank's own OMP_NUM_THREADS / MKL_NUM_THREADS are applied after the fork
 with ``torch.set_num_threads``, as a fresh interpreter would apply them.
@@ -90,8 +94,26 @@ def apply(*, rank: int, world_size: int, local_rank: int, local_world_size: int,
                                 group_world_size=int(str(elastic.get("group_world_size", 1))),
                                 run_id=str(elastic.get("run_id", "")) or "none",
                                 error_file=_error_file(local_rank), environ=env))
+    if "TORCHFT_LIGHTHOUSE" in env:  # a mesh with torchft: each rank is one replica group (monarch_worker.ft)
+        env["REPLICA_GROUP_ID"] = str(rank)
+        env["NUM_REPLICA_GROUPS"] = str(world_size)
     if env is os.environ:
         apply_thread_settings()
+
+
+def resized(*, rank: int, world_size: int, local_rank: int, local_world_size: int,
+            environ: MutableMapping[str, str] | None = None) -> None:
+    """After a change of the mesh's membership (``%mesh scale``, a Regroup): the numbers torchelastic's agent
+    gives its workers when it restarts them in a new world (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, and
+    ROLE_RANK, ROLE_WORLD_SIZE, REPLICA_GROUP_ID, NUM_REPLICA_GROUPS where set); the rest (GROUP_*, the run id,
+    the error file) is kept. Unchanged numbers leave the environment as it was."""
+    env = os.environ if environ is None else environ
+    env.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_rank),
+                "LOCAL_WORLD_SIZE": str(local_world_size)})
+    for key, value in (("ROLE_RANK", rank), ("ROLE_WORLD_SIZE", world_size), ("REPLICA_GROUP_ID", rank),
+                       ("NUM_REPLICA_GROUPS", world_size)):
+        if key in env:
+            env[key] = str(value)
 
 
 def _error_file(local_rank: int) -> str:

@@ -230,8 +230,18 @@ def main() -> None:
     os.close(devnull)
     import cloudpickle  # noqa: F401
     import torch  # noqa: F401  - the point of the fork server: pay for this once
+    import torch._dynamo  # noqa: F401  - what a rank's first optimizer imports (1.7 s here); no thread on import
     import torch.distributed  # noqa: F401
     import zmq  # noqa: F401  - imports only; no Context (it would start threads) before forking
+
+    # torchft, where installed: a rank restarted into a torchft loop rejoins it without importing it (no thread on
+    # import; docs/fault_tolerance.md). Its Rust log reads RUST_LOG once, here: INFO lines, several per training
+    # step, would flood the cells, so warnings only (of any Rust library) unless the user chose.
+    os.environ.setdefault("RUST_LOG", "warn")
+    try:
+        import torchft  # noqa: F401
+    except Exception:  # noqa: BLE001 - not installed, or broken: the ranks import it themselves if they use it
+        pass
 
     from . import startup  # noqa: F401  - the rank runtime, imported once here
 

@@ -109,12 +109,13 @@ class MeshGroup:
         ``master_port`` < 0: the launcher's rendezvous (env://: torchrun's store, or MASTER_ADDR/PORT); 0: host
         a TCPStore here (on ``master_addr``, or our address toward ``controller`` when it is empty) and report it
         with StoreReady; > 0: the TCPStore at ``master_addr:master_port``. Times in seconds: ``join_timeout`` for
-        the store, ``pg_timeout`` for collectives.
+        the store, ``pg_timeout`` for collectives. ``protocol.NO_GROUP``: no group now (backend "").
         """
-        import torch
         import torch.distributed as dist
 
         backend = default_backend(backend, local_world_size)
+        if master_port == P.NO_GROUP:  # a replacement whose group a Regroup makes later (kernel/healing.py)
+            return self.device_for(backend, local_rank), ""
         store: Any = None
         if master_port < 0:  # the launcher's rendezvous (torchrun's store, or MASTER_ADDR/PORT): env://
             addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
@@ -129,11 +130,7 @@ class MeshGroup:
             store = dist.TCPStore(addr, port, world_size, is_master=False, timeout=timedelta(seconds=join_timeout))
         os.environ["MASTER_ADDR"] = addr
         os.environ["MASTER_PORT"] = str(port)
-        if backend == "nccl":
-            torch.cuda.set_device(local_rank)
-            device = torch.device("cuda", local_rank)
-        else:
-            device = torch.device("cpu")
+        device = self.device_for(backend, local_rank)
         kwargs: dict[str, Any] = {}
         if backend == "nccl":
             kwargs["device_id"] = device
@@ -150,6 +147,16 @@ class MeshGroup:
         self.store = store if master_port == 0 else None
         self.backend, self.rank, self.world_size = backend, rank, world_size
         return device, backend
+
+    @staticmethod
+    def device_for(backend: str, local_rank: int) -> Any:
+        """The rank's torch.device: cuda:``local_rank`` (made current) with nccl, else the CPU."""
+        import torch
+
+        if backend == "nccl":
+            torch.cuda.set_device(local_rank)
+            return torch.device("cuda", local_rank)
+        return torch.device("cpu")
 
     def leave(self) -> None:
         """Destroy the default process group (the mesh's own teardown: Abort, Regroup); no-op when there is none."""

@@ -14,8 +14,12 @@ __all__ = [
     "Exec", "Call", "Interrupt", "StacksRequest", "Abort", "Regroup", "Ping", "Rejected", "Shutdown", "Result",
     "Stream", "Stacks", "Progress", "Heartbeat", "Push", "Pull", "PullReply", "ShmRelease", "DebugOutput",
     "DebugPrompt", "DebugResumed", "DebugInput", "DebugPostMortem", "Inspect", "DebugClear", "DebugReply",
-    "Goodbye", "Display", "Complete", "CompleteReply", "register",
+    "Goodbye", "Display", "Complete", "CompleteReply", "register", "NO_GROUP",
 ]
+
+#: Welcome's ``master_port`` for a rank that joins no process group now: a replacement started while the others run
+#: a cell it rejoins (kernel/healing.py); a Regroup makes the group once that cell has ended.
+NO_GROUP = -2
 
 PROTOCOL_VERSION = 5  # checked at the handshake (Hello, AgentHello); raise it when a message changes
 
@@ -73,7 +77,8 @@ class Welcome(Message):
     ``master_port`` 0 asks this rank (rank 0) to host the rendezvous store (a c10d TCPStore) on
     ``master_addr``, or, when ``master_addr`` is empty, on its own address toward the controller, and to answer
     ``StoreReady``; -1 means the launcher's own rendezvous (MASTER_ADDR/MASTER_PORT in the rank's environment,
-    torch's ``env://``). ``settings`` are RankConfig fields a joined rank takes from the controller (backend,
+    torch's ``env://``); ``NO_GROUP`` (-2): join no process group now (a ``Regroup`` follows). ``settings`` are
+    RankConfig fields a joined rank takes from the controller (backend,
     timeouts, env). ``elastic``: what torchrun's agent would export that only the controller knows
     (``group_rank``, ``group_world_size``: this rank's host among the mesh's hosts; ``run_id``), see
     monarch_worker.elastic_env.

@@ -77,6 +77,22 @@ class MeshOptions:
                                      "whole (in the system's temporary folder; on a rank's own host for ranks "
                                      "behind a host agent, which cut at 65,536). 0: no limit.", unit="bytes",
                                      trait="output_line_limit")
+    on_rank_death: str = _option("report", "What the mesh does when a rank dies by itself (not killed by the mesh): "
+                                 "report (the cell fails, `%mesh restart --rank R` brings it back) or restart (the "
+                                 "launcher that started it starts it again at once; it joins a fresh process group "
+                                 "with the others and gets back what the notebook sent: docs/fault_tolerance.md).",
+                                 choices=("report", "restart"), trait="on_rank_death")
+    restart_limit: int = _option(3, "With on_rank_death restart: a rank that dies more than this many times within "
+                                 "restart_window seconds is given up (it stays dead, with a message).", unit="deaths",
+                                 trait="restart_limit")
+    restart_window: float = _option(60.0, "The window of restart_limit.", unit="s", trait="restart_window")
+    torchft: bool = _option(False, "Run a torchft Lighthouse with the mesh (a process the mesh owns and ends) and "
+                            "make each rank one torchft replica group: TORCHFT_LIGHTHOUSE, REPLICA_GROUP_ID and "
+                            "NUM_REPLICA_GROUPS on every rank, `monarch_worker.ft.manager(...)` for its Manager "
+                            "(docs/fault_tolerance.md).", trait="torchft")
+    torchft_min_replicas: int = _option(1, "The Lighthouse's min_replicas: a quorum needs at least this many replica "
+                                        "groups (ranks); fewer wait, with the wait shown.", unit="ranks",
+                                        trait="torchft_min_replicas")
 
     def check(self) -> MeshOptions:
         """Validate every value; returns self.

@@ -36,6 +36,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from . import elastic_env
 from . import protocol as P
 from .executor import format_error
 
@@ -217,8 +218,10 @@ def regroup(rank: RankSide, msg: P.Regroup, payload: bytes, bufs: list) -> None:
         return
     rank.rank = msg.rank
     rank.device = device
+    elastic_env.resized(rank=msg.rank, world_size=msg.world_size, local_rank=local_rank,
+                        local_world_size=local_world)  # a new size after %mesh scale
     if rank.ns is not None:
-        rank.ns.ns["device"] = device
+        rank.ns.ns.update(device=device, rank=msg.rank, world_size=msg.world_size, local_rank=local_rank)
     rank.send(P.Ready(device=str(device), backend=backend, host=socket.gethostname(), pid=os.getpid()))
 
 

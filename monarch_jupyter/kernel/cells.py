@@ -115,10 +115,12 @@ class CellTable:
     # ------------------------------------------------------------------ new cells
 
     def new(self, cell_id: int, ranks: list[int], what: str, order: str, waiter: CellWaiter,
-            tracks_failures: bool = True, background: bool = False) -> CellHandle:
-        """A record for a cell about to be sent, and its handle (no lock: nobody else sees it yet)."""
+            tracks_failures: bool = True, background: bool = False, rejoin: list[Any] | None = None) -> CellHandle:
+        """A record for a cell about to be sent, and its handle (no lock: nobody else sees it yet). ``rejoin``: what
+        a replacement of a rank that dies running it is sent (``CellRecord.rejoin``)."""
         fold = 0 < self.state.options.output_fold < len(ranks)
         rec = CellRecord(cell_id, ranks, what, order, fold, tracks_failures, background)
+        rec.rejoin = rejoin
         rec.wake = threading.Condition(self.state.lock)  # type: ignore[arg-type]  # MeshLock: what Condition needs
         rec.handle = CellHandle(rec, self.state, waiter)
         return rec.handle
@@ -313,6 +315,26 @@ class CellTable:
         if rec.death_at is None:
             rec.death_at = now
         self.fail_rank(rec, rank, error)
+
+    def rank_left(self, rec: CellRecord, rank: int) -> None:
+        """``rank``'s process died running ``rec``, which its replacement rejoins (``CellRecord.rejoin``): the cell
+        waits for the replacement's result instead of failing (what the dead process wrote has all been read)."""
+        self.state.assert_locked()
+        rec.left.add(rank)
+        rec.synced[rank] = set()
+        rec.results_in.discard(rank)
+
+    def rejoin(self, rec: CellRecord, rank: int) -> bool:
+        """``rank``'s replacement is sent ``rec`` now (after what it was sent before); False when the cell ended
+        meanwhile (nothing to rejoin)."""
+        self.state.assert_locked()
+        if rank not in rec.left or self.state.cells.get(rec.cell_id) is not rec:
+            return False
+        rec.left.discard(rank)
+        info = self.state.ranks[rank]
+        info.cells.append(rec)
+        info.state = RankState.RUNNING
+        return True
 
     def stop_all(self) -> None:
         """The mesh stopped; every cell ends, each unfinished rank with a RankDiedError."""

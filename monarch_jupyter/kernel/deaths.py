@@ -25,7 +25,7 @@ from ..errors import RankAbortedError, RankDiedError, RemoteError
 from ..ranks import ranks_text
 from .cells import CellTable
 from .dispatch import Dispatcher
-from .hints import restart_hint
+from .hints import heal_hint, restart_hint
 from .interrupts import Interrupter
 from .output import OutputWriter
 from .records import CellRecord
@@ -47,16 +47,28 @@ class Deaths:
     """Deaths and losses of one mesh's ranks (see the module docstring)."""
 
     def __init__(self, state: MeshState, dispatcher: Dispatcher, cells: CellTable, interrupter: Interrupter,
-                 writer: OutputWriter) -> None:
+                 writer: OutputWriter, heal: Callable[[int], None]) -> None:
+        """``heal``: takes a rank that died by itself when ``on_rank_death`` is "restart" (healing.DeathQueue)."""
         self.state = state
         self.dispatcher = dispatcher
         self.cells = cells
         self.interrupter = interrupter
         self.writer = writer
+        self.heal = heal
 
-    def rank_failed(self, info: RankInfo, returncode: int | None, reason: str) -> list[CellRecord]:
-        """Under the lock: ``info``'s process is gone (or lost); fail the cells it had and return them."""
+    def heals(self, natural: bool) -> bool:
+        """A death (``natural``: not the controller's doing) is healed: on_rank_death is "restart"."""
+        return natural and self.state.options.on_rank_death == "restart"
+
+    def rank_failed(self, info: RankInfo, returncode: int | None, reason: str,
+                    natural: bool = False) -> list[CellRecord]:
+        """Under the lock: ``info``'s process is gone (or lost); fail the cells it had and return them. A cell its
+        replacement rejoins (``--rejoin``, when the death is ``natural`` and healed) is not failed: it waits for
+        the replacement."""
         self.state.assert_locked()
+        heals = self.heals(natural)
+        if heals:  # before a caller its cells fail wakes: the cell it runs next waits for the healing
+            self.state.healing.add(info.rank)
         info.state = RankState.DEAD
         info.returncode = returncode
         info.death_reason = reason
@@ -64,7 +76,9 @@ class Deaths:
         now = time.monotonic()
         failed = []
         for rec in list(info.cells):
-            if info.rank not in rec.finished:
+            if heals and rec.rejoin is not None and info.rank not in rec.finished and not rec.interrupted:
+                self.cells.rank_left(rec, info.rank)  # its replacement rejoins it (healing.py)
+            elif info.rank not in rec.finished:
                 last, earlier = info.last_output(rec.cell_id)
                 self.cells.rank_died(rec, info.rank,
                                      RankDiedError(info.rank, returncode, last, info.pid, reason, earlier), now)
@@ -92,7 +106,9 @@ class Deaths:
         self.interrupter.send(targets)
         for r in alive:
             post(r, P.Abort(reason=f"rank {rank} died"))
-        if not cells and notify and target is not None:
+        if self.heals(notify):
+            self.heal(rank)  # the healer restarts it and says so (healing.py)
+        elif not cells and notify and target is not None:
             # Nobody waits on this rank: say so where the user last looked.
             status = str(RankDiedError(rank, rc, reason=reason)).split("] ", 1)[1]
             self.writer.put([(rank, "stderr", f"{status} while idle. {restart_hint([rank], state.nproc)}")],
@@ -125,7 +141,7 @@ class Deaths:
             for r in ranks:
                 info = state.ranks[r]
                 if info.alive:
-                    lost.append((r, reason, self.rank_failed(info, None, reason)))
+                    lost.append((r, reason, self.rank_failed(info, None, reason, natural=True)))
         for rank, reason, cells in lost:
             log.info("rank %d: %s; declared dead", rank, reason)
             state.events.emit("rank_state", rank=rank, state="dead", returncode=None)
@@ -168,7 +184,10 @@ class Deaths:
             if isinstance(e, RemoteError) and rec.result_seen_at.get(r, 0.0) >= death_at - DEATH_SKEW:
                 e = RankAbortedError(r, dead, e)
             out[r] = e
-        return out, restart_hint(dead, self.state.nproc) if self.state.running else ""
+        if not self.state.running:
+            return out, ""
+        healing = self.state.options.on_rank_death == "restart" and set(dead) <= set(self.state.healing)
+        return out, heal_hint(dead) if healing else restart_hint(dead, self.state.nproc)
 
 
 class RankEvents:
@@ -213,7 +232,7 @@ class RankEvents:
                 state.failures.pop(rank, None)
                 state.cond.notify_all()
             else:
-                failed = self.deaths.rank_failed(info, returncode, killed or "")
+                failed = self.deaths.rank_failed(info, returncode, killed or "", natural=killed is None)
         if not expected:
             self.deaths.after_death(rank, killed or "", failed, notify=killed is None)
         state.events.emit("rank_state", rank=rank, state=info.state.value, returncode=returncode)

@@ -104,13 +104,28 @@ class Dispatcher:
                     identities = [state.ranks[r].identity for r in group_ranks
                                   if work_pipe is None or work_pipe(r) is None]
                     sends.append((pipes, identities, msg, payload, buffers))
-            if down:  # cells run on survivors while the process group is broken: collectives fail
+            if down and state.healer is not threading.current_thread():  # survivors run cells: collectives fail
                 sys.stderr.write(group_down_note(down))
             for pipes, identities, msg, payload, buffers in sends:
                 if pipes:
                     self._write_work(pipes, msg, payload, buffers)
                 if identities:
                     self.outbox.put((identities, msg, payload, buffers))
+
+    def resend(self, ranks: list[int], msg: P.Message, payload: bytes, buffers: list) -> None:
+        """Send ``msg`` with its payload to ``ranks`` again, registering nothing: a cell that a replacement rejoins
+        (healing.py), whose record has it already (``CellTable.rejoin``)."""
+        state = self.state
+        with self._work_lock:
+            with state.lock:
+                launcher = state.launcher
+                work_pipe = launcher.work_pipe if launcher is not None and launcher.has_work_pipes else None
+                pipes = [p for r in ranks if work_pipe is not None and (p := work_pipe(r)) is not None]
+                identities = [state.ranks[r].identity for r in ranks if work_pipe is None or work_pipe(r) is None]
+            if pipes:
+                self._write_work(pipes, msg, payload, buffers)
+            if identities:
+                self.outbox.put((identities, msg, payload, buffers))
 
     def _check_ranks(self, rec: CellRecord, runs_code: bool) -> None:
         """Under the lock: raise when a rank of ``rec`` is dead, or still runs an abandoned cell (for code: when any

@@ -22,7 +22,9 @@ from typing import Any
 from ..errors import MeshError, RemoteError
 from ..ranks import format_ranks, plural, ranks_text
 
-__all__ = ["name_hints", "hint_for", "restart_hint", "busy_message", "group_down_note", "stuck_message"]
+__all__ = ["name_hints", "hint_for", "restart_hint", "busy_message", "group_down_note", "stuck_message",
+           "healed_note", "give_up_note", "not_restartable_note", "heal_failed_note", "replay_failed_note",
+           "healing_wait_note", "lighthouse_note", "heal_hint"]
 
 _UNDEFINED = re.compile(r"^name '([A-Za-z_][A-Za-z0-9_]*)' is not defined")
 
@@ -99,3 +101,69 @@ def stuck_message(stuck: list[int], grace: float, where: str) -> str:
             f"{plural(stuck, 'They', 'It')} may be stuck in C code or in a collective with ranks that stopped. "
             f"%mesh interrupt --force --ranks {format_ranks(stuck)}  tears the process group down (releasing "
             f"collectives) and SIGKILLs ranks still stuck; %mesh restart  starts a fresh mesh.\n")
+
+
+# ---------------------------------------------------------------------------------------------------- self-healing
+
+
+def healed_note(ranks: list[int], why: str, seconds: float, sent: str, rejoined: list[str], grouped: bool) -> str:
+    """The one line the notebook gets when ``ranks`` died (``why``) and were restarted (on_rank_death="restart")
+    within ``seconds``; ``sent``: what they got back; ``rejoined``: the cells they rejoined; ``grouped``: they are
+    in the process group already (else once those cells end)."""
+    them = plural(ranks, "they", "it")
+    group = ("joined a fresh process group with the others" if grouped
+             else f"{plural(ranks, 'join', 'joins')} a fresh process group with the others when "
+                  f"{'those cells end' if len(rejoined) > 1 else 'that cell ends'}")
+    text = (f"{ranks_text(ranks)} died ({why}) and {plural(ranks, 'were', 'was')} restarted (on_rank_death=restart) "
+            f"in {seconds:.1f} s: {them} {group}" + (f"; got back {sent}" if sent else ""))
+    if rejoined:
+        text += f"; rejoined {', '.join(rejoined)}"
+    return text
+
+
+def heal_hint(dead: list[int]) -> str:
+    """A cell's error when ``dead`` ranks died under on_rank_death="restart": the mesh restarts them."""
+    return (f"{ranks_text(dead)} {plural(dead, 'are', 'is')} restarted by the mesh (on_rank_death=restart): the next "
+            f"cells on {plural(dead, 'them', 'it')} wait for that, then run with a fresh process group (objects bound "
+            "to the old one, such as a DistributedDataParallel model, must be made again)")
+
+
+def give_up_note(rank: int, deaths: int, limit: int, window: float) -> str:
+    """``rank`` died ``deaths`` times within ``window`` seconds, more than ``limit``: it stays dead."""
+    return (f"rank {rank} died {deaths} {'time' if deaths == 1 else 'times'} within {window:g} s (restart_limit "
+            f"{limit}): it is not restarted "
+            f"again and stays dead. Its last output is above; fix the cause, then  %mesh restart --rank {rank}  "
+            "starts it by hand (or raise restart_limit).")
+
+
+def not_restartable_note(ranks: list[int], why: str) -> str:
+    """``ranks`` died under on_rank_death="restart", but their launcher cannot start them again (``why``)."""
+    return (f"{ranks_text(ranks)} died and cannot be restarted from here ({why}); on_rank_death=restart needs a "
+            "launcher that starts ranks (local, or host agents: %mesh start --launcher torchrun|slurm, or the agent "
+            "command  %mesh listen  prints). %mesh restart  starts a fresh mesh.")
+
+
+def heal_failed_note(ranks: list[int], error: str, world_size: int) -> str:
+    """Restarting ``ranks`` (of ``world_size``) failed (``error``); they stay dead."""
+    return f"restarting {ranks_text(ranks)} failed: {error}. {restart_hint(ranks, world_size)}"
+
+
+def replay_failed_note(rank: int, what: str, error: str) -> str:
+    """The replacement of ``rank`` raised while it got back ``what``; it runs on without it."""
+    return (f"rank {rank} was restarted, but {what} failed there ({error}): what it defines is missing on rank "
+            f"{rank} (%mesh status; run it again with  %%mesh --ranks {rank})")
+
+
+def healing_wait_note(ranks: list[int], what: str) -> str:
+    """A cell waits until ``ranks`` are restarted and have got back what the notebook sent."""
+    return (f"note: {what} waits until {ranks_text(ranks)} {plural(ranks, 'are', 'is')} restarted and in a fresh "
+            "process group (on_rank_death=restart; the notebook's interrupt stops the wait)\n")
+
+
+def lighthouse_note(pid: int, returncode: int | None, address: str, error: str) -> str:
+    """The torchft Lighthouse (``pid``) exited with ``returncode``: started again at ``address``, or not (``error``)."""
+    gone = f"the torchft Lighthouse (pid {pid}) exited with code {returncode}"
+    if address:
+        return f"{gone}; it was started again at {address}, and torchft's quorums go on from there"
+    return (f"{gone} and could not be started again ({error}): torchft loops wait for a quorum. %mesh restart  "
+            "starts a fresh mesh with a fresh Lighthouse")

@@ -59,10 +59,11 @@ class Admission(Protocol):
 
 
 def post_regroup(state: MeshState, dispatcher: Dispatcher, info: RankInfo, port: int, addr: str) -> None:
-    """Tell surviving rank ``info`` to join the new process group (store at ``addr:port``; port 0: host it).
-    Each rank keeps its own local rank."""
+    """Tell surviving rank ``info`` to join the new process group (store at ``addr:port``; port 0: host it) of
+    ``state.nproc`` ranks. Each rank keeps its own local rank; its local world size is ``state.local_world``
+    (-1: its own)."""
     dispatcher.post(info.rank, P.Regroup(rank=info.rank, world_size=state.nproc, local_rank=-1,
-                                         local_world_size=-1, master_addr=addr, master_port=port,
+                                         local_world_size=state.local_world, master_addr=addr, master_port=port,
                                          backend=info.backend or state.options.backend))
 
 
@@ -263,7 +264,9 @@ class IOThread:
             info.pid = info.pid or msg.pid
             info.last_heard = time.monotonic()
             by_identity[identity] = msg.rank
-            if msg.rank == 0:
+            if msg.rank in state.solo:  # a replacement that joins the group later (kernel/healing.py)
+                sends.append((identity, self.welcome(info, P.NO_GROUP)))
+            elif msg.rank == 0:
                 sends.append((identity, self.welcome(info, 0)))
             elif state.store_port is not None:
                 sends.append((identity, self.welcome(info, state.store_port)))

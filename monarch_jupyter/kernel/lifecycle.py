@@ -36,6 +36,7 @@ from .iothread import IOThread
 from .launch.base import LauncherEvents
 from .launch.listener import Listener
 from .launch.local import LocalLauncher
+from .lighthouse import Lighthouse
 from .output import OutputWriter, fold_lines
 from .routing import OutputRouter
 from .segments import Segments
@@ -52,7 +53,7 @@ class Lifecycle:
 
     def __init__(self, state: MeshState, io: IOThread, dispatcher: Dispatcher, router: OutputRouter,
                  cells: CellTable, segments: Segments, listener: Listener | None, sink: LauncherEvents,
-                 writer: OutputWriter) -> None:
+                 writer: OutputWriter, lighthouse: Lighthouse) -> None:
         self.state = state
         self.io = io
         self.dispatcher = dispatcher
@@ -62,6 +63,7 @@ class Lifecycle:
         self.writer = writer
         self.listener = listener
         self.sink = sink  # what the launcher reports to (deaths.RankEvents)
+        self.lighthouse = lighthouse  # torchft's, started with each generation when options.torchft
         self.started_at = 0.0  # time.time() when the mesh was last ready
         self.ready_seconds = 0.0  # seconds the last start took
 
@@ -100,6 +102,9 @@ class Lifecycle:
             with state.lock:
                 state.held_output = []
         try:
+            if state.options.torchft:  # before the ranks: they are started with its address (elastic_env.py)
+                self.lighthouse.start()
+            state.extra_env = self.lighthouse.env()
             if self.listener is not None:  # ranks that join (launch/listener.py)
                 self.listener.use_sink(GenerationEvents(self.sink, state, state.generation))
                 state.address = self.listener.open(router, secret)
@@ -218,6 +223,7 @@ class Lifecycle:
     def launch_env(self) -> dict[str, str]:
         """Environment of an engine that starts joining ranks (torchrun, srun): this one plus ``env``."""
         env = dict(os.environ)
+        env.update(self.state.extra_env)
         env.update(self.state.options.env)
         for key in ("JPY_PARENT_PID", "MPLBACKEND"):
             env.pop(key, None)
@@ -232,6 +238,7 @@ class Lifecycle:
     def rank_env(self) -> dict[str, str]:
         """Environment of a local rank: this one, ``env``, and what torchrun would set."""
         env = dict(os.environ)
+        env.update(self.state.extra_env)  # TORCHFT_LIGHTHOUSE
         env.update(self.state.options.env)
         # As torchrun: one OpenMP thread per rank when several share this host, unless the user chose, so N ranks
         # do not oversubscribe its cores (the rank applies it: monarch_worker.startup.apply_thread_settings).
@@ -283,6 +290,7 @@ class Lifecycle:
             state.cond.notify_all()
         if self.listener is not None:
             self.listener.close()
+        self.lighthouse.stop()
 
 
 def _loopback_ifname() -> str:

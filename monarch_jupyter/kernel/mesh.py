@@ -15,13 +15,14 @@ from monarch_worker import protocol as P
 from monarch_worker.serialize import dumps
 
 from ..errors import MeshError, MeshNotRunningError
-from ..ranks import RankMap, format_ranks, parse_ranks
+from ..ranks import RankMap, parse_ranks
 from . import config, hints, registry, scripts
 from .cells import CellHandle
 from .compiling import compile_cell, notebook_refs, sources_of
 from .launch import JoinCommands, launcher_for
 from .parts import build
 from .recovery import InterruptReport
+from .resize import ScaleReport
 from .stacks import StackReport
 from .state import RankState
 
@@ -43,10 +44,8 @@ class Mesh:
         ``TorchrunLauncher(...)``, ``SlurmLauncher(nodes=..., srun_args=...)``); docs/multihost.md explains each.
     **options:
         Any option of ``monarch_worker.options.MeshOptions`` (docs/configuration.md lists them with units and
-        defaults): ``backend``, ``start_timeout`` (s), ``timeout`` (s, a cell's default), ``heartbeat_timeout``
-        (s), ``heartbeat_interval`` (s), ``pg_timeout`` (s), ``interrupt_grace`` (s), ``env``, ``address``,
-        ``port``, ``encrypt``, ``secret_file``, ``output_fold``, ``output_line_limit`` (bytes),
-        ``oversubscribe``. Each is also an attribute: ``mesh.interrupt_grace = 2``.
+        defaults: ``backend``, ``start_timeout``, ``on_rank_death``, ``torchft``, ...). Each is also an attribute:
+        ``mesh.interrupt_grace = 2``.
 
     Ranks see RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT as torchrun sets them,
     and names ``rank``, ``world_size``, ``local_rank``, ``device``, ``dist`` and ``torch`` in their namespace.
@@ -85,12 +84,10 @@ class Mesh:
 
     @property
     def nproc(self) -> int:
-        """The number of ranks (world size)."""
+        """The number of ranks (world size; ``world_size`` is the same)."""
         return self.state.nproc
 
-    @property
-    def world_size(self) -> int:
-        return self.state.nproc
+    world_size = nproc
 
     @property
     def running(self) -> bool:
@@ -224,7 +221,7 @@ class Mesh:
 
     def run(self, code: str, ranks: str | int | Iterable[int] | None = None, *, timeout: float | None = None,
             block: bool = True, namespace: dict[str, Any] | None = None, filename: str | None = None,
-            order: str = "arrival") -> RankMap | None | CellHandle:
+            order: str = "arrival", replay: bool = False, rejoin: bool = False) -> RankMap | None | CellHandle:
         """Run ``code`` (a cell) on ``ranks`` (default: all) in their persistent namespaces.
 
         Parameters
@@ -245,6 +242,9 @@ class Mesh:
         order:
             "arrival" writes output lines as they arrive; "rank" writes rank r's lines only after every lower
             rank of the cell finished it, so the output is the same every run (rank 0 still streams live).
+        replay, rejoin:
+            With ``on_rank_death="restart"``: ``replay`` runs the cell again on a rank's replacement (it defines the
+            namespace); ``rejoin``: a replacement rejoins the cell while it runs (a torchft loop). See healing.py.
 
         Returns
         -------
@@ -272,7 +272,8 @@ class Mesh:
         refs, sources = notebook_refs(code, namespace, compiled) if namespace is not None else ({}, {})
         payload, buffers = dumps(refs) if refs else (b"", [])
         handle = self.waiter.submit(cell_id, [(chosen, P.Exec(cell_id, code, filename, sources), payload, buffers)],
-                                    "the cell", order, waited=block)
+                                    "the cell", order, waited=block, rejoin=rejoin)
+        self.parts.history.cell(code, filename, sources, refs, chosen, replay)
         try:
             return self._finish(handle, timeout, block)
         except MeshError as e:  # a NameError for a notebook name: how to send it (hints.py)
@@ -334,8 +335,7 @@ class Mesh:
         MeshError
             Some ranks failed (e.g. ``device='cuda'`` on a rank without GPUs); a rank binds all values or none.
         """
-        merged = dict(values or {})
-        merged.update(kwvalues)
+        merged = {**(values or {}), **kwvalues}
         self._check_running()
         self.transfers.push(merged, ranks, device, timeout, via)
 
@@ -346,8 +346,7 @@ class Mesh:
         or a list/tuple (dim 0); ``device`` and ``timeout`` as for ``push``.
 
         Raises ValueError (fewer elements along ``dim`` than ranks, ``dim`` out of range, a 0-dim value, a name
-        the mesh defines, as for ``push``),
-        TypeError (not splittable), MeshError (as for ``push``).
+        the mesh defines, as for ``push``), TypeError (not splittable), MeshError (as for ``push``).
         """
         self._check_running()
         self.transfers.scatter(name, value, dim, ranks, device, timeout)
@@ -375,8 +374,7 @@ class Mesh:
     # ------------------------------------------------------------------ introspection and faults
 
     def status(self) -> dict[int, dict[str, Any]]:
-        """rank -> {"state", "pid", "host", "device", "rss", "cuda_allocated", "cuda_reserved" (bytes),
-        "returncode", "backend"}."""
+        """rank -> its "state", "pid", "host", "device", memory in bytes, "returncode", "backend" (MeshState.status)."""
         return self.state.status()
 
     def hosts(self) -> dict[str, list[int]]:
@@ -429,16 +427,18 @@ class Mesh:
         mesh, whose ranks are all on this host with local rank = rank)."""
         return self.listener.placement() if self.listener is not None else {}
 
+    def on_rejoin(self, fn: Callable[[], Any]) -> Callable[[], Any]:
+        """With ``on_rank_death="restart"``: run ``fn()`` on every replacement of a rank that died, after it got back
+        what the notebook had sent (pushes, notebook functions, ``--replay`` cells). Returns ``fn`` (a decorator)."""
+        return self.parts.history.add_hook(fn)
+
+    def scale(self, n: int) -> ScaleReport:
+        """Grow or shrink the live mesh to ``n`` local ranks (``%mesh scale -n N``); the ranks that stay keep their
+        namespaces. What new ranks get, and what is refused (ValueError, MonarchError, MeshStartError): resize.py."""
+        return self.parts.resizer.scale(n)
+
     def __repr__(self) -> str:
-        ranks = self.state.ranks
-        if not ranks:
-            return f"<Mesh {self.nproc} ranks: not started>"
-        states: dict[str, list[int]] = {}
-        for r, i in ranks.items():
-            states.setdefault(i.state.value, []).append(r)
-        backend = next((i.backend for i in ranks.values() if i.backend), self.options.backend)
-        summary = ", ".join(f"{s}: {format_ranks(rs)}" for s, rs in states.items())
-        return f"<Mesh world_size={self.nproc} backend={backend} ({summary})>"
+        return f"<Mesh {self.state.describe()}>"
 
     def _check_running(self) -> None:
         if not self.state.running and self.listener is not None and self.listener.is_open:

@@ -21,6 +21,8 @@ from .debugger import MeshDebugger
 from .dispatch import Dispatcher
 from .endpoint import ControllerSocket
 from .events import EventBus
+from .healing import REPLAY_TIMEOUT, DeathQueue, Healer
+from .history import History
 from .interrupts import Interrupter
 from .iothread import IOThread
 from .launch.capacity import check_host_capacity
@@ -28,11 +30,13 @@ from .launch.hosts import HostLinks
 from .launch.join import JoinLauncher
 from .launch.listener import Listener
 from .lifecycle import Lifecycle
+from .lighthouse import Lighthouse
 from .output import OutputWriter
 from .postmortem import Inspector, PostMortem
 from .prompts import PromptServer
 from .recovery import Restarts
 from .releases import Releases
+from .resize import Resizer
 from .rich import RichRouter
 from .routing import OutputRouter
 from .segments import Segments
@@ -68,6 +72,10 @@ class Parts:
     debugger: MeshDebugger
     rich: RichRouter
     completions: Completions
+    history: History
+    healer: Healer
+    lighthouse: Lighthouse
+    resizer: Resizer
 
 
 def build(nproc: int, options: MeshOptions, join_launcher: JoinLauncher | None) -> Parts:
@@ -96,7 +104,8 @@ def build(nproc: int, options: MeshOptions, join_launcher: JoinLauncher | None) 
     }
     router = OutputRouter(state, cells, writer, routes)
     routes.update({"streams": router.on_stream, "progress": router.on_progress})
-    deaths = Deaths(state, dispatcher, cells, interrupter, writer)
+    queue = DeathQueue(state)  # ranks that died by themselves, for the healer (on_rank_death="restart")
+    deaths = Deaths(state, dispatcher, cells, interrupter, writer, queue.put)
     sink = RankEvents(state, router, deaths, [segments.on_rank_exit])  # what launchers report
     socket = ControllerSocket()
     hosts = listener = None
@@ -105,16 +114,24 @@ def build(nproc: int, options: MeshOptions, join_launcher: JoinLauncher | None) 
         listener = Listener(state, join_launcher, options.address, options.port, options.encrypt,
                             options.secret_file, hosts.send_to, dispatcher, sink, hosts)
     handlers = {cls: routes[cls.ROUTE] for cls in P.MESSAGE_TYPES.values() if cls.ROUTE}
-    ticks = [deaths.check_heartbeats, segments.idle_tick, *([listener.check] if listener is not None else [])]
+    lighthouse = Lighthouse(lambda: state.options.torchft_min_replicas,  # torchft's, when options.torchft
+                            lambda text: writer.put([(tuple(sorted(state.ranks)), "stderr", text)], None))
+    ticks = [deaths.check_heartbeats, segments.idle_tick, lighthouse.check,
+             *([listener.check] if listener is not None else [])]
     io = IOThread(state, dispatcher, socket, listener, hosts, handlers, ticks)
-    lifecycle = Lifecycle(state, io, dispatcher, router, cells, segments, listener, sink, writer)
+    lifecycle = Lifecycle(state, io, dispatcher, router, cells, segments, listener, sink, writer, lighthouse)
     restarts = Restarts(state, dispatcher, interrupter, stacks, lifecycle)
     releases = Releases(state, dispatcher, cells, stacks, restarts.regroup)
     waiter = Waiter(state, dispatcher, cells, writer, stacks, interrupter, deaths, releases, restarts, prompts)
-    transfers = Transfers(state, waiter, segments, hosts.holds if hosts is not None else _not_held)
+    history = History(state)  # what the notebook sent, for replacements
+    transfers = Transfers(state, waiter, segments, hosts.holds if hosts is not None else _not_held, history.pushed)
     debugger = MeshDebugger(prompts, PostMortem(state, waiter, prompts, inspector), inspector)
+    healer = Healer(state, queue, cells, dispatcher, restarts, lifecycle, history, writer, waiter.submit,
+                    lambda values, rank, device: transfers.push(values, [rank], device, REPLAY_TIMEOUT, "auto"))
+    resizer = Resizer(state, restarts, lifecycle, healer)  # %mesh scale: one regroup, as restarts and healing
     return Parts(events, state, writer, cells, dispatcher, stacks, interrupter, segments, router, deaths, listener, io,
-                 lifecycle, restarts, releases, waiter, transfers, debugger, rich, completions)
+                 lifecycle, restarts, releases, waiter, transfers, debugger, rich, completions, history, healer,
+                 lighthouse, resizer)
 
 
 def _not_held(rank: int) -> bool:

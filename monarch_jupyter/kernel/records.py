@@ -29,7 +29,8 @@ class CellRecord:
     __slots__ = ("cell_id", "ranks", "what", "order", "ctx", "submitted", "tracks_failures", "background", "fold",
                  "values", "has_value", "errors", "results_in", "synced", "finished", "durations", "result_seen_at",
                  "death_at", "collective_released", "released", "collective_hint", "interrupted", "abandoned",
-                 "queued_on", "keep_outcome", "final", "lines", "lines_since", "held", "waiting", "wake", "handle")
+                 "queued_on", "keep_outcome", "final", "lines", "lines_since", "held", "waiting", "wake", "handle",
+                 "rejoin", "left")
 
     def __init__(self, cell_id: int, ranks: list[int], what: str, order: str, fold: bool, tracks_failures: bool,
                  background: bool) -> None:
@@ -65,6 +66,10 @@ class CellRecord:
         self.waiting = False  # a thread waits for it (and writes its lines)
         self.wake: Any = None  # threading.Condition on the mesh lock: lines came, or it is done (set by the table)
         self.handle: Any = None  # the submitter's view of it (cells.CellHandle), told to views with its events
+        # What a replacement of a rank that died running it is sent to rejoin it (``%%mesh --rejoin``: the groups of
+        # dispatch.Group it was sent as), or None: a death fails it (kernel/healing.py).
+        self.rejoin: list[Any] | None = None
+        self.left: set[int] = set()  # ranks whose process died running it, and whose replacement has not rejoined
 
     @property
     def all_done(self) -> bool:

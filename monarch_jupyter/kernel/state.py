@@ -19,10 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from monarch_worker.options import MeshOptions
+from monarch_worker.options import MeshOptions, rank_settings
 
 from ..errors import MeshNotRunningError
-from ..ranks import ranks_text
+from ..ranks import format_ranks, ranks_text
 from .events import EventBus
 from .output import StreamSplitter, temp_file_sink
 from .records import CellRecord
@@ -130,7 +130,8 @@ class MeshLock:
 
 class MeshState:
     """What the parts of one mesh share (see the module docstring). Attributes that change are guarded by
-    ``lock``; ``nproc``, ``options``, ``events`` and ``ids`` are set once."""
+    ``lock``; ``options``, ``events`` and ``ids`` are set once, ``nproc`` changes only in a resize (resize.py,
+    under the lock, with no cell running)."""
 
     def __init__(self, nproc: int, options: MeshOptions, events: EventBus) -> None:
         self.nproc = nproc
@@ -152,6 +153,16 @@ class MeshState:
         self.group_down = ""  # why the process group is broken ("" when it is fine)
         self.regrouping: set[int] = set()  # surviving ranks that get Regroup once the new store is up
         self.killing: dict[int, str] = {}  # rank -> why the controller killed it on purpose
+        self.local_world = -1  # LOCAL_WORLD_SIZE a Regroup gives survivors (-1: their own; resize.py sets it)
+        self.resizing = False  # a %mesh scale runs (resize.py): other scales are refused
+        # Self-healing (kernel/healing.py): ranks being restarted after they died (cells for them wait), the thread
+        # that restarts them (its own cells do not wait), and replacements welcomed without a process group (the
+        # others run a cell they rejoin; a Regroup makes the group once it ended).
+        self.healing: set[int] = set()
+        self.healer: threading.Thread | None = None
+        self.solo: set[int] = set()
+        self.healed_note = ""  # what the last healing said (repeated to a cell that waited for it)
+        self.extra_env: dict[str, str] = {}  # what every rank of this generation gets besides ``options.env``
         self.generation = 0  # counts starts and restarts
         self.run_id = str(uuid.uuid4())  # torchrun's TORCHELASTIC_RUN_ID of ranks it did not start (one per mesh)
         # rank -> (cell id, order) of its last failed cell, for post-mortem (CellTable.on_result keeps it)
@@ -170,6 +181,8 @@ class MeshState:
         self.group_down = ""
         self.regrouping = set()
         self.killing = {}
+        self.local_world = -1
+        self.healing, self.solo = set(), set()
         self.stopping = False
 
     def assert_locked(self) -> None:
@@ -189,6 +202,13 @@ class MeshState:
             stream: StreamSplitter(records=stream == "stdout", line_limit=limit,
                                    sink=temp_file_sink(f"monarch-rank{rank}-{stream}-"))
             for stream in ("stdout", "stderr")})
+
+    def rank_settings(self) -> dict[str, Any]:
+        """The RankConfig fields a rank that joins is sent (monarch_worker.options.rank_settings), ``extra_env``
+        (the torchft Lighthouse's address) in its ``env``."""
+        settings = rank_settings(self.options)
+        settings["env"] = {**self.extra_env, **settings["env"]}
+        return settings
 
     def status(self) -> dict[int, dict[str, Any]]:
         """rank -> {"state", "pid", "host", "device", "rss", "cuda_allocated", "cuda_reserved" (bytes),
@@ -221,6 +241,18 @@ class MeshState:
     def elastic(self, group_rank: int, group_world_size: int) -> dict[str, Any]:
         """Welcome's ``elastic`` field: the torchrun values only the controller knows (monarch_worker.elastic_env)."""
         return {"group_rank": group_rank, "group_world_size": group_world_size, "run_id": self.run_id}
+
+    def describe(self) -> str:
+        """"world_size=4 backend=gloo (idle: 0-3)", or "4 ranks: not started" (a snapshot, for ``repr(mesh)``)."""
+        ranks = self.ranks
+        if not ranks:
+            return f"{self.nproc} ranks: not started"
+        states: dict[str, list[int]] = {}
+        for r, i in list(ranks.items()):
+            states.setdefault(i.state.value, []).append(r)
+        backend = next((i.backend for i in ranks.values() if i.backend), self.options.backend)
+        summary = ", ".join(f"{s}: {format_ranks(rs)}" for s, rs in states.items())
+        return f"world_size={self.nproc} backend={backend} ({summary})"
 
     def check_running(self) -> None:
         """Raise MeshNotRunningError unless the ranks are up."""

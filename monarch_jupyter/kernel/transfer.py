@@ -62,11 +62,13 @@ class _Packed:
 class Transfers:
     """Push/scatter/pull/gather of one mesh, through its shared memory segments (segments.py) or the socket."""
 
-    def __init__(self, state: MeshState, waiter: Waiter, segments: Segments, agent_held: Callable[[int], bool]) -> None:
+    def __init__(self, state: MeshState, waiter: Waiter, segments: Segments, agent_held: Callable[[int], bool],
+                 record: Callable[[dict[str, Any], list[int], str | None], None]) -> None:
         self.state = state
         self.waiter = waiter
         self.segments = segments
         self.agent_held = agent_held  # a host agent holds the rank (launch/hosts.py): one copy per host
+        self.record = record  # what was bound where, for replacements (history.History.pushed)
 
     def _submit(self, per_rank: Mapping[int, tuple[P.Message, bytes, list]], cell_id: int, what: str) -> CellHandle:
         return self.waiter.submit(cell_id, _grouped(per_rank), what)
@@ -140,6 +142,7 @@ class Transfers:
 
         self._send(chosen, items, frames, dict.fromkeys(chosen, payload), device, "push of " + _names(values),
                    timeout, lent, repack)
+        self.record(values, chosen, device)
 
     def scatter(self, name: str, value: Any, dim: int, ranks: Any, device: Any, timeout: float | None) -> None:
         _check_name(name, bound=True)
@@ -170,6 +173,8 @@ class Transfers:
 
         self._send(chosen, items, frames, {r: packed[r].data for r in chosen}, device, f"scatter of {name!r}",
                    timeout, lent, repack)
+        for r, part in zip(chosen, parts, strict=False):
+            self.record({name: part}, [r], device)
 
     def _send(self, chosen: list[int], items: dict[int, list[dict]], frames: dict[int, list],
               payloads: dict[int, bytes], device: str | None, what: str, timeout: float | None,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 from typing import Protocol
 
@@ -25,6 +26,7 @@ from ..ranks import RankMap, format_ranks, plural, ranks_text
 from .cells import CellHandle, CellTable
 from .deaths import Deaths
 from .dispatch import Dispatcher, Group
+from .hints import healing_wait_note
 from .interrupts import Interrupter
 from .output import OutputWriter, write_lines
 from .records import CellRecord
@@ -75,11 +77,13 @@ class Waiter:
         self.prompts = prompts
 
     def submit(self, cell_id: int, groups: list[Group], what: str, order: str = "arrival",
-               tracks_failures: bool = True, waited: bool = False) -> CellHandle:
+               tracks_failures: bool = True, waited: bool = False, rejoin: bool = False) -> CellHandle:
         """Send one cell (``groups``: ranks that get the same message) and return its handle. ``order``: see
         ``Mesh.run``; ``tracks_failures``: its failures are the ones post-mortem opens; ``waited``: the caller
         waits for it next (``wait``), so its lines are held for that thread from the start (folding and rank
-        order then see every line, also those a fast rank writes before the caller is back).
+        order then see every line, also those a fast rank writes before the caller is back); ``rejoin``: a
+        replacement of a rank that dies running it rejoins it (kernel/healing.py). While a chosen rank is being
+        restarted (on_rank_death="restart"), it waits until that is done, with a note.
 
         Raises
         ------
@@ -89,7 +93,9 @@ class Waiter:
             The caller was interrupted once the cell was on its way: the ranks were interrupted too.
         """
         ranks = sorted(r for group in groups for r in group[0])
-        handle = self.cells.new(cell_id, ranks, what, order, self, tracks_failures=tracks_failures)
+        self._wait_healed(ranks, what)
+        handle = self.cells.new(cell_id, ranks, what, order, self, tracks_failures=tracks_failures,
+                                rejoin=groups if rejoin else None)
         rec = handle.record
         if not waited:
             return self._send(rec, groups)
@@ -100,6 +106,25 @@ class Waiter:
             with self.state.lock:
                 self.cells.set_waiting(rec, False)  # nobody will wait: lines go out as they come
             raise
+
+    def _wait_healed(self, ranks: list[int], what: str) -> None:
+        """Wait while some of ``ranks`` are being restarted (``MeshState.healing``), in 50 ms slices (SIGINT reaches
+        the caller); the healer's own work (``MeshState.healer``) does not wait."""
+        state = self.state
+        noted = False
+        while True:
+            with state.lock:
+                healing = (sorted(set(ranks) & state.healing)
+                           if state.running and state.healer is not threading.current_thread() else [])
+                if healing and noted:
+                    state.cond.wait(0.05)
+            if not healing:
+                if noted and state.healed_note:  # where the user looks now, besides the cell that saw the death
+                    sys.stderr.write(f"note: {state.healed_note}\n")
+                return
+            if not noted:
+                noted = True
+                sys.stderr.write(healing_wait_note(healing, what))
 
     def claim(self, rec: CellRecord) -> None:
         """This thread writes ``rec``'s lines from now on (after what was queued before it)."""

@@ -44,6 +44,19 @@ class TrainingInterrupted(MonarchError):
                 for i, line in enumerate(str(self).splitlines())]
 
 
+def fault_tolerant_missing() -> str:
+    """Why ``MeshStrategy(fault_tolerant=True)`` is refused: what a fit that survives a death needs, and the ways
+    that work today."""
+    return ("MeshStrategy(fault_tolerant=True): a fit that trains through a rank's death needs torchft inside "
+            "Lightning's training loop: a torchft Manager that forms a quorum at every step, its "
+            "DistributedDataParallel and Optimizer wrappers in place of Lightning's DDP gradient allreduce and "
+            "optimizer step, and a load of the healed state in the middle of fit. Lightning's DDP strategy owns all "
+            "three and has no hook for them, so this is not available. What works: the loop written with torchft in "
+            "a  %%mesh --async --rejoin  cell on a mesh started with  %mesh start --on-rank-death restart --torchft"
+            "  (docs/fault_tolerance.md); or strategy='mesh' on a mesh started with --on-rank-death restart, a "
+            "ModelCheckpoint, and fit(..., ckpt_path='last') again once the rank is back.")
+
+
 def render_interrupt(message: str) -> list[str]:
     return [f"KeyboardInterrupt: {message}"]
 

@@ -131,6 +131,9 @@ def build_trainer(family: str, environment: type) -> dict[str, type]:
             MeshMagics.live_view`` when the extension is loaded, else "auto").
         progress:
             Replace Lightning's tqdm/rich progress bar on the ranks by one that reports to the dashboard.
+        fault_tolerant:
+            A ``fit`` that trains through a rank's death (torchft): not available; True raises MeshLightningError
+            naming what is missing and what works instead (docs/fault_tolerance.md).
         **kwargs:
             DDP options (``find_unused_parameters``, ``static_graph``, ``timeout``...), as for ``DDPStrategy``.
         """
@@ -139,10 +142,13 @@ def build_trainer(family: str, environment: type) -> dict[str, type]:
         family = FAMILY
 
         def __init__(self, mesh: Any = None, *, live_view: str | None = None, progress: bool = True,
-                     **kwargs: Any) -> None:
+                     fault_tolerant: bool = False, **kwargs: Any) -> None:
             from . import check_version
+            from .errors import MeshLightningError, fault_tolerant_missing
 
             check_version(family)
+            if fault_tolerant:
+                raise MeshLightningError(fault_tolerant_missing())
             kwargs.pop("start_method", None)
             if kwargs.get("cluster_environment") is None:
                 kwargs["cluster_environment"] = environment()

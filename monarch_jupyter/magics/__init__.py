@@ -22,6 +22,7 @@ from .. import errors
 from ..kernel import config, registry
 from ..kernel.launch import launcher_for
 from ..kernel.mesh import Mesh
+from ..kernel.resize import ScaleReport
 from ..ranks import parse_ranks
 from . import debug as debug_magics
 from . import scripts, transfer
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["MeshMagics", "load", "unload"]
 
-SUBCOMMANDS = ("start", "listen", "status", "stop", "restart", "stacks", *scripts.SUBCOMMANDS,
+SUBCOMMANDS = ("start", "listen", "status", "stop", "restart", "scale", "stacks", *scripts.SUBCOMMANDS,
                *transfer.SUBCOMMANDS, "debug", "inspect", "interrupt", "auto")
 
 
@@ -113,6 +114,7 @@ class MeshMagics(Magics):
             "status": self._status,
             "stop": self._stop,
             "restart": self._restart,
+            "scale": self._scale,
             "stacks": self._stacks,
             "run": lambda rest: scripts.run(self, rest),
             "push": lambda rest: transfer.push(self, rest),
@@ -148,6 +150,10 @@ class MeshMagics(Magics):
     @argument("--encrypt", action="store_true", help="slurm/torchrun: encrypt connections (CurveZMQ)")
     @argument("--force", action="store_true",
               help="local: start even more ranks than this host can carry (oversubscribe)")
+    @argument("--on-rank-death", choices=["report", "restart"], default=None,
+              help="restart: a rank that dies is started again and gets back what the notebook sent "
+                   "(default: on_rank_death)")
+    @argument("--torchft", action="store_true", help="run a torchft Lighthouse; each rank is one replica group")
     def _start(self, rest: str) -> Mesh:
         """%mesh start [-n N] [--backend gloo|nccl] [--timeout S] [--launcher local|torchrun|slurm] [...]: start N
         ranks on this host, under torchrun, or with srun inside a SLURM allocation."""
@@ -183,6 +189,11 @@ class MeshMagics(Magics):
                 port=args.port,
                 encrypt=args.encrypt,
                 oversubscribe=args.force,
+                on_rank_death=args.on_rank_death or self.option("on_rank_death"),
+                restart_limit=self.option("restart_limit"),
+                restart_window=self.option("restart_window"),
+                torchft=args.torchft or self.option("torchft"),
+                torchft_min_replicas=self.option("torchft_min_replicas"),
             )
         except ValueError as e:
             raise UsageError(str(e)) from None
@@ -276,6 +287,18 @@ class MeshMagics(Magics):
             raise errors.mesh_interrupt(f"%mesh restart was interrupted; {where}") from None
 
     @magic_arguments()
+    @argument("-n", "--nproc", dest="world_size", type=int, required=True, help="the number of ranks to have")
+    def _scale(self, rest: str) -> ScaleReport:
+        """%mesh scale -n N: grow or shrink the running mesh to N local ranks; the ranks that stay keep their
+        namespaces, and every rank joins a fresh process group of N ranks."""
+        args = self.parse_args(self._scale, rest, "scale")
+        m = self.current(require_running=True)
+        try:
+            return m.scale(args.world_size)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+
+    @magic_arguments()
     @argument("--ranks", "-r", default=None, help="ranks to interrupt (default: all)")
     @argument("--force", action="store_true",
               help="tear the process group down (releases collectives) and SIGKILL ranks that still do not stop")
@@ -315,6 +338,10 @@ class MeshMagics(Magics):
     @argument("--no-widget", action="store_true", help="no live per-rank view for this cell")
     @argument("--async", dest="async_", action="store_true",
               help="return a CellHandle at once (done(), wait(timeout), result()); the live view keeps updating")
+    @argument("--replay", action="store_true",
+              help="on_rank_death restart: run this cell again on a rank's replacement (it defines the namespace)")
+    @argument("--rejoin", action="store_true",
+              help="on_rank_death restart: a rank's replacement rejoins this cell while it runs (a torchft loop)")
     def _cell(self, line: str, cell: str) -> Any:
         """%%mesh [--ranks SPEC] [--timeout S] [--out NAME] [--order arrival|rank] [--no-widget] [--async]:
         run the cell on the ranks."""
@@ -349,6 +376,8 @@ class MeshMagics(Magics):
                     filename=filename,
                     order=args.order or self.setting("stream_order"),
                     block=not args.async_,
+                    replay=args.replay,
+                    rejoin=args.rejoin,
                 )
         except ValueError as e:
             raise UsageError(str(e)) from None

@@ -178,6 +178,13 @@ class MeshMonitor:
                 self._reset(status)
                 self.version += 1
             return
+        if kind == "resized":  # %mesh scale (kernel/resize.py): the stopped ranks leave, the new ones come
+            mesh = self._mesh()
+            status = mesh.status() if mesh is not None else {}
+            with self._lock:
+                self._resize(data["after"], status)
+                self.version += 1
+            return
         handler = self._handlers.get(kind)
         if handler is None:
             return
@@ -193,6 +200,16 @@ class MeshMonitor:
                                    device=s.get("device", ""), pid=s.get("pid"), rss=s.get("rss", 0),
                                    cuda_allocated=s.get("cuda_allocated", 0),
                                    cuda_reserved=s.get("cuda_reserved", 0), returncode=s.get("returncode"))
+
+    def _resize(self, world_size: int, status: dict[int, dict]) -> None:
+        """Ranks 0..world_size-1 from now on: the others are forgotten, the new ones read from ``status``."""
+        self.world_size = world_size
+        for r in [r for r in self._ranks if r >= world_size]:
+            del self._ranks[r]
+        for r, s in status.items():
+            if r not in self._ranks:
+                self._ranks[r] = _Rank(r, state=s.get("state", "starting"), host=s.get("host", ""),
+                                       device=s.get("device", ""), pid=s.get("pid"), rss=s.get("rss", 0))
 
     def _rank(self, r: int) -> _Rank:
         info = self._ranks.get(r)

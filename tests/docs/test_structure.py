@@ -131,7 +131,7 @@ def test_the_api_page_finds_the_classes_the_lightning_module_builds_at_run_time(
                       docstring_parser="numpy")
     lightning = pkg["lightning"]
     init = lightning["MeshStrategy"]["__init__"]
-    assert [p.name for p in init.parameters] == ["self", "mesh", "live_view", "progress", "kwargs"]
+    assert [p.name for p in init.parameters] == ["self", "mesh", "live_view", "progress", "fault_tolerant", "kwargs"]
     assert "DDP on the ranks" in lightning["MeshFabricStrategy"].docstring.value
     assert lightning["MeshEnvironment"].docstring is not None
 

@@ -4,6 +4,7 @@ that the mesh recovers, and that no rank process is left behind."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -211,3 +212,25 @@ def test_a_rank_raising_inside_ddp_releases_the_others_in_the_notebook(kernel: t
     assert "--- rank 0: released from gloo:" in r.traceback, r.traceback
     r = execute(kc, "%%mesh\nt = torch.ones(1)\ndist.all_reduce(t)\nt.item()")
     assert r.status == "ok" and r.results == ["{0: 2.0, 1: 2.0}"], (r.results, r.traceback)
+
+
+def test_a_self_healing_mesh_in_the_notebook(kernel: tuple[KernelManager, Any]) -> None:
+    """%mesh start --on-rank-death restart: a rank killed in a cell comes back with what the notebook sent."""
+    km, kc = kernel
+    r = execute(kc, "%load_ext monarch_jupyter\nm = %mesh start -n 2 --on-rank-death restart")
+    assert r.status == "ok", r.traceback
+    assert execute(kc, "def double(v):\n    return 2 * v\n\nw = 21\n%mesh push w").status == "ok"
+    r = execute(kc, "%%mesh --replay\nimport os\nmodel = double(w)")
+    assert r.status == "ok", r.traceback
+    old = worker_pids(kc)
+    r = execute(kc, "%%mesh\nimport signal\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+                    "t = torch.ones(1)\ndist.all_reduce(t)\n")
+    assert r.status == "error" and "[rank1] died (signal SIGKILL)" in r.traceback, r.traceback
+    assert "restarted by the mesh (on_rank_death=restart)" in r.traceback, r.traceback
+    # The next cell waits for the replacement; it has the pushed value, the function and the replayed cell's names.
+    r = execute(kc, "%%mesh\nt = torch.ones(1)\ndist.all_reduce(t)\n(model, double(1), t.item(), os.getpid())")
+    assert r.status == "ok", r.traceback
+    values = ast.literal_eval(r.results[0])  # the RankMap's repr
+    assert values[0][:3] == values[1][:3] == (42, 2, 2.0)
+    assert values[1][3] not in old and values[0][3] in old
+    assert "note: rank 1 died (signal SIGKILL) and was restarted (on_rank_death=restart)" in r.stderr, r.stderr

@@ -237,3 +237,15 @@ def test_folded_traceback_keeps_the_users_frames_and_where_a_library_raised() ->
     only_lib = reports.fold_traceback("Traceback (most recent call last):\n" + frame(f"{lib}/a.py", "a") * 5
                                       + "ValueError: x\n")
     assert only_lib.count('  File "') == 3 and "[... 2 frames in lightning: %mesh debug shows them]" in only_lib
+
+
+def test_a_fault_tolerant_fit_is_refused_naming_what_is_missing_and_what_works() -> None:
+    from monarch_jupyter.lightning import MeshStrategy
+
+    with pytest.raises(MeshLightningError) as info:
+        MeshStrategy(fault_tolerant=True)
+    text = str(info.value)
+    assert "torchft Manager that forms a quorum at every step" in text, text
+    assert "%%mesh --async --rejoin" in text and "--on-rank-death restart --torchft" in text, text
+    assert "fit(..., ckpt_path='last')" in text, text
+    assert MeshStrategy(fault_tolerant=False).strategy_name == "mesh"

@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from monarch_worker import protocol as P
-from monarch_worker.options import rank_settings
 
 from ...ranks import ranks_text
 from ..state import MeshState
@@ -157,8 +156,7 @@ class HostLinks:
                 self._pseudo[pseudo_identity(r)] = r
             if srcfd >= 0:
                 self._by_fd[srcfd] = agent
-        settings = rank_settings(self.state.options)
-        settings["env"] = dict(settings["env"])
+        settings = self.state.rank_settings()  # the torchft Lighthouse's address among its env
         self._send(identity, P.AgentWelcome(ranks=list(ranks), world_size=self.state.nproc, group_rank=group_rank,
                                             group_world_size=group_world, settings=settings))
 
@@ -322,9 +320,12 @@ class HostLinks:
             info.last_heard = time.monotonic()
             by_identity[identity] = rank
             regrouping = bool(state.regrouping)
+            solo = rank in state.solo  # a replacement that joins the group later (kernel/healing.py)
             # During a regroup the old store is gone until rank 0 reports the new one (state.store_port).
             store = self.store if not regrouping or state.store_port is not None else None
-        if self.use_env and not regrouping:
+        if solo:
+            self.welcome(rank, P.NO_GROUP, "")
+        elif self.use_env and not regrouping:
             self.welcome(rank, -1, "")  # the launcher's store (torchrun's), env://
         elif rank == 0:
             self.welcome(0, 0, agent.addr)  # it hosts the store, on its agent's address toward us

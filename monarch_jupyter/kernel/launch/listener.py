@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from monarch_worker import protocol as P
-from monarch_worker.options import rank_settings
 
 from ...errors import MeshStartError, describe_returncode
 from ...ranks import format_ranks
@@ -325,8 +324,7 @@ class Listener:
                 self._welcome(j, msg.addr, msg.port)
 
     def _welcome(self, j: Joiner, addr: str, port: int) -> None:
-        settings = rank_settings(self.state.options)
-        settings["env"] = dict(settings["env"])
+        settings = self.state.rank_settings()  # the torchft Lighthouse's address among its env
         self._send(j.identity, P.Welcome(rank=j.rank, world_size=self.state.nproc, local_rank=j.local_rank,
                                          local_world_size=j.local_world_size, master_addr=addr, master_port=port,
                                          settings=settings, elastic=self.state.elastic(j.group_rank, self._hosts)))

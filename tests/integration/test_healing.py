@@ -1,0 +1,133 @@
+"""A mesh that heals itself (on_rank_death="restart"): real ranks SIGKILLed, restarted through the fork server, given
+back what the notebook sent, in a fresh process group with the survivors (kernel/healing.py, kernel/history.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+
+import pytest
+
+from monarch_jupyter import Mesh, MeshError
+
+pytestmark = pytest.mark.slow
+
+WAIT = 120.0  # seconds a test waits for a state it asserts (the machine is shared and slow under load)
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout: float = WAIT) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(0.02)
+
+
+def kill(m: Mesh, *ranks: int) -> dict[int, int]:
+    """SIGKILL ``ranks`` and wait until the mesh has seen each death (so the next cell does not race it)."""
+    pids = {r: m.status()[r]["pid"] for r in ranks}
+    for pid in pids.values():
+        os.kill(pid, signal.SIGKILL)
+    wait_for("the deaths to be seen", lambda: all(
+        m.status()[r]["pid"] != pid or m.status()[r]["state"] == "dead" or r in m.state.healing
+        for r, pid in pids.items()))
+    return pids
+
+
+def notebook() -> dict:
+    """A namespace like the notebook's: a function defined in ``__main__`` (sent to ranks by value)."""
+    ns: dict = {"__name__": "__main__"}
+    exec("def helper(v):\n    return v * 2\n\ndef hook():\n    import __main__\n    __main__.hooked = True\n", ns)
+    return ns
+
+
+def test_a_dead_rank_is_restarted_and_gets_back_what_the_notebook_sent(capfd: pytest.CaptureFixture) -> None:
+    with Mesh(2, on_rank_death="restart", start_timeout=WAIT) as m:
+        m.push(x=41)
+        m.scatter("part", list(range(4)))
+        m.run("import os\ny = 5", replay=True)
+        ns = notebook()
+        m.run("z = helper(x)", namespace=ns)
+        m.on_rejoin(ns["hook"])
+        old = kill(m, 1)
+        # The next cell waits for the replacement, then runs on both ranks in a fresh process group.
+        got = m.run("(x, part, y, helper(1), 'z' in globals(), globals().get('hooked', False), os.getpid())")
+        assert got[1][:6] == (41, [2, 3], 5, 2, False, True)  # z came from a cell not marked --replay
+        assert got[0][:6] == (41, [0, 1], 5, 2, True, False)
+        assert got[1][6] != old[1]
+        assert m.run("t = torch.ones(1) * (rank + 1); dist.all_reduce(t); t.item()") == {0: 3.0, 1: 3.0}
+        assert m.state.group_status().startswith("up")
+    err = capfd.readouterr().err
+    assert "rank 1 died (signal SIGKILL) and was restarted (on_rank_death=restart)" in err
+    assert "got back 2 pushed values, 1 notebook definition, 1 replayed cell and 1 on_rejoin hook" in err
+
+
+def test_a_cell_running_when_a_rank_dies_fails_as_before_then_the_rank_comes_back() -> None:
+    with Mesh(2, on_rank_death="restart", start_timeout=WAIT) as m:
+        with pytest.raises(MeshError) as info:
+            m.run("import os, signal, time\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+                  "t = torch.ones(1)\ndist.all_reduce(t)\n")
+        assert "restarted by the mesh (on_rank_death=restart)" in str(info.value.hint)
+        assert m.run("t = torch.ones(1); dist.all_reduce(t); t.item()") == {0: 2.0, 1: 2.0}
+
+
+def test_two_deaths_at_once_are_healed_together() -> None:
+    with Mesh(4, on_rank_death="restart", start_timeout=WAIT, oversubscribe=True) as m:
+        m.push(w=7)
+        kill(m, 1, 2)
+        assert m.run("w + rank") == {0: 7, 1: 8, 2: 9, 3: 10}
+        assert m.run("t = torch.ones(1); dist.all_reduce(t); t.item()") == dict.fromkeys(range(4), 4.0)
+
+
+def test_a_rank_that_keeps_dying_is_given_up_and_the_mesh_stays_usable(capfd: pytest.CaptureFixture) -> None:
+    flag = f"/tmp/monarch-heal-{os.getpid()}"
+    with Mesh(2, on_rank_death="restart", restart_limit=1, start_timeout=WAIT) as m:
+        # The replayed cell kills every replacement of rank 1: a rank that dies during its own healing.
+        m.run(f"import os, signal\nif rank == 1 and os.path.exists({flag!r}):\n"
+              "    os.kill(os.getpid(), signal.SIGKILL)", replay=True)
+        open(flag, "w").close()
+        try:
+            kill(m, 1)
+            wait_for("rank 1 to be given up", lambda: m.status()[1]["state"] == "dead" and not m.state.healing)
+        finally:
+            os.unlink(flag)
+        err = capfd.readouterr().err
+        assert "rank 1 died 2 times within 60 s (restart_limit 1): it is not restarted again" in err, err
+        assert m.run("rank", ranks=0) == {0: 0}  # the survivor runs cells of its own
+        with pytest.raises(MeshError, match="not run"):
+            m.run("rank")
+        m.restart(ranks=1)  # by hand, as the message says (no replay: the flag is gone anyway)
+        assert m.run("t = torch.ones(1); dist.all_reduce(t); t.item()") == {0: 2.0, 1: 2.0}
+
+
+def test_report_stays_the_default() -> None:
+    with Mesh(2, start_timeout=WAIT) as m:
+        assert m.on_rank_death == "report"
+        kill(m, 1)
+        wait_for("rank 1 dead", lambda: m.status()[1]["state"] == "dead")
+        with pytest.raises(MeshError, match="not run"):
+            m.run("rank")
+
+
+def test_ranks_that_joined_one_process_per_rank_cannot_be_restarted_and_say_so(
+        capfd: pytest.CaptureFixture) -> None:
+    from tests.conftest import reap
+    from tests.integration.test_join import start_ranks
+
+    m = Mesh.listen(2, show=False, on_rank_death="restart", heartbeat_timeout=3.0, timeout=WAIT)
+    procs = start_ranks(m, 2)
+    try:
+        assert m.wait_ready(WAIT)
+        pids = m.status()
+        victim = next(p for p in procs if p.pid == pids[1]["pid"])
+        victim.kill()
+        wait_for("rank 1 to be given up", lambda: m.status()[1]["state"] == "dead" and not m.state.healing)
+        err = capfd.readouterr().err
+        assert "rank 1 died and cannot be restarted from here (these ranks were started one process per rank " \
+               "elsewhere" in err, err
+        assert m.run("rank", ranks=0) == {0: 0}  # the survivor is usable
+    finally:
+        m.stop()
+        reap(procs)
