@@ -16,7 +16,7 @@ import sys
 import types
 from typing import Any
 
-__all__ = ["DebugpyMissing", "listen", "client_connected", "stop_here"]
+__all__ = ["DebugpyMissing", "listen", "client_connected", "release_thread", "stop_here"]
 
 _PORT: list[int] = []  # the port of this rank's debugpy adapter, once it listens
 
@@ -36,7 +36,9 @@ def listen(host: str = "127.0.0.1") -> int:
         debugpy is not installed in the rank's Python (``pip install 'monarch-jupyter[debug]'`` there).
     """
     if _PORT:
+        sys.modules["debugpy"].trace_this_thread(True)  # pdb may have had this thread since the last client left
         return _PORT[0]
+    hook = sys.breakpointhook  # the rank's (monarch_worker.debugger): debugpy puts its own in; the rank's decides
     try:
         import debugpy
     except ImportError as e:
@@ -50,6 +52,7 @@ def listen(host: str = "127.0.0.1") -> int:
     # The rank's own children (a DataLoader's workers, a TensorBoard server) are not debugged.
     debugpy.configure(subProcess=False)
     _host, port = debugpy.listen((host, 0))
+    sys.breakpointhook = hook
     _PORT.append(int(port))
     return _PORT[0]
 
@@ -60,6 +63,20 @@ def client_connected() -> bool:
         return False
     debugpy: Any = sys.modules.get("debugpy")
     return bool(debugpy is not None and debugpy.is_client_connected())
+
+
+def release_thread() -> None:
+    """Let pdb trace this thread while no client is connected (a no-op where debugpy never listened here).
+
+    Once debugpy listened, pydevd keeps tracing and ignores ``sys.settrace`` calls of others, also after its client
+    left: the rank's pdb (``breakpoint()`` with no debugger attached) would never stop.
+    """
+    if not _PORT:
+        return
+    sys.modules["debugpy"].trace_this_thread(False)
+    import pydevd_tracing  # type: ignore[import-not-found]  # on sys.path once debugpy was imported (listen)
+
+    pydevd_tracing.restore_sys_set_trace_func()
 
 
 def stop_here(frame: types.FrameType) -> None:

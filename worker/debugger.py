@@ -248,6 +248,7 @@ class RankDebugger:
         if dapside.client_connected():  # the notebook's visual debugger is attached: stop there, not at a prompt
             dapside.stop_here(sys._getframe(1))
             return
+        dapside.release_thread()
         self._trace(sys._getframe(1), None)
 
     def set_trace(self, *, header: str | None = None) -> None:

@@ -215,8 +215,19 @@ class MeshDebugger:
 
     # ---- rank sessions
 
-    def attach_ranks(self, ports: dict[int, int]) -> None:
-        """Connect to each rank's adapter (rank -> port) and run DAP's attach sequence (kernel main thread).
+    def attached_to(self, rank: int, pid: int | None) -> bool:
+        """Whether a live session debugs rank ``rank`` as the process ``pid`` (a restarted rank is a new process)."""
+        session = self.sessions.get(rank)
+        if session is not None and session.alive and session.pid == pid:
+            return True
+        if session is not None:
+            self.sessions.pop(rank, None)
+            session.close()
+        return False
+
+    def attach_ranks(self, ports: dict[int, int], pids: dict[int, int | None]) -> None:
+        """Connect to each rank's adapter (rank -> port; ``pids``: rank -> its process) and run DAP's attach
+        sequence (kernel main thread).
 
         Raises
         ------
@@ -226,8 +237,7 @@ class MeshDebugger:
         import monarch_worker
 
         for rank, port in sorted(ports.items()):
-            old = self.sessions.get(rank)
-            if old is not None and old.alive:
+            if self.attached_to(rank, pids.get(rank)):
                 continue
             initialized = threading.Event()
 
@@ -256,6 +266,7 @@ class MeshDebugger:
             except BaseException:
                 session.close()
                 raise
+            session.pid = pids.get(rank)
             self.sessions[rank] = session
 
     def detach_ranks(self) -> None:
@@ -359,11 +370,12 @@ def prepare_cell(shell: Any, mesh: Any, cell: str, ranks: Any) -> tuple[str, str
     from ..errors import MonarchError
     from ..ranks import parse_ranks
 
-    need = [r for r in parse_ranks(ranks, mesh.nproc) if r not in dbg.sessions or not dbg.sessions[r].alive]
+    pids = {r: s["pid"] for r, s in mesh.status().items()}
+    need = [r for r in parse_ranks(ranks, mesh.nproc) if not dbg.attached_to(r, pids.get(r))]
     if need:
         try:
             ports = mesh.call(dapside.listen, ranks=need, timeout=ATTACH_TIMEOUT)
-            dbg.attach_ranks({r: int(p) for r, p in ports.items()})
+            dbg.attach_ranks({r: int(p) for r, p in ports.items()}, pids)
         except (MonarchError, OSError, TimeoutError, SessionClosed) as e:
             if not dbg.missing_note_shown:
                 dbg.missing_note_shown = True

@@ -50,6 +50,7 @@ class RankSession:
         from debugpy.common import messaging  # the kernel's debugger is debugpy: present when this is used
 
         self.rank = rank
+        self.pid: int | None = None  # the rank's process, once attached (set by the debugger)
         self._closed_error = messaging.NoMoreMessages
         sock = socket.create_connection(("127.0.0.1", port), timeout=connect_timeout)
         self._stream = messaging.JsonIOStream.from_socket(sock, f"rank{rank}")

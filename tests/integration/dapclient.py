@@ -132,5 +132,14 @@ class DapKernel:
                 self.lock.wait(min(remaining, 0.5))
         return run
 
+    def wait_output(self, run: CellRun, text: str, timeout: float = TIMEOUT) -> None:
+        """Wait until the cell's output holds ``text``."""
+        deadline = time.monotonic() + timeout
+        with self.lock:
+            while text not in run.stdout:
+                remaining = deadline - time.monotonic()
+                assert remaining > 0, f"{text!r} not in the cell's output:\n{run.stdout}"
+                self.lock.wait(min(remaining, 0.5))
+
     def execute(self, code: str, timeout: float = TIMEOUT) -> CellRun:
         return self.wait(self.submit(code), timeout)

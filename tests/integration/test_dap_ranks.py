@@ -1,0 +1,157 @@
+"""JupyterLab's visual debugger on local ranks (issue 28): a real DAP conversation with a real kernel through
+jupyter_client, as JupyterLab has it (initialize, attach, dumpCell, setBreakpoints, a %%mesh cell, stopped events
+from each rank, threads, stackTrace, scopes, variables, evaluate, next, continue, the cell's result)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from tests.conftest import wait_gone, worker_pids
+from tests.integration.dapclient import DapKernel
+
+pytestmark = [pytest.mark.kernel, pytest.mark.slow]
+
+pytest.importorskip("debugpy")
+
+
+@pytest.fixture(scope="module")
+def k() -> Iterator[DapKernel]:
+    kernel = DapKernel(os.getcwd())
+    pids: set[int] = set()
+    try:
+        kernel.debugger_on()
+        run = kernel.execute("%load_ext monarch\n%config MeshMagics.live_view = 'off'\nm = %mesh start -n 3\n"
+                             "import json; print('PIDS', json.dumps([s['pid'] for s in m.status().values()]))")
+        assert run.reply["status"] == "ok", (run.stdout, run.errors)
+        pids = set(json.loads(run.stdout.split("PIDS ", 1)[1].splitlines()[0]))
+        yield kernel
+    finally:
+        kernel.close()
+    assert not wait_gone(pids & worker_pids(), timeout=30)
+
+
+def _breakpoints(k: DapKernel, code: str, lines: list[int]) -> str:
+    path = k.dap("dumpCell", code=code)["body"]["sourcePath"]
+    rep = k.dap("setBreakpoints", source={"path": path}, breakpoints=[{"line": n} for n in lines],
+                sourceModified=False)
+    assert rep["success"], rep
+    return path
+
+
+def _stopped(k: DapKernel, n: int) -> dict[int, dict]:
+    """The next ``n`` stopped events, by the rank named in their description."""
+    out = {}
+    for _ in range(n):
+        ev = k.wait_event(lambda e: e.get("event") == "stopped", what="stopped event")
+        rank = int(ev["body"]["description"].split(":")[0].split()[1])
+        out[rank] = ev["body"]
+    return out
+
+
+def _locals(k: DapKernel, thread: int) -> tuple[dict, int, dict[str, str]]:
+    frame = k.dap("stackTrace", threadId=thread)["body"]["stackFrames"][0]
+    scopes = k.dap("scopes", frameId=frame["id"])["body"]["scopes"]
+    names = k.dap("variables", variablesReference=scopes[0]["variablesReference"])["body"]["variables"]
+    return frame, frame["id"], {v["name"]: v["value"] for v in names}
+
+
+def test_gutter_breakpoint_stops_the_ranks_that_run_it(k: DapKernel) -> None:
+    code = ("%%mesh\nx = rank * 10\nif rank != 2:\n    y = x + 1\n    z = y * 2\nelse:\n    print('rank 2 runs on')\n"
+            "x + 5\n")
+    path = _breakpoints(k, code, [4])
+    run = k.submit(code)
+    stops = _stopped(k, 2)
+    assert sorted(stops) == [0, 1] and all(s["reason"] == "breakpoint" for s in stops.values())
+    # The rank that did not stop ran on: its output is in the cell while the others wait.
+    k.wait_output(run, "[rank2]: rank 2 runs on")
+    names = [t["name"] for t in k.dap("threads")["body"]["threads"]]
+    assert {"rank 0: MainThread", "rank 1: MainThread", "rank 2: MainThread", "MainThread"} <= set(names), names
+    for rank, stop in stops.items():
+        frame, frame_id, values = _locals(k, stop["threadId"])
+        assert (frame["source"]["path"], frame["line"]) == (path, 4)  # the gutter's line, the %%mesh line counted
+        assert values["rank"] == str(rank) and values["x"] == str(rank * 10) and "y" not in values
+        ev = k.dap("evaluate", expression="x + 1000", frameId=frame_id, context="repl")
+        assert ev["success"] and ev["body"]["result"] == str(rank * 10 + 1000)
+        rich = k.dap("richInspectVariables", variableName="x", frameId=frame_id)
+        assert rich["success"] and rich["body"]["data"]["text/plain"] == str(rank * 10)
+    # A step acts on the selected rank only.
+    rep = k.dap("next", threadId=stops[1]["threadId"])
+    assert rep["success"], rep
+    step = _stopped(k, 1)
+    assert list(step) == [1] and step[1]["reason"] == "step"
+    frame, _, values = _locals(k, step[1]["threadId"])
+    assert frame["line"] == 5 and values["y"] == "11"
+    frame, _, values = _locals(k, stops[0]["threadId"])
+    assert frame["line"] == 4 and "y" not in values  # rank 0 did not move
+    # continue resumes every stopped rank: the cell ends with every rank's value.
+    rep = k.dap("continue", threadId=stops[0]["threadId"])
+    assert rep["success"], rep
+    k.wait(run)
+    assert run.reply["status"] == "ok" and run.results == ["{0: 5, 1: 15, 2: 25}"], (run.stdout, run.errors)
+    _breakpoints(k, code, [])
+    run = k.execute(code)  # no breakpoint left: the same cell runs through
+    assert run.results == ["{0: 5, 1: 15, 2: 25}"], (run.stdout, run.errors)
+
+
+def test_breakpoint_call_goes_to_the_attached_debugger(k: DapKernel) -> None:
+    run = k.submit("%%mesh --ranks 1\nw = 21\nbreakpoint()\nw * 2\n")
+    stops = _stopped(k, 1)
+    assert list(stops) == [1]
+    frame, _, values = _locals(k, stops[1]["threadId"])
+    assert values["w"] == "21" and frame["line"] == 4  # stopped in the cell (its %%mesh line counted), not in pdb
+    assert not k.kc.stdin_channel.msg_ready()  # no (Pdb rank 1) prompt on stdin
+    assert k.dap("continue", threadId=stops[1]["threadId"])["success"]
+    k.wait(run)
+    assert run.results == ["{1: 42}"], (run.stdout, run.errors)
+
+
+def test_breakpoint_on_a_line_no_rank_runs(k: DapKernel) -> None:
+    code = "%%mesh\nv = rank\nif v > 100:\n    v = -1\nv\n"
+    _breakpoints(k, code, [4])
+    run = k.execute(code)
+    assert run.results == ["{0: 0, 1: 1, 2: 2}"], (run.stdout, run.errors)
+    assert all(ev.get("event") != "stopped" for ev in list(k.events.queue))
+    _breakpoints(k, code, [])
+
+
+def test_disconnect_while_stopped_resumes_the_ranks(k: DapKernel) -> None:
+    code = "%%mesh\nu = rank + 1\nu = u * 3\nu\n"
+    _breakpoints(k, code, [3])
+    run = k.submit(code)
+    _stopped(k, 3)
+    assert k.dap("disconnect", restart=False, terminateDebuggee=False)["success"]
+    k.wait(run)
+    assert run.results == ["{0: 3, 1: 6, 2: 9}"], (run.stdout, run.errors)
+    # With no debugger attached, breakpoint() is the rank's pdb again (here its scripted form).
+    run = k.execute('%%mesh --ranks 0 --pdb-commands "p 6 * 7; c"\nbreakpoint()\n7\n')
+    assert run.results == ["{0: 7}"] and "(Pdb rank 0) p 6 * 7\n42\n" in run.stdout, (run.stdout, run.errors)
+    k.debugger_on()  # and the debugger attaches again
+    code = "%%mesh\nt = rank * 7\nt\n"
+    _breakpoints(k, code, [3])
+    run = k.submit(code)
+    stops = _stopped(k, 3)
+    _, _, values = _locals(k, stops[2]["threadId"])
+    assert values["t"] == "14"
+    k.dap("continue", threadId=stops[2]["threadId"])
+    k.wait(run)
+    assert run.results == ["{0: 0, 1: 7, 2: 14}"], (run.stdout, run.errors)
+    _breakpoints(k, code, [])
+
+
+def test_debugpy_missing_on_the_ranks(k: DapKernel) -> None:
+    run = k.execute("%mesh restart")
+    assert run.reply["status"] == "ok", (run.stdout, run.errors)
+    # As if debugpy were not installed on the ranks (m.run: not a %%mesh cell, which would attach them first).
+    run = k.execute("_ = m.run(\"import sys\\nsys.modules['debugpy'] = None\")")
+    assert run.reply["status"] == "ok", (run.stdout, run.errors)
+    code = "%%mesh\ns = rank\ns\n"
+    _breakpoints(k, code, [3])
+    run = k.execute(code)
+    assert run.results == ["{0: 0, 1: 1, 2: 2}"], (run.stdout, run.errors)
+    assert "the debugger cannot attach to the ranks" in run.stdout and "pip install 'monarch-jupyter[debug]'" \
+        in run.stdout, run.stdout
+    _breakpoints(k, code, [])
