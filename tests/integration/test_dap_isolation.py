@@ -16,9 +16,10 @@ pytestmark = [pytest.mark.kernel, pytest.mark.slow]
 # What each process of the mesh says of the debugger: its command line and whether pydevd is loaded in it.
 PROBE = ("import json, sys\nfrom monarch_jupyter.kernel.launch.local import fork_server_pid as _fsp\n"
          "print('FS', json.dumps(open(f'/proc/{_fsp()}/cmdline', 'rb').read().decode().split(chr(0))))\n")
-RANK_PROBE = ("%%mesh\nimport sys, os, torch\n"
-              "(sorted(m for m in ('pydevd', 'debugpy') if m in sys.modules), "
-              "sorted(k for k in os.environ if k.startswith(('PYDEVD_', 'DEBUGPY_'))),\n"
+# m.run, not a %%mesh cell: a %%mesh cell run while the debugger is on attaches the ranks to it (on purpose).
+RANK_PROBE = ("import sys, os, torch\n"
+              "(sorted(m for m in ('pydevd', 'debugpy') if m in sys.modules),\n"
+              " sorted(k for k in os.environ if k.startswith(('PYDEVD_', 'DEBUGPY_'))),\n"
               " int(torch.ones(3).sum()) + rank)")
 
 
@@ -27,7 +28,7 @@ def _check_mesh_clean(k: DapKernel, nproc: int) -> None:
     assert run.reply["status"] == "ok", run
     cmd = json.loads(run.stdout.split("FS ", 1)[1].splitlines()[0])
     assert not any("pydevd" in part or "debugpy" in part for part in cmd), cmd
-    run = k.execute(RANK_PROBE)
+    run = k.execute(f"m.run({RANK_PROBE!r})")
     assert run.reply["status"] == "ok", (run.stdout, run.errors)
     want = {r: ([], [], 3 + r) for r in range(nproc)}
     assert run.results == [repr(want)], run
