@@ -9,6 +9,7 @@ extension is loaded, ``install`` puts a ``MeshDebugger`` in front of it, which
   (``prepare_cell``: the rank listens on a loopback port, ``monarch_worker.dapside``; ``RankSession`` connects), and
   compiles the cell on the ranks under the path JupyterLab gave that cell (``dumpCell``: a Murmur2 hash of the
   cell's code, ipykernel.compiler.get_file_name), the ``%%mesh`` line counted, so gutter breakpoints hit;
+- copies a rank's value into the notebook (``copyToGlobals``: pickled on the rank, unpickled here);
 - gives each rank's threads, frames and variable references virtual ids (``VirtualIds``), lists ranks' threads as
   ``rank N: MainThread`` in ``threads``, and sends requests about a rank's ids (``stackTrace``, ``scopes``,
   ``variables``, ``evaluate``, ``next``, ``stepIn``, ``stepOut``, ``pause``, ...) to that rank;
@@ -24,8 +25,10 @@ that were stopped.
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import os
+import sys
 import threading
 from typing import Any
 
@@ -138,6 +141,7 @@ class MeshDebugger:
                 ranks = [VirtualIds.to_virtual(r, t) for r, ts in self.stopped.items() for t in ts]
             reply["body"]["stoppedThreads"] = list(reply["body"].get("stoppedThreads", [])) + ranks
         elif command == "disconnect":
+            self.missing_note_shown = False
             self.breakpoints.clear()
             self.exception_breakpoints = None
             await asyncio.get_running_loop().run_in_executor(None, self.detach_ranks)
@@ -156,6 +160,8 @@ class MeshDebugger:
             return await self._continue_all(message, rank)
         if command == "richInspectVariables":
             return await self._rich_inspect(session, message, args)
+        if command == "copyToGlobals":
+            return await self._copy_to_globals(session, message, args)
         try:
             resp = await asyncio.wrap_future(session.request(command, args))
         except SessionClosed as e:
@@ -197,6 +203,24 @@ class MeshDebugger:
         return {"type": "response", "seq": message.get("seq"), "request_seq": message.get("seq"),
                 "success": bool(resp.get("success")), "command": message["command"],
                 "body": {"data": data, "metadata": {}}}
+
+    async def _copy_to_globals(self, session: RankSession, message: dict, args: dict) -> dict:
+        """Copy a rank's value (pickled there with cloudpickle, base64 through ``evaluate``) into the notebook."""
+        src, dst = args.get("srcVariableName", ""), args.get("dstVariableName", "")
+        if not (src.isidentifier() and dst.isidentifier()):
+            return _failure(message, "dstVariableName and srcVariableName must be valid identifiers")
+        expr = f"__import__('base64').b64encode(__import__('cloudpickle').dumps({src})).decode()"
+        resp = await asyncio.wrap_future(session.request("evaluate", {
+            "expression": expr, "frameId": args.get("srcFrameId"), "context": "clipboard"}))
+        if not resp.get("success"):
+            return _failure(message, f"rank {session.rank} cannot send {src}: {resp.get('message', '')}")
+        import cloudpickle
+        from IPython import get_ipython
+
+        text = resp["body"]["result"].strip("'\"")
+        get_ipython().user_ns[dst] = cloudpickle.loads(base64.b64decode(text))
+        return {"type": "response", "seq": message.get("seq"), "request_seq": message.get("seq"), "success": True,
+                "command": message["command"], "body": {}}
 
     async def _rank_threads(self) -> list[dict]:
         sessions = [s for s in list(self.sessions.values()) if s.alive]
@@ -370,6 +394,10 @@ def prepare_cell(shell: Any, mesh: Any, cell: str, ranks: Any) -> tuple[str, str
     from ..errors import MonarchError
     from ..ranks import parse_ranks
 
+    if mesh.lifecycle.joined:  # ranks on other hosts: their loopback is not ours (a relay is not done yet)
+        _note_once(dbg, "the visual debugger attaches to local ranks only (`%mesh start -n N`); these ranks joined "
+                        "from elsewhere, so this cell runs without breakpoints")
+        return None
     pids = {r: s["pid"] for r, s in mesh.status().items()}
     need = [r for r in parse_ranks(ranks, mesh.nproc) if not dbg.attached_to(r, pids.get(r))]
     if need:
@@ -377,14 +405,16 @@ def prepare_cell(shell: Any, mesh: Any, cell: str, ranks: Any) -> tuple[str, str
             ports = mesh.call(dapside.listen, ranks=need, timeout=ATTACH_TIMEOUT)
             dbg.attach_ranks({r: int(p) for r, p in ports.items()}, pids)
         except (MonarchError, OSError, TimeoutError, SessionClosed) as e:
-            if not dbg.missing_note_shown:
-                dbg.missing_note_shown = True
-                import sys
-
-                print(f"the debugger cannot attach to the ranks, so this cell runs without breakpoints: {e}",
-                      file=sys.stderr)
+            _note_once(dbg, f"the debugger cannot attach to the ranks, so this cell runs without breakpoints: {e}")
             return None
     return "\n" * offset + cell, get_file_name(raw)
+
+
+def _note_once(dbg: MeshDebugger, text: str) -> None:
+    """Tell the user (stderr, in the cell) why ranks are not debugged, once per debugger session."""
+    if not dbg.missing_note_shown:
+        dbg.missing_note_shown = True
+        print(text, file=sys.stderr)
 
 
 def _raw_cell(shell: Any) -> str | None:

@@ -78,6 +78,10 @@ def test_gutter_breakpoint_stops_the_ranks_that_run_it(k: DapKernel) -> None:
         assert ev["success"] and ev["body"]["result"] == str(rank * 10 + 1000)
         rich = k.dap("richInspectVariables", variableName="x", frameId=frame_id)
         assert rich["success"] and rich["body"]["data"]["text/plain"] == str(rank * 10)
+    # copyToGlobals: rank 1's value into the notebook.
+    _, frame_id, _ = _locals(k, stops[1]["threadId"])
+    rep = k.dap("copyToGlobals", srcVariableName="x", dstVariableName="x_of_rank1", srcFrameId=frame_id)
+    assert rep["success"], rep
     # A step acts on the selected rank only.
     rep = k.dap("next", threadId=stops[1]["threadId"])
     assert rep["success"], rep
@@ -95,6 +99,7 @@ def test_gutter_breakpoint_stops_the_ranks_that_run_it(k: DapKernel) -> None:
     _breakpoints(k, code, [])
     run = k.execute(code)  # no breakpoint left: the same cell runs through
     assert run.results == ["{0: 5, 1: 15, 2: 25}"], (run.stdout, run.errors)
+    assert k.execute("x_of_rank1 + 1").results == ["11"]
 
 
 def test_breakpoint_call_goes_to_the_attached_debugger(k: DapKernel) -> None:
