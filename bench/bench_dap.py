@@ -74,7 +74,7 @@ def main() -> None:
                 sidebar.append(t_side)
         k.dap("setBreakpoints", source={"path": path}, breakpoints=[])
         on: list[float] = []
-        for i in range(args.cells // 2):
+        for _ in range(args.cells // 2):
             t0 = time.perf_counter()
             k.execute(trivial)
             on.append(time.perf_counter() - t0)

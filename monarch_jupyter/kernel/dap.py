@@ -307,6 +307,7 @@ class MeshDebugger:
 
     def _on_rank_event(self, rank: int, event: dict) -> None:
         name, body = event.get("event"), dict(event.get("body") or {})
+        gone: set[int] = set()
         with self._lock:
             threads = self.stopped.setdefault(rank, set())
             if name == "stopped":
@@ -317,8 +318,15 @@ class MeshDebugger:
                 else:
                     threads.discard(body.get("threadId", 0))
             elif name == "closed":
-                threads.clear()
-        if name == "closed":
+                gone, threads = set(threads), set()
+                self.stopped[rank] = threads
+        if name == "closed":  # the rank ended (or its adapter did): the frontend forgets its threads
+            for t in gone:
+                self._publish({"type": "event", "seq": 0, "event": "continued",
+                               "body": {"threadId": VirtualIds.to_virtual(rank, t), "allThreadsContinued": False}})
+            for t in gone:
+                self._publish({"type": "event", "seq": 0, "event": "thread",
+                               "body": {"reason": "exited", "threadId": VirtualIds.to_virtual(rank, t)}})
             if self.sessions.get(rank) is not None and not self.sessions[rank].alive:
                 self.sessions.pop(rank, None)
             return

@@ -147,6 +147,27 @@ def test_disconnect_while_stopped_resumes_the_ranks(k: DapKernel) -> None:
     _breakpoints(k, code, [])
 
 
+def test_a_rank_that_dies_while_stopped(k: DapKernel) -> None:
+    code = "%%mesh --ranks 1\nimport os\nq = os.getpid()\nq\n"
+    _breakpoints(k, code, [4])
+    run = k.submit(code)
+    stops = _stopped(k, 1)
+    _, frame_id, values = _locals(k, stops[1]["threadId"])
+    pid = int(values["q"])
+    os.kill(pid, 9)
+    # The frontend is told the rank's stopped thread is gone; the cell ends with the rank's death.
+    ev = k.wait_event(lambda e: e.get("event") == "continued" and e["body"]["threadId"] == stops[1]["threadId"],
+                      what="continued event of the dead rank")
+    assert ev["body"]["allThreadsContinued"] is False
+    k.wait(run)
+    assert run.reply["status"] == "error", run
+    rep = k.dap("variables", variablesReference=frame_id)
+    assert not rep["success"] and "rank 1 is not attached" in rep["message"], rep
+    _breakpoints(k, code, [])
+    run = k.execute("%mesh restart")
+    assert run.reply["status"] == "ok", (run.stdout, run.errors)
+
+
 def test_debugpy_missing_on_the_ranks(k: DapKernel) -> None:
     run = k.execute("%mesh restart")
     assert run.reply["status"] == "ok", (run.stdout, run.errors)
