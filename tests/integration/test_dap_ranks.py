@@ -114,6 +114,39 @@ def test_breakpoint_call_goes_to_the_attached_debugger(k: DapKernel) -> None:
     assert run.results == ["{1: 42}"], (run.stdout, run.errors)
 
 
+def test_step_in_out_and_pause(k: DapKernel, tmp_path: object) -> None:
+    code = "%%mesh --ranks 0\ndef f(a):\n    b = a * 2\n    return b\nc = f(rank + 4)\nc\n"
+    _breakpoints(k, code, [5])
+    run = k.submit(code)
+    tid = _stopped(k, 1)[0]["threadId"]
+    assert k.dap("stepIn", threadId=tid)["success"]
+    frame, _, values = _locals(k, _stopped(k, 1)[0]["threadId"])
+    assert (frame["name"], frame["line"], values["a"]) == ("f", 3, "4")
+    assert k.dap("stepOut", threadId=tid)["success"]
+    frame, _, _ = _locals(k, _stopped(k, 1)[0]["threadId"])
+    assert frame["name"] == "<module>" and frame["line"] == 5
+    assert k.dap("continue", threadId=tid)["success"]
+    k.wait(run)
+    assert run.results == ["{0: 8}"], (run.stdout, run.errors)
+    _breakpoints(k, code, [])
+    # pause: a rank that runs on stops where it is.
+    stop = f"{tmp_path}/stop"
+    run = k.submit(f"%%mesh --ranks 2\nimport os, time\nn = 0\nprint('looping', flush=True)\n"
+                   f"while not os.path.exists({stop!r}):\n    n += 1\n    time.sleep(0.01)\nn > 0\n")
+    k.wait_output(run, "[rank2]: looping")
+    threads = [t for t in k.dap("threads")["body"]["threads"] if t["name"] == "rank 2: MainThread"]
+    assert threads, k.dap("threads")
+    assert k.dap("pause", threadId=threads[0]["id"])["success"]
+    ev = _stopped(k, 1)[2]
+    assert ev["reason"] == "pause"
+    _, _, values = _locals(k, ev["threadId"])
+    assert int(values["n"]) >= 0
+    open(stop, "w").close()
+    assert k.dap("continue", threadId=ev["threadId"])["success"]
+    k.wait(run)
+    assert run.results == ["{2: True}"], (run.stdout, run.errors)
+
+
 def test_breakpoint_on_a_line_no_rank_runs(k: DapKernel) -> None:
     code = "%%mesh\nv = rank\nif v > 100:\n    v = -1\nv\n"
     _breakpoints(k, code, [4])
