@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import logging
 import os
 import sys
@@ -251,47 +252,61 @@ class MeshDebugger:
 
     def attach_ranks(self, ports: dict[int, int], pids: dict[int, int | None]) -> None:
         """Connect to each rank's adapter (rank -> port; ``pids``: rank -> its process) and run DAP's attach
-        sequence (kernel main thread).
+        sequence, all ranks at once (kernel main thread).
 
         Raises
         ------
         OSError, TimeoutError, SessionClosed
-            A rank's adapter did not accept or answer in time (sessions made so far stay).
+            A rank's adapter did not accept or answer in time (the sessions of the other ranks stay).
         """
-        import monarch_worker
-
-        for rank, port in sorted(ports.items()):
-            if self.attached_to(rank, pids.get(rank)):
-                continue
-            initialized = threading.Event()
-
-            def on_event(r: int, event: dict, initialized: threading.Event = initialized) -> None:
-                if event.get("event") == "initialized":
-                    initialized.set()
-                self._on_rank_event(r, event)
-
-            session = RankSession(rank, port, on_event, ATTACH_TIMEOUT)
+        todo = {r: p for r, p in ports.items() if not self.attached_to(r, pids.get(r))}
+        if not todo:
+            return
+        with concurrent.futures.ThreadPoolExecutor(min(len(todo), 16), thread_name_prefix="monarch-dap-attach") as ex:
+            futures = {r: ex.submit(self._attach_one, r, p) for r, p in todo.items()}
+        errors = []
+        for rank, fut in sorted(futures.items()):
             try:
-                session.call("initialize", {"clientID": "monarch-jupyter", "adapterID": "python", "pathFormat": "path",
-                                            "linesStartAt1": True, "columnsStartAt1": True,
-                                            "supportsVariableType": True}, ATTACH_TIMEOUT)
-                attach = session.request("attach", {
-                    "justMyCode": True, "subProcess": False, "redirectOutput": False,
-                    # the rank's own runtime (cells are run from it) is never shown or stepped into
-                    "rules": [{"path": os.path.dirname(monarch_worker.__file__), "include": False}]})
-                if not initialized.wait(ATTACH_TIMEOUT):
-                    raise TimeoutError(f"rank {rank}'s debugger did not initialize within {ATTACH_TIMEOUT:g} s")
-                for args in list(self.breakpoints.values()):
-                    session.call("setBreakpoints", args, REQUEST_TIMEOUT)
-                if self.exception_breakpoints is not None:
-                    session.call("setExceptionBreakpoints", self.exception_breakpoints, REQUEST_TIMEOUT)
-                session.call("configurationDone", None, REQUEST_TIMEOUT)
-                attach.result(ATTACH_TIMEOUT)
-            except BaseException:
-                session.close()
-                raise
+                session = fut.result()
+            except (OSError, TimeoutError, SessionClosed) as e:
+                errors.append(e)
+                continue
             session.pid = pids.get(rank)
             self.sessions[rank] = session
+        if errors:
+            raise errors[0]
+
+    def _attach_one(self, rank: int, port: int) -> RankSession:
+        import monarch_worker
+
+        initialized = threading.Event()
+
+        def on_event(r: int, event: dict) -> None:
+            if event.get("event") == "initialized":
+                initialized.set()
+            self._on_rank_event(r, event)
+
+        session = RankSession(rank, port, on_event, ATTACH_TIMEOUT)
+        try:
+            session.call("initialize", {"clientID": "monarch-jupyter", "adapterID": "python", "pathFormat": "path",
+                                        "linesStartAt1": True, "columnsStartAt1": True,
+                                        "supportsVariableType": True}, ATTACH_TIMEOUT)
+            attach = session.request("attach", {
+                "justMyCode": True, "subProcess": False, "redirectOutput": False,
+                # the rank's own runtime (cells are run from it) is never shown or stepped into
+                "rules": [{"path": os.path.dirname(monarch_worker.__file__), "include": False}]})
+            if not initialized.wait(ATTACH_TIMEOUT):
+                raise TimeoutError(f"rank {rank}'s debugger did not initialize within {ATTACH_TIMEOUT:g} s")
+            for args in list(self.breakpoints.values()):
+                session.call("setBreakpoints", args, REQUEST_TIMEOUT)
+            if self.exception_breakpoints is not None:
+                session.call("setExceptionBreakpoints", self.exception_breakpoints, REQUEST_TIMEOUT)
+            session.call("configurationDone", None, REQUEST_TIMEOUT)
+            attach.result(ATTACH_TIMEOUT)
+        except BaseException:
+            session.close()
+            raise
+        return session
 
     def detach_ranks(self) -> None:
         """Disconnect every rank session; debugpy resumes a rank that was stopped (any thread)."""
