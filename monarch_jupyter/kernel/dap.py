@@ -415,14 +415,20 @@ def prepare_cell(shell: Any, mesh: Any, cell: str, ranks: Any) -> tuple[str, str
     from monarch_worker import dapside
 
     from ..errors import MonarchError
-    from ..ranks import parse_ranks
+    from ..ranks import parse_ranks, ranks_text
 
     if mesh.lifecycle.joined:  # ranks on other hosts: their loopback is not ours (a relay is not done yet)
         _note_once(dbg, "the visual debugger attaches to local ranks only (`%mesh start -n N`); these ranks joined "
                         "from elsewhere, so this cell runs without breakpoints")
         return None
-    pids = {r: s["pid"] for r, s in mesh.status().items()}
+    status = mesh.status()
+    pids = {r: s["pid"] for r, s in status.items()}
     need = [r for r in parse_ranks(ranks, mesh.nproc) if not dbg.attached_to(r, pids.get(r))]
+    busy = [r for r in need if status[r]["state"] != "idle"]
+    if busy:  # attaching runs on the rank's main thread: it would wait behind (or time out) what the rank runs
+        print(f"the debugger attaches to {ranks_text(busy)} when idle (busy with an earlier cell now), so this cell "
+              "runs there without breakpoints", file=sys.stderr)
+        return None
     if need:
         try:
             ports = mesh.call(dapside.listen, ranks=need, timeout=ATTACH_TIMEOUT)

@@ -201,6 +201,30 @@ def test_a_rank_that_dies_while_stopped(k: DapKernel) -> None:
     assert run.reply["status"] == "ok", (run.stdout, run.errors)
 
 
+def test_attach_waits_for_a_busy_rank(k: DapKernel, tmp_path: object) -> None:
+    run = k.execute("%mesh restart")  # fresh ranks, not attached yet
+    assert run.reply["status"] == "ok", (run.stdout, run.errors)
+    stop = f"{tmp_path}/stop"
+    busy = f"import os, time\nwhile not os.path.exists({stop!r}):\n    time.sleep(0.01)\n'done'"
+    run = k.execute(f"h = m.run({busy!r}, ranks=[1], block=False)")
+    assert run.reply["status"] == "ok", (run.stdout, run.errors)
+    code = "%%mesh --ranks 0,2\ne = rank\ne\n"
+    _breakpoints(k, code, [3])
+    run = k.submit("%%mesh --ranks 1\nrank")  # queued behind the busy cell: no attach, no interrupt of it
+    k.wait_output(run, "the debugger attaches to rank 1 when idle")
+    open(stop, "w").close()
+    k.wait(run)
+    assert run.results == ["{1: 1}"], (run.stdout, run.errors)
+    assert k.execute("h.result()").results == ["{1: 'done'}"]
+    run = k.submit(code)  # the idle ranks attach and stop as usual
+    stops = _stopped(k, 2)
+    assert sorted(stops) == [0, 2]
+    k.dap("continue", threadId=stops[0]["threadId"])
+    k.wait(run)
+    assert run.results == ["{0: 0, 2: 2}"], (run.stdout, run.errors)
+    _breakpoints(k, code, [])
+
+
 def test_debugpy_missing_on_the_ranks(k: DapKernel) -> None:
     run = k.execute("%mesh restart")
     assert run.reply["status"] == "ok", (run.stdout, run.errors)
