@@ -13,6 +13,8 @@ from tests.integration.dapclient import DapKernel
 
 pytestmark = [pytest.mark.kernel, pytest.mark.slow]
 
+pytest.importorskip("debugpy")  # the kernel's debugger is debugpy
+
 # What each process of the mesh says of the debugger: its command line and whether pydevd is loaded in it.
 PROBE = ("import json, sys\nfrom monarch_jupyter.kernel.launch.local import fork_server_pid as _fsp\n"
          "print('FS', json.dumps(open(f'/proc/{_fsp()}/cmdline', 'rb').read().decode().split(chr(0))))\n")
