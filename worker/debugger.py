@@ -36,6 +36,7 @@ import types
 from collections.abc import Callable, Iterator
 from typing import IO, TYPE_CHECKING, Any, cast
 
+from . import dapside
 from . import protocol as P
 from .executor import is_internal, main_thread_stack
 
@@ -244,6 +245,10 @@ class RankDebugger:
         """``sys.breakpointhook``: stop in the caller's frame. PYTHONBREAKPOINT=0 turns breakpoints off."""
         if os.environ.get("PYTHONBREAKPOINT") == "0":
             return
+        if dapside.client_connected():  # the notebook's visual debugger is attached: stop there, not at a prompt
+            dapside.stop_here(sys._getframe(1))
+            return
+        dapside.release_thread()
         self._trace(sys._getframe(1), None)
 
     def set_trace(self, *, header: str | None = None) -> None:

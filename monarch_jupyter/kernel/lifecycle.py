@@ -34,6 +34,7 @@ from .cells import CellTable
 from .dispatch import Dispatcher
 from .iothread import IOThread
 from .launch.base import LauncherEvents
+from .launch.isolation import without_debugger_env
 from .launch.listener import Listener
 from .launch.local import LocalLauncher
 from .lighthouse import Lighthouse
@@ -222,7 +223,7 @@ class Lifecycle:
 
     def launch_env(self) -> dict[str, str]:
         """Environment of an engine that starts joining ranks (torchrun, srun): this one plus ``env``."""
-        env = dict(os.environ)
+        env = without_debugger_env(os.environ)  # never the kernel's debugpy settings (launch/isolation.py)
         env.update(self.state.extra_env)
         env.update(self.state.options.env)
         for key in ("JPY_PARENT_PID", "MPLBACKEND"):
@@ -237,7 +238,7 @@ class Lifecycle:
 
     def rank_env(self) -> dict[str, str]:
         """Environment of a local rank: this one, ``env``, and what torchrun would set."""
-        env = dict(os.environ)
+        env = without_debugger_env(os.environ)  # never the kernel's debugpy settings (launch/isolation.py)
         env.update(self.state.extra_env)  # TORCHFT_LIGHTHOUSE
         env.update(self.state.options.env)
         # As torchrun: one OpenMP thread per rank when several share this host, unless the user chose, so N ranks

@@ -19,7 +19,7 @@ from IPython.core.magic import Magics, cell_magic, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from .. import errors
-from ..kernel import config, registry
+from ..kernel import config, dap, registry
 from ..kernel.launch import launcher_for
 from ..kernel.mesh import Mesh
 from ..kernel.resize import ScaleReport
@@ -353,6 +353,9 @@ class MeshMagics(Magics):
             raise UsageError("%%mesh --async returns a CellHandle: use handle.result(timeout=S) instead of "
                              "--out / --timeout")
         filename = f"<mesh In[{count}]>" if (count := self._prompt_count()) is not None else None
+        debugged = dap.prepare_cell(self.shell, m, cell, args.ranks)  # None unless the visual debugger is attached
+        if debugged is not None:
+            cell, filename = debugged
         view = None
         if not args.no_widget:
             from ..widgets import cell_view
@@ -486,6 +489,7 @@ def load(ipython: Any) -> None:
     ipython.register_magics(magics)
     magics.auto.install()
     magics.completion.install()
+    dap.install(ipython)
     _MAGICS[id(ipython)] = magics
     note = _check_ipykernel()
     if note:
@@ -518,6 +522,7 @@ def unload(ipython: Any) -> None:
     mm = ipython.magics_manager
     magics.auto.uninstall()
     magics.completion.uninstall()
+    dap.uninstall(ipython)
     for kind in ("line", "cell"):
         mm.magics[kind].pop("mesh", None)
     mm.magics["cell"].pop("local", None)

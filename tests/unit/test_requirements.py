@@ -24,7 +24,8 @@ _spec.loader.exec_module(floors)
 # Top-level modules of the package's own distributions, and the distribution that provides each import name
 # where the two differ.
 OWN = {"monarch", "monarch_jupyter", "monarch_worker", "_monarch_jupyter_hook"}
-DISTRIBUTION = {"zmq": "pyzmq", "IPython": "ipython"}
+# pydevd and pydevd_tracing: the copy of pydevd that debugpy vendors (importable once debugpy is imported).
+DISTRIBUTION = {"zmq": "pyzmq", "IPython": "ipython", "pydevd": "debugpy", "pydevd_tracing": "debugpy"}
 # Extras for working on the project, not for using it: an import of the package is never declared by these alone.
 DEVELOPMENT_EXTRAS = {"test", "notebooks", "bench", "frameworks", "lint", "docs"}
 

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from monarch_worker import join as wjoin
 
 from .base import Launcher, LaunchError
+from .isolation import spawn_unpatched
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -374,8 +375,9 @@ class ProcessLauncher(JoinLauncher):
         env[wjoin.ENV_SECRET] = secret  # environment only (readable by this user and root), never argv
         fd, self.log_path = tempfile.mkstemp(prefix=f"monarch-{self.name}-", suffix=".log")
         try:
-            self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=fd, stderr=subprocess.STDOUT,
-                                         start_new_session=True, close_fds=True)
+            with spawn_unpatched():  # a Python launcher must not be re-run under the kernel's debugger
+                self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=fd,
+                                             stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
         except OSError as e:
             raise LaunchError(f"cannot run {argv[0]}: {e.strerror}") from None
         finally:

@@ -29,6 +29,7 @@ from monarch_worker.reaper import END_WAIT
 
 from ..state import owner_check
 from .base import Launcher, LauncherEvents, LaunchError, WorkPipe
+from .isolation import spawn_unpatched, without_debugger_env
 
 log = logging.getLogger(__name__)
 
@@ -64,14 +65,15 @@ class ForkServer:
 
     def __init__(self, start_timeout: float) -> None:
         self._ctl, ctl_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        env = dict(os.environ)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "monarch_worker.forkserver"],
-            stdin=ctl_child.fileno(),
-            env=env,
-            start_new_session=True,  # the kernel's SIGINT (sent to its process group) must not reach ranks
-            close_fds=True,
-        )
+        env = without_debugger_env(os.environ)  # never the kernel's debugpy session (isolation.py)
+        with spawn_unpatched():
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "monarch_worker.forkserver"],
+                stdin=ctl_child.fileno(),
+                env=env,
+                start_new_session=True,  # the kernel's SIGINT (sent to its process group) must not reach ranks
+                close_fds=True,
+            )
         ctl_child.close()
         self._selector = selectors.DefaultSelector()  # the reader thread's: the socket and the output pipes
         self._outputs: dict[int, tuple[int, int]] = {}  # spawn id -> read fds of its (stdout, stderr) pipes
