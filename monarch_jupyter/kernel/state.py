@@ -237,7 +237,8 @@ class MeshState:
             }
 
     def group_status(self) -> str:
-        """The process group as it is: "up (gloo, 4 ranks)", "down: rank 1 died; ..." (the controller tore it
+        """The process group as it is: "up (gloo, 4 of 4 ranks)" (split: "...; split into sub-meshes of ranks
+        0,1 | 2,3"), "down: rank 1 died; ..." (the controller tore it
         down, or ranks report having none), or "none: the mesh is not running"."""
         with self.lock:
             if not self.running:
@@ -250,7 +251,9 @@ class MeshState:
                 return (f"down on {ranks_text(missing)}: no default process group there (collectives fail); "
                         "%mesh restart  makes a fresh mesh")
             backends = sorted({i.group for i in joined})
-            return f"up ({', '.join(backends) or '?'}, {len(joined)} of {self.nproc} ranks)"
+            split = (f"; split into sub-meshes of ranks {' | '.join(format_ranks(g) for g in self.partition)}"
+                     if self.partition else "")
+            return f"up ({', '.join(backends) or '?'}, {len(joined)} of {self.nproc} ranks{split})"
 
     def elastic(self, group_rank: int, group_world_size: int) -> dict[str, Any]:
         """Welcome's ``elastic`` field: the torchrun values only the controller knows (monarch_worker.elastic_env)."""

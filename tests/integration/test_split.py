@@ -35,6 +35,7 @@ def test_split_runs_collectives_on_both_halves_at_once_then_merges(tmp_path: Pat
         a, b = m.split(2)
         assert (a.name, a.ranks, b.name, b.ranks) == ("sub0", [0, 1], "sub1", [2, 3])
         assert m.subs == {"sub0": a, "sub1": b}
+        assert m.state.group_status() == "up (gloo, 4 of 4 ranks; split into sub-meshes of ranks 0,1 | 2,3)"
         for sub in (a, b):
             got = sub.run(NUMBERS)
             assert {r: v[:8] for r, v in got.items()} == {
@@ -54,6 +55,7 @@ def test_split_runs_collectives_on_both_halves_at_once_then_merges(tmp_path: Pat
 
         m.merge()
         assert m.subs == {} and not a.alive
+        assert m.state.group_status() == "up (gloo, 4 of 4 ranks)"
         back = m.run(NUMBERS)
         assert {r: v[:8] for r, v in back.items()} == {
             r: (r, 4, r, 4, str(r), "4", str(r), "4") for r in range(4)}
