@@ -33,6 +33,7 @@ from .errors import (
     RemoteError,
 )
 from .kernel import CellHandle, Mesh, RankState, current_mesh
+from .kernel.sweep import sweep
 from .ranks import RankMap
 
 __version__ = "0.1.0"
@@ -43,6 +44,7 @@ __all__ = [
     "RankMap",
     "RankState",
     "current_mesh",
+    "sweep",
     "MonarchError",
     "MeshError",
     "MeshStartError",

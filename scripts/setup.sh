@@ -20,7 +20,7 @@ source scripts/env.sh
 extras=notebooks,plots,lightning,ft
 case "${1:-}" in
   "") ;;
-  --dev) extras=test,notebooks,plots,lightning,ft,frameworks,lint,docs ;;
+  --dev) extras=test,notebooks,plots,lightning,ft,sweep,frameworks,lint,docs ;;
   *) echo "usage: bash scripts/setup.sh [--dev]" >&2; exit 2 ;;
 esac
 

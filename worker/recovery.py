@@ -216,8 +216,7 @@ def regroup(rank: RankSide, msg: P.Regroup, payload: bytes, bufs: list) -> None:
     except BaseException as e:  # noqa: BLE001 - tell the controller why; the rank itself stays up
         rank.send(P.StartFailed(error=format_error(e)["traceback"]))
         return
-    rank.rank = msg.rank
-    rank.device = device
+    rank.device = device  # rank.rank stays the controller's number for this rank (a sub-mesh numbers it anew)
     elastic_env.resized(rank=msg.rank, world_size=msg.world_size, local_rank=local_rank,
                         local_world_size=local_world)  # a new size after %mesh scale
     if rank.ns is not None:

@@ -100,7 +100,8 @@ class Deaths:
             state.group_down = f"{ranks_text(dead)} died"
             targets = {r: rec.cell_id for rec in cells for r in rec.ranks
                        if r not in rec.finished and state.ranks[r].state is not RankState.DEAD}
-            alive = [info.rank for info in state.ranks.values() if info.identity is not None and info.alive]
+            alive = [info.rank for info in state.ranks.values() if info.identity is not None and info.alive
+                     and info.rank in state.group_of(rank)]  # its process group (split: its sub-mesh's)
             target = state.last_cell
             rc = state.ranks[rank].returncode
         self.interrupter.send(targets)

@@ -9,7 +9,8 @@ I/O thread touches: other threads queue them in the ``outbox``.
 ``submit`` registers a cell with its ranks (cells.CellTable) and sends it, with SIGINT held (an interrupt must not
 cut a message in half on its way into a work pipe, nor leave some ranks with the cell and others without). It
 refuses, sending nothing, when a chosen rank is dead, or still stuck in an abandoned cell (for code: when any rank
-is, as a collective of the new code would pair with the stuck one).
+is in the process group of a chosen rank: the mesh's, or a sub-mesh's, as a collective of the new code would
+pair with the stuck one).
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ class Dispatcher:
         MeshError
             A chosen rank is dead (nothing was sent).
         RankBusyError
-            Code (a cell or call), on any ranks, while some rank still runs an abandoned cell: a collective in it
+            Code (a cell or call), while some rank of its process group (the mesh, or its sub-mesh) still runs an
+            abandoned cell: a collective in it
             would pair with the stuck one and give wrong results. Other work (a push, a pull), when a chosen rank
             does. Nothing was sent.
         """
@@ -137,7 +139,7 @@ class Dispatcher:
             raise MeshError({r: RankDiedError(r, infos[r].returncode, "\n".join(infos[r].last_lines), infos[r].pid,
                                               infos[r].death_reason)
                              for r in dead}, what=what, hint=restart_hint(dead, self.state.nproc), not_run=True)
-        busy = self._stuck(sorted(infos) if runs_code else ranks)
+        busy = self._stuck(self.state.peers(ranks) if runs_code else ranks)  # code: its process group's ranks
         if busy:
             raise RankBusyError(busy_message(what, busy, [r for r in ranks if r not in busy], runs_code), busy)
 

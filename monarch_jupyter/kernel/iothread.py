@@ -59,12 +59,20 @@ class Admission(Protocol):
 
 
 def post_regroup(state: MeshState, dispatcher: Dispatcher, info: RankInfo, port: int, addr: str) -> None:
-    """Tell surviving rank ``info`` to join the new process group (store at ``addr:port``; port 0: host it) of
-    ``state.nproc`` ranks. Each rank keeps its own local rank; its local world size is ``state.local_world``
-    (-1: its own)."""
-    dispatcher.post(info.rank, P.Regroup(rank=info.rank, world_size=state.nproc, local_rank=-1,
-                                         local_world_size=state.local_world, master_addr=addr, master_port=port,
-                                         backend=info.backend or state.options.backend))
+    """Tell surviving rank ``info`` to join its new process group (store at ``addr:port``; port 0: host it): the
+    mesh's ``state.nproc`` ranks, where its local world size is ``state.local_world`` (-1: its own local rank and
+    size; else one host: its local rank is its rank); or, split (``state.partition``), its sub-mesh's, numbered
+    inside it."""
+    group = state.group_of(info.rank)
+    if state.partition:
+        inner = group.index(info.rank)
+        msg = P.Regroup(rank=inner, world_size=len(group), local_rank=inner, local_world_size=len(group),
+                        master_addr=addr, master_port=port, backend=info.backend or state.options.backend)
+    else:
+        local = info.rank if state.local_world >= 0 else -1  # local ranks (one host): the rank (back from a split)
+        msg = P.Regroup(rank=info.rank, world_size=state.nproc, local_rank=local, local_world_size=state.local_world,
+                        master_addr=addr, master_port=port, backend=info.backend or state.options.backend)
+    dispatcher.post(info.rank, msg)
 
 
 class IOThread:
@@ -278,16 +286,18 @@ class IOThread:
         if state.regrouping:  # a new process group for survivors and restarted ranks (recovery.py)
             addr = msg.addr or "127.0.0.1"
             with state.lock:
-                state.store_port = msg.port
+                group = state.group_of(rank)  # the leader ``rank`` hosts its group's store (a sub-mesh's, or all's)
+                if group[0] == 0 and len(group) == state.nproc:
+                    state.store_port = msg.port
                 for info in state.ranks.values():
-                    if info.rank == 0 or info.identity is None:
+                    if info.rank == rank or info.rank not in group or info.identity is None:
                         continue
                     if info.rank in state.regrouping:
                         post_regroup(state, self.dispatcher, info, msg.port, addr)
                     elif self.links is None or not self.links.holds(info.rank):
                         sends.append((info.identity, self.welcome(info, msg.port)))
             self._send_all(sends)
-            if self.links is not None:  # fresh ranks on host agents
+            if self.links is not None and not state.partition:  # fresh ranks on host agents
                 self.links.on_store_ready(P.StoreReady(msg.port, addr))
             return
         if self.admission is not None:

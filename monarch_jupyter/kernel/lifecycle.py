@@ -185,14 +185,15 @@ class Lifecycle:
         for r in ranks:
             launcher.start(r, env, self.rank_config(r), sink)
 
-    def wait_started(self, deadline: float) -> None:
-        """Wait until every rank is idle (joined the process group), or raise MeshStartError for the first that
-        failed or, at ``deadline``, for those that did not join."""
+    def wait_started(self, deadline: float, only: list[int] | None = None) -> None:
+        """Wait until every rank (``only``: these) is idle (joined the process group), or raise MeshStartError for
+        the first that failed or, at ``deadline``, for those that did not join."""
         state = self.state
         release_at = time.monotonic() + HOLD
         with state.lock:
             while True:
-                failed = [i for i in state.ranks.values() if i.start_error or i.state is RankState.DEAD]
+                infos = [state.ranks[r] for r in only if r in state.ranks] if only is not None else None
+                failed = [i for i in (infos or state.ranks.values()) if i.start_error or i.state is RankState.DEAD]
                 if failed:
                     info = failed[0]
                     state.cond.release()
@@ -206,7 +207,7 @@ class Lifecycle:
                     why = "failed to join" if info.start_error else f"died ({describe_returncode(info.returncode)})"
                     raise MeshStartError(f"rank {info.rank} {why} while the mesh was starting", info.rank,
                                          detail.strip("\n"))
-                if all(i.state is RankState.IDLE for i in state.ranks.values()):
+                if all(i.state is RankState.IDLE for i in (infos or state.ranks.values())):
                     return
                 if state.held_output and time.monotonic() >= release_at:
                     release_at = time.monotonic() + HOLD

@@ -8,7 +8,7 @@ socket; the launcher's reader thread delivers output and exits; ``monarch-events
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from monarch_worker import protocol as P
@@ -25,8 +25,9 @@ from .recovery import InterruptReport
 from .resize import ScaleReport
 from .stacks import StackReport
 from .state import RankState
+from .submesh import SubMesh
 
-__all__ = ["Mesh", "RankState", "CellHandle", "StackReport", "InterruptReport"]
+__all__ = ["Mesh", "RankState", "CellHandle", "StackReport", "InterruptReport", "SubMesh"]
 
 
 class Mesh:
@@ -124,12 +125,7 @@ class Mesh:
         ``timeout``: seconds for every rank to join (after it, the report says who is missing);
         ``nproc_per_node``: ranks per host in the printed commands; ``options`` as for ``Mesh`` (``address``,
         ``port``, ``encrypt``, ``secret_file``, ...). ``wait_ready()`` (or the first ``run``) waits for the ranks;
-        ``join_commands()`` returns the commands again.
-
-        Raises
-        ------
-        ValueError
-            Bad address, port or world size.
+        ``join_commands()`` returns the commands again. Raises ValueError: bad address, port or world size.
         """
         mesh = cls(world_size, launcher=launcher_for("join", world_size, nproc_per_node=nproc_per_node),
                    start_timeout=timeout, start=False, **options)
@@ -148,13 +144,8 @@ class Mesh:
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Wait up to ``timeout`` seconds (None: until the start timeout passed) for every rank of a listening
-        mesh to join; True when the mesh is running.
-
-        Raises
-        ------
-        MeshStartError
-            The start timeout passed first (the message names who joined and who is missing) or a rank failed;
-            the mesh is stopped then.
+        mesh to join; True when the mesh is running. Raises MeshStartError when the start timeout passed first
+        (the message names who joined and who is missing) or a rank failed; the mesh is stopped then.
         """
         return self.lifecycle.wait_ready(timeout)
 
@@ -162,12 +153,8 @@ class Mesh:
         """Start every rank and wait until each has joined the process group (``start_timeout`` seconds).
 
         ``wait`` False (the default for launcher "join", where someone else starts the ranks) returns once the
-        controller listens; ``wait_ready`` or the first ``run`` waits for the ranks.
-
-        Raises
-        ------
-        MeshStartError
-            A rank failed to start or to join in time; nothing is left running.
+        controller listens; ``wait_ready`` or the first ``run`` waits for the ranks. Raises MeshStartError when a
+        rank failed to start or to join in time; nothing is left running.
         """
         self.lifecycle.start(wait)
         registry.set_current(self)
@@ -436,6 +423,18 @@ class Mesh:
         """Grow or shrink the live mesh to ``n`` local ranks (``%mesh scale -n N``); the ranks that stay keep their
         namespaces. What new ranks get, and what is refused (ValueError, MonarchError, MeshStartError): resize.py."""
         return self.parts.resizer.scale(n)
+
+    def split(self, groups: int | Sequence[Sequence[int]], names: Sequence[str] | None = None) -> list[SubMesh]:
+        """Sub-meshes (``%mesh split``): ``groups`` a count or rank lists; each its own process group, numbered from 0,
+        running while the others do. Raises ValueError (ranks not covered, overlap), MonarchError: submesh.py."""
+        return self.parts.splitter.split(self, groups, names)
+
+    def merge(self) -> None:
+        """One process group of the whole mesh again (``%mesh merge``), namespaces kept; MonarchError while a
+        sub-mesh runs a cell (submesh.py)."""
+        self.parts.splitter.merge()
+
+    subs = property(lambda self: self.parts.splitter.current(), doc="The sub-meshes by name ({}: not split).")
 
     def __repr__(self) -> str:
         return f"<Mesh {self.state.describe()}>"

@@ -42,6 +42,7 @@ from .routing import OutputRouter
 from .segments import Segments
 from .stacks import StackRequests
 from .state import Handler, MeshState
+from .submesh import Splitter
 from .transfer import Transfers
 from .waiting import Waiter
 
@@ -76,6 +77,7 @@ class Parts:
     healer: Healer
     lighthouse: Lighthouse
     resizer: Resizer
+    splitter: Splitter
 
 
 def build(nproc: int, options: MeshOptions, join_launcher: JoinLauncher | None) -> Parts:
@@ -131,7 +133,7 @@ def build(nproc: int, options: MeshOptions, join_launcher: JoinLauncher | None) 
     resizer = Resizer(state, restarts, lifecycle, healer)  # %mesh scale: one regroup, as restarts and healing
     return Parts(events, state, writer, cells, dispatcher, stacks, interrupter, segments, router, deaths, listener, io,
                  lifecycle, restarts, releases, waiter, transfers, debugger, rich, completions, history, healer,
-                 lighthouse, resizer)
+                 lighthouse, resizer, Splitter(state, resizer, lifecycle))  # sub-meshes: the same regroup
 
 
 def _not_held(rank: int) -> bool:

@@ -131,7 +131,9 @@ class Restarts:
                     busy[r] = info.cells[0].cell_id
                 else:
                     report.idle.append(r)
-            alive = [i.rank for i in state.ranks.values() if i.identity is not None and i.state is not RankState.DEAD]
+            alive = [i.rank for i in state.ranks.values() if i.identity is not None and i.state is not RankState.DEAD
+                     and (not state.partition or i.rank in state.peers(list(busy)))]  # split: their sub-meshes
+            group = state.peers(list(busy)) if state.partition else None
             if force and busy:
                 state.group_down = "the process group was torn down by %mesh interrupt --force"
         self.interrupter.send(busy)
@@ -163,7 +165,7 @@ class Restarts:
         elif busy and (dead := state.dead()):  # no group can be made without them: restarting them makes one
             report.dead = dead
         elif busy:
-            self.regroup([], time.monotonic() + state.options.start_timeout)
+            self.regroup([], time.monotonic() + state.options.start_timeout, group)
             report.regrouped = True
         return report
 
@@ -210,6 +212,7 @@ class Restarts:
                 f"together:  %mesh restart --rank {format_ranks(together)}")
         survivors = [r for r in range(state.nproc) if r not in chosen]
         with state.lock:
+            state.partition = None  # a split mesh regroups whole: the restart ends its sub-meshes (submesh.py)
             busy = [r for r in survivors if state.ranks[r].cells]
         if busy:
             report = self.interrupt(busy, False, None)
@@ -226,14 +229,16 @@ class Restarts:
         self.kill_ranks(live, "killed by %mesh restart --rank")
         self.regroup(chosen, time.monotonic() + state.options.start_timeout)
 
-    def regroup(self, fresh: list[int], deadline: float) -> None:
-        """Start fresh processes for ``fresh`` and have every other rank join a new process group with them.
+    def regroup(self, fresh: list[int], deadline: float, only: list[int] | None = None) -> None:
+        """Start fresh processes for ``fresh`` and have every other rank join a new process group with them: each
+        its own (the mesh's, or on a split mesh its sub-mesh's, ``MeshState.group_of``). ``only``: just these
+        ranks regroup (whole sub-meshes of a split mesh; the others keep their groups and may run cells meanwhile).
 
         Raises MonarchError when a rank that is not in ``fresh`` is dead (it would never join); MeshStartError when
         a rank fails to join before ``deadline`` (then  %mesh restart  is the way).
         """
         state = self.state
-        survivors = [r for r in range(state.nproc) if r not in fresh]
+        survivors = [r for r in (range(state.nproc) if only is None else only) if r not in fresh]
         dead = [r for r in state.dead() if r in survivors]
         if dead:  # they would never join: fail now, not after the start timeout
             raise MonarchError(f"a process group cannot be made while {ranks_text(dead)} "
@@ -248,12 +253,16 @@ class Restarts:
                 info = state.ranks[r]
                 info.state = RankState.STARTING
                 info.start_error = ""
-            if 0 in survivors:  # rank 0 hosts the new store: on loopback, or its address toward us (joined)
-                post_regroup(state, self.dispatcher, state.ranks[0], 0, "" if self.lifecycle.joined else "127.0.0.1")
+            # The first rank of each group (rank 0; split: each sub-mesh's first) hosts its new store: on loopback,
+            # or its address toward us (joined). A fresh rank 0 hosts it when it says hello (iothread.py).
+            for leader in sorted({state.group_of(r)[0] for r in survivors}):
+                if leader in survivors:
+                    post_regroup(state, self.dispatcher, state.ranks[leader], 0,
+                                 "" if self.lifecycle.joined else "127.0.0.1")
             state.cond.notify_all()
         self.lifecycle.spawn(fresh)
         try:
-            self.lifecycle.wait_started(deadline)
+            self.lifecycle.wait_started(deadline, None if only is None else sorted(set(only) | set(fresh)))
         except MeshStartError as e:
             raise MeshStartError(f"{e.args[0]}; run  %mesh restart  for a fresh mesh", e.rank, e.detail) from None
         finally:

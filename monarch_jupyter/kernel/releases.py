@@ -71,7 +71,7 @@ class Releases:
     """Releases ranks that wait for one that raised (see the module docstring)."""
 
     def __init__(self, state: MeshState, dispatcher: Dispatcher, cells: CellTable, stacks: StackRequests,
-                 regroup: Callable[[list[int], float], None]) -> None:
+                 regroup: Callable[[list[int], float, list[int] | None], None]) -> None:
         self.state = state
         self.dispatcher = dispatcher
         self.cells = cells
@@ -139,7 +139,8 @@ class Releases:
             self.cells.mark_released(rec, reason, waiting)
             self._forget(rec)
             state.group_down = reason
-            alive = [info.rank for info in state.ranks.values() if info.identity is not None and info.alive]
+            alive = [info.rank for info in state.ranks.values() if info.identity is not None and info.alive
+                     and info.rank in state.peers(rec.ranks)]  # the cell's process group (split: its sub-mesh's)
         for r in alive:
             self.dispatcher.post(r, P.Abort(reason=reason))
         log.info("cell %d: %s: process group torn down to release them", rec.cell_id, reason)
@@ -171,7 +172,9 @@ class Releases:
                     f"was made, since {ranks_text(dead)} {plural(dead, 'are', 'is')} dead")
         else:
             try:
-                self.regroup([], time.monotonic() + self.state.options.start_timeout)
+                with self.state.lock:  # split: only the cell's sub-mesh regroups, the others run on
+                    only = self.state.peers(rec.ranks) if self.state.partition else None
+                self.regroup([], time.monotonic() + self.state.options.start_timeout, only)
                 hint = (f"{rec.collective_released}: the process group was torn down to release {them} and a fresh "
                         "one was made (every rank kept its namespace)")
             except MonarchError as e:

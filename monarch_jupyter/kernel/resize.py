@@ -104,6 +104,9 @@ class Resizer:
                 "were started elsewhere (%mesh listen, host agents, torchrun, srun), whose launcher owns their "
                 "processes. Start the mesh with  %mesh start -n N  to scale it, or  %mesh restart  with the new "
                 "size from the launcher.")
+        if state.partition is not None:
+            raise MonarchError("the mesh is split into sub-meshes (submesh.py): merge it first with  m.merge()  "
+                               "(%mesh merge), then scale")
         before = state.nproc
         if n > before and not state.options.oversubscribe:
             check_host_capacity(n)

@@ -155,6 +155,8 @@ class MeshState:
         self.killing: dict[int, str] = {}  # rank -> why the controller killed it on purpose
         self.local_world = -1  # LOCAL_WORLD_SIZE a Regroup gives survivors (-1: their own; resize.py sets it)
         self.resizing = False  # a %mesh scale runs (resize.py): other scales are refused
+        # Sub-meshes (submesh.py): the groups of global ranks, each its own default process group; None: one group
+        self.partition: list[list[int]] | None = None
         # Self-healing (kernel/healing.py): ranks being restarted after they died (cells for them wait), the thread
         # that restarts them (its own cells do not wait), and replacements welcomed without a process group (the
         # others run a cell they rejoin; a Regroup makes the group once it ended).
@@ -182,8 +184,20 @@ class MeshState:
         self.regrouping = set()
         self.killing = {}
         self.local_world = -1
+        self.partition = None
         self.healing, self.solo = set(), set()
         self.stopping = False
+
+    def group_of(self, rank: int) -> list[int]:
+        """The global ranks of ``rank``'s default process group: its sub-mesh's (submesh.py), else the mesh's."""
+        for group in self.partition or ():
+            if rank in group:
+                return group
+        return list(range(self.nproc))
+
+    def peers(self, ranks: list[int]) -> list[int]:
+        """Every rank that shares a default process group with one of ``ranks`` (sorted)."""
+        return sorted({p for r in ranks for p in self.group_of(r)})
 
     def assert_locked(self) -> None:
         """Assert that the calling thread holds ``lock`` (at the top of every method that needs it held)."""
@@ -223,7 +237,8 @@ class MeshState:
             }
 
     def group_status(self) -> str:
-        """The process group as it is: "up (gloo, 4 ranks)", "down: rank 1 died; ..." (the controller tore it
+        """The process group as it is: "up (gloo, 4 of 4 ranks)" (split: "...; split into sub-meshes of ranks
+        0,1 | 2,3"), "down: rank 1 died; ..." (the controller tore it
         down, or ranks report having none), or "none: the mesh is not running"."""
         with self.lock:
             if not self.running:
@@ -236,7 +251,9 @@ class MeshState:
                 return (f"down on {ranks_text(missing)}: no default process group there (collectives fail); "
                         "%mesh restart  makes a fresh mesh")
             backends = sorted({i.group for i in joined})
-            return f"up ({', '.join(backends) or '?'}, {len(joined)} of {self.nproc} ranks)"
+            split = (f"; split into sub-meshes of ranks {' | '.join(format_ranks(g) for g in self.partition)}"
+                     if self.partition else "")
+            return f"up ({', '.join(backends) or '?'}, {len(joined)} of {self.nproc} ranks{split})"
 
     def elastic(self, group_rank: int, group_world_size: int) -> dict[str, Any]:
         """Welcome's ``elastic`` field: the torchrun values only the controller knows (monarch_worker.elastic_env)."""

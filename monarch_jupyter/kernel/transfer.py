@@ -84,6 +84,9 @@ class Transfers:
 
     def _route(self, size: int, chosen: list[int], via: str) -> str:
         remote = [r for r in chosen if not self.segments.shm_ok(r)]
+        if via == "broadcast" and self.state.partition is not None:
+            raise ValueError("via='broadcast' uses the mesh's process group, which a split mesh does not have "
+                             "(submesh.py); use via='auto', or merge the mesh first")
         if via == "shm" and remote:
             raise ValueError(f"via='shm' needs every chosen rank on this host ({self.segments.host}) with shared "
                              f"memory; not so for {ranks_text(remote)}; use via='auto'")

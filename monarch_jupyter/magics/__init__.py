@@ -25,7 +25,7 @@ from ..kernel.mesh import Mesh
 from ..kernel.resize import ScaleReport
 from ..ranks import parse_ranks
 from . import debug as debug_magics
-from . import scripts, transfer
+from . import scripts, submesh, transfer
 from .auto import AutoMode
 from .complete import MeshCompletion
 
@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["MeshMagics", "load", "unload"]
 
-SUBCOMMANDS = ("start", "listen", "status", "stop", "restart", "scale", "stacks", *scripts.SUBCOMMANDS,
+SUBCOMMANDS = ("start", "listen", "status", "stop", "restart", "scale", *submesh.SUBCOMMANDS, "stacks",
+               *scripts.SUBCOMMANDS,
                *transfer.SUBCOMMANDS, "debug", "inspect", "interrupt", "auto")
 
 
@@ -115,6 +116,8 @@ class MeshMagics(Magics):
             "stop": self._stop,
             "restart": self._restart,
             "scale": self._scale,
+            "split": lambda rest: submesh.split(self, rest),
+            "merge": lambda rest: submesh.merge(self, rest),
             "stacks": self._stacks,
             "run": lambda rest: scripts.run(self, rest),
             "push": lambda rest: transfer.push(self, rest),
@@ -327,6 +330,8 @@ class MeshMagics(Magics):
 
     @magic_arguments()
     @argument("--ranks", "-r", default=None, help="ranks to run on: 0 | 0,2 | 1-3 | ::2 (default: all)")
+    @argument("--mesh", dest="sub", default=None,
+              help="run on this sub-mesh (%%mesh split); --ranks then counts inside it")
     @argument("--timeout", "-t", type=float, default=None, help="seconds before the cell is interrupted")
     @argument("--out", "-o", default=None, help="store rank -> value of the last expression under this name")
     @argument("--order", choices=["arrival", "rank"], default=None, help="output order (see stream_order)")
@@ -343,10 +348,12 @@ class MeshMagics(Magics):
     @argument("--rejoin", action="store_true",
               help="on_rank_death restart: a rank's replacement rejoins this cell while it runs (a torchft loop)")
     def _cell(self, line: str, cell: str) -> Any:
-        """%%mesh [--ranks SPEC] [--timeout S] [--out NAME] [--order arrival|rank] [--no-widget] [--async]:
-        run the cell on the ranks."""
+        """%%mesh [--ranks SPEC] [--mesh NAME] [--timeout S] [--out NAME] [--order arrival|rank] [--no-widget]
+        [--async]: run the cell on the ranks (of sub-mesh NAME)."""
         args = self.parse_args(self._cell, line, None)
         m = self.current()
+        sub = submesh.sub_mesh(m, args.sub) if args.sub is not None else None
+        target: Any = sub if sub is not None else m
         if args.out is not None and not args.out.isidentifier():
             raise UsageError(f"--out needs a Python name, got {args.out!r}")
         if args.async_ and (args.out or args.timeout is not None):
@@ -361,17 +368,18 @@ class MeshMagics(Magics):
             from ..widgets import cell_view
 
             try:
-                chosen = parse_ranks(args.ranks, m.nproc)
+                chosen = sub.to_global(args.ranks) if sub is not None else parse_ranks(args.ranks, m.nproc)
             except ValueError as e:
                 raise UsageError(str(e)) from None
+            title = "mesh cell (auto mode)" if self.auto.on else "mesh cell"
             view = cell_view(m, chosen, mode=self.setting("live_view"), fold_threshold=self.setting("dashboard_fold"),
-                             title="mesh cell (auto mode)" if self.auto.on else "mesh cell",
+                             title=title if sub is None else f"{title} on {args.sub}",
                              defer=0.0 if args.async_ else None)  # an --async cell returns at once: show it now
         capture = view.capture() if view is not None else contextlib.nullcontext()
         try:
             with capture, m.debugger.options(args.pdb_commands,
                                              args.on_interrupt or self.setting("debug_on_interrupt")):
-                result = m.run(
+                result = target.run(
                     cell,
                     ranks=args.ranks,
                     timeout=args.timeout if args.timeout is not None else self.option("timeout"),
