@@ -94,7 +94,7 @@ class MeshMagics(Magics):
         """%mesh start|listen|status|stop|restart|stacks|run|interrupt|push|pull|scatter|gather|debug|inspect ...,
         and %%mesh ...
 
-        Run `%mesh SUBCOMMAND --help` for each subcommand's options, `%%mesh --help` for the cell magic.
+        Run `%mesh SUBCOMMAND --help` for each subcommand's options, `%mesh --help` for the cell magic's.
         """
         try:
             if cell is not None:
@@ -109,6 +109,10 @@ class MeshMagics(Magics):
             raise UsageError(
                 f"%mesh needs a subcommand: {', '.join(SUBCOMMANDS)} (e.g.  %mesh start -n 4); %%mesh as a cell "
                 "magic runs the cell on the ranks. `%mesh SUBCOMMAND --help` lists each one's options.")
+        if sub in ("-h", "--help", "help"):  # %%mesh --help alone in a cell is refused by IPython (no body)
+            print(f"%mesh SUBCOMMAND: {', '.join(SUBCOMMANDS)}; `%mesh SUBCOMMAND --help` lists each one's "
+                  f"options.\n\n{help_text(self._cell, '%%mesh')}")
+            raise HelpShown("%mesh")
         handler = {
             "start": self._start,
             "listen": self._listen,
@@ -444,7 +448,8 @@ class MeshMagics(Magics):
             if {"-h", "--help"} & set(argv):
                 print(help_text(func, prog))
                 raise HelpShown(prog) from None
-            raise UsageError(f"{prog}: {e}. Run  {prog} --help  for the options.") from None
+            shown = f"{prog} --help" if sub else "%mesh --help"  # IPython runs no %%mesh cell without a body
+            raise UsageError(f"{prog}: {e}. Run  {shown}  for the options.") from None
         ranks = getattr(args, "ranks", None)
         if isinstance(ranks, str) and not ranks.strip():
             raise UsageError(f"{prog}: the rank selection is empty; give ranks (e.g. 0,2 or 1-3), or leave the "

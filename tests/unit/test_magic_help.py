@@ -31,6 +31,22 @@ def test_the_cell_magic_prints_its_options(capsys: pytest.CaptureFixture[str]) -
     assert out.startswith("usage: %%mesh") and "--ranks" in out
 
 
+@pytest.mark.parametrize("flag", ["--help", "-h", "help"])
+def test_the_line_magic_alone_prints_the_subcommands_and_the_cell_magics_options(
+        flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """IPython refuses ``%%mesh --help`` alone in a cell (a cell magic needs a body), so ``%mesh --help`` is where
+    the cell magic's errors send the user: the subcommands and the cell magic's options."""
+    from IPython.core.error import UsageError
+
+    shell = magic_shell()
+    assert shell.run_line_magic("mesh", flag) is None  # type: ignore[attr-defined]
+    out = capsys.readouterr().out
+    assert "start" in out and "scale" in out and "usage: %%mesh" in out and "--ranks" in out, out
+    magics = shell.magics_manager.registry["MeshMagics"]  # type: ignore[attr-defined]
+    with pytest.raises(UsageError, match=r"^%%mesh: .*Run  %mesh --help  for the options\.$"):
+        magics.parse_args(magics._cell, "--no-such-option", None)
+
+
 def test_help_after_a_script_name_is_the_scripts_own() -> None:
     magics = magic_shell().magics_manager.registry["MeshMagics"]  # type: ignore[attr-defined]
     assert isinstance(magics, MeshMagics)
