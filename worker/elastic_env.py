@@ -45,6 +45,14 @@ TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "G
 SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 
 _error_dir = ""  # the folder of this process's TORCHELASTIC_ERROR_FILE, made here (removed by cleanup)
+_error_root = ""  # where those folders are made: the fork server's own folder (keep_error_files_under), else TMPDIR
+
+
+def keep_error_files_under(folder: str) -> None:
+    """Make the error-file folders of ranks forked from now on inside ``folder`` (the fork server's, which it
+    removes as it exits): a rank that is SIGKILLed, scaled away or ended with the kernel cannot remove its own."""
+    global _error_root
+    _error_root = folder
 
 
 def torchrun_env(*, rank: int, world_size: int, local_rank: int, local_world_size: int, group_rank: int,
@@ -121,7 +129,7 @@ def _error_file(local_rank: int) -> str:
     ``torch.distributed.elastic.multiprocessing.errors.record`` writes a failing entry point's error there."""
     global _error_dir
     if not _error_dir:
-        _error_dir = tempfile.mkdtemp(prefix="torchelastic_")
+        _error_dir = tempfile.mkdtemp(prefix="torchelastic_", dir=_error_root or None)
     folder = os.path.join(_error_dir, "attempt_0", str(local_rank))
     os.makedirs(folder, exist_ok=True)
     return os.path.join(folder, "error.json")

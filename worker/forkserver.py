@@ -28,9 +28,11 @@ import importlib
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 
 from . import protocol as P
 from .reaper import ProcessTrees, become_rank
@@ -48,8 +50,9 @@ def _set_pdeathsig(sig: int) -> None:
 
 
 class ForkServer:
-    def __init__(self, ctl_fd: int) -> None:
+    def __init__(self, ctl_fd: int, folder: str = "") -> None:
         self.ctl = socket.socket(fileno=ctl_fd)
+        self.folder = folder  # the ranks' error-file folders (elastic_env.keep_error_files_under); removed at exit
         self.received_fds: list[int] = []  # work pipes handed over with SCM_RIGHTS, in the order of the spawns
         self.parent = os.getppid()
         self.children: dict[int, int] = {}  # pid -> spawn id
@@ -197,6 +200,8 @@ class ForkServer:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second request must not cut the sweep short
         self.kill(-1, signal.SIGKILL)
         self.trees.end_all()
+        if self.folder:
+            shutil.rmtree(self.folder, ignore_errors=True)
         os._exit(code)
 
     def serve(self) -> None:
@@ -244,13 +249,17 @@ def main() -> None:
         pass
 
     from . import startup  # noqa: F401  - the rank runtime, imported once here
+    from .elastic_env import keep_error_files_under
+
+    folder = tempfile.mkdtemp(prefix="monarch-ranks-")
+    keep_error_files_under(folder)
 
     # The objects of torch and the rest are long-lived: move them out of the collector's view before forking, so
     # that a rank's garbage collections do not walk them over and over (and do not copy their pages on write).
     # This is the standard pre-fork recipe of CPython's gc.freeze documentation.
     gc.collect()
     gc.freeze()
-    ForkServer(ctl_fd).serve()
+    ForkServer(ctl_fd, folder).serve()
 
 
 if __name__ == "__main__":
