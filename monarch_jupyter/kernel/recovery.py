@@ -21,7 +21,7 @@ from typing import Any
 
 from monarch_worker import protocol as P
 
-from ..errors import MeshStartError, MonarchError
+from ..errors import MeshStartError, MonarchError, mesh_interrupt
 from ..ranks import format_ranks, parse_ranks, plural, ranks_text
 from .dispatch import Dispatcher
 from .hints import restart_hint, stuck_message
@@ -261,8 +261,14 @@ class Restarts:
                                  "" if self.lifecycle.joined else "127.0.0.1")
             state.cond.notify_all()
         self.lifecycle.spawn(fresh)
+        interrupted = False
         try:
-            self.lifecycle.wait_started(deadline, None if only is None else sorted(set(only) | set(fresh)))
+            while True:
+                try:
+                    self.lifecycle.wait_started(deadline, None if only is None else sorted(set(only) | set(fresh)))
+                    break
+                except KeyboardInterrupt:  # ranks half way into a new group would never join one: finish first
+                    interrupted = True     # (bounded by the deadline), then say so
         except MeshStartError as e:
             raise MeshStartError(f"{e.args[0]}; run  %mesh restart  for a fresh mesh", e.rank, e.detail) from None
         finally:
@@ -271,3 +277,6 @@ class Restarts:
         with state.lock:
             state.group_down = ""
         state.events.emit("regrouped", fresh=fresh)
+        if interrupted:
+            raise mesh_interrupt(f"interrupted while the ranks joined a fresh process group of {state.nproc}; that "
+                                 "completed first, so the mesh is whole (%mesh status shows it)")

@@ -137,7 +137,14 @@ class MeshMagics(Magics):
             raise UsageError(
                 f"unknown %mesh subcommand {sub!r}; use one of: {', '.join(SUBCOMMANDS)} "
                 "(e.g.  %mesh start -n 4), or %%mesh as a cell magic to run code on the ranks")
-        return handler(rest)
+        try:
+            return handler(rest)
+        except errors.MeshInterrupt:
+            raise
+        except KeyboardInterrupt:  # one line, not the controller's frames (start and restart say more)
+            raise errors.mesh_interrupt(
+                f"%mesh {sub} was interrupted while it waited; what it had begun may still complete: "
+                "%mesh status  shows where each rank is") from None
 
     # ------------------------------------------------------------------ subcommands
 

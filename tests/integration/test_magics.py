@@ -265,6 +265,38 @@ def test_an_interrupted_restart_says_so_in_one_line(shell: InteractiveShell) -> 
     assert shell.run_line_magic("mesh", "restart").run("rank") == {0: 0, 1: 1}
 
 
+def test_an_interrupted_scale_finishes_first_and_says_so_in_one_line(shell: InteractiveShell) -> None:
+    """A scale interrupted while the ranks join their new process group finishes first (ranks half way into a new
+    group would never join one), then says so in one line, not the controller's frames; the mesh is whole."""
+    m = running_mesh(shell)
+
+    def interrupt_once_it_waits_for_the_ranks() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            frame, names = sys._current_frames().get(threading.main_thread().ident), set()
+            while frame is not None:
+                names.add(frame.f_code.co_name)
+                frame = frame.f_back
+            if "wait_started" in names:
+                break
+            time.sleep(0.005)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    interrupter = threading.Thread(target=interrupt_once_it_waits_for_the_ranks, daemon=True)
+    interrupter.start()
+    with pytest.raises(KeyboardInterrupt) as info:
+        shell.run_line_magic("mesh", "scale -n 3")
+    interrupter.join()
+    assert info.value._render_traceback_() == [  # type: ignore[attr-defined]
+        "KeyboardInterrupt: interrupted while the ranks joined a fresh process group of 3; that completed first, "
+        "so the mesh is whole (%mesh status shows it)"]
+    assert m.run("world_size") == {0: 3, 1: 3, 2: 3}
+    assert m.run("import torch, torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\nt.item()") == {
+        0: 3.0, 1: 3.0, 2: 3.0}
+    shell.run_line_magic("mesh", "scale -n 2")
+    assert m.run("rank") == {0: 0, 1: 1}
+
+
 def test_more_ranks_than_the_host_carries_need_force(shell: InteractiveShell, monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 24, 6a: ``%mesh start -n N`` past this host's cores is refused before anything starts (no process,
     no mesh), saying what to expect; ``--force`` starts them anyway. The limit is lowered here to 1 rank per core
