@@ -135,7 +135,9 @@ def test_fewer_ranks_than_min_replicas_wait_visibly_and_the_interrupt_works(flag
 
 
 def test_report_shows_the_step_and_the_quorum_in_the_live_view() -> None:
-    with Mesh(2, torchft=True, start_timeout=WAIT) as m:
+    # min_replicas 2: every quorum holds both ranks (with torchft's default of 1, a rank that comes late under load
+    # finds a quorum of one already formed, and the last quorum shown is 1/2: right, but not what is asserted here)
+    with Mesh(2, torchft=True, torchft_min_replicas=2, start_timeout=WAIT) as m:
         seen: list[dict] = []
         m.add_listener(lambda kind, data: seen.append(data) if kind == "progress" else None)
         m.push(STEPS=5, DIE_AT=-1, FLAG="/nonexistent")
