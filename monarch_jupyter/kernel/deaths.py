@@ -47,14 +47,18 @@ class Deaths:
     """Deaths and losses of one mesh's ranks (see the module docstring)."""
 
     def __init__(self, state: MeshState, dispatcher: Dispatcher, cells: CellTable, interrupter: Interrupter,
-                 writer: OutputWriter, heal: Callable[[int], None]) -> None:
-        """``heal``: takes a rank that died by itself when ``on_rank_death`` is "restart" (healing.DeathQueue)."""
+                 writer: OutputWriter, heal: Callable[[int], None], admit: Callable[[int, float], str]) -> None:
+        """``heal``: takes a rank that died by itself when ``on_rank_death`` is "restart" (healing.DeathQueue.put);
+        ``admit``: under the lock, as such a rank dies, "" when it is to be restarted, else why not
+        (healing.DeathQueue.admit)."""
         self.state = state
         self.dispatcher = dispatcher
         self.cells = cells
         self.interrupter = interrupter
         self.writer = writer
         self.heal = heal
+        self.admit = admit
+        self.given_up: dict[int, str] = {}  # rank -> why it is not restarted, since its last death (lock held)
 
     def heals(self, natural: bool) -> bool:
         """A death (``natural``: not the controller's doing) is healed: on_rank_death is "restart"."""
@@ -66,14 +70,26 @@ class Deaths:
         replacement rejoins (``--rejoin``, when the death is ``natural`` and healed) is not failed: it waits for
         the replacement."""
         self.state.assert_locked()
+        now = time.monotonic()
+        self.given_up.pop(info.rank, None)
         heals = self.heals(natural)
-        if heals:  # before a caller its cells fail wakes: the cell it runs next waits for the healing
-            self.state.healing.add(info.rank)
+        if heals:  # decided before anything reports the death, so no report says "restarted" of a rank given up
+            why_not = self.admit(info.rank, now)
+            if why_not:
+                self.given_up[info.rank] = why_not
+                heals = False
+                if info.rank in self.state.healing:  # a replacement that died while it healed: cells that wait
+                    self.state.healing.discard(info.rank)  # for it (a --rejoin cell it left) fail now
+                    for rec in list(self.state.cells.values()):
+                        if info.rank in rec.left:
+                            self.cells.rank_died(rec, info.rank, RankDiedError(info.rank, returncode,
+                                                                               reason="not restarted"), now)
+            else:  # before a caller its cells fail wakes: the cell it runs next waits for the healing
+                self.state.healing.add(info.rank)
         info.state = RankState.DEAD
         info.returncode = returncode
         info.death_reason = reason
         self.state.failures.pop(info.rank, None)  # its kept traceback died with it
-        now = time.monotonic()
         failed = []
         for rec in list(info.cells):
             if heals and rec.rejoin is not None and info.rank not in rec.finished and not rec.interrupted:
@@ -104,11 +120,15 @@ class Deaths:
                      and info.rank in state.group_of(rank)]  # its process group (split: its sub-mesh's)
             target = state.last_cell
             rc = state.ranks[rank].returncode
+            given_up = self.given_up.get(rank, "") if notify else ""
         self.interrupter.send(targets)
         for r in alive:
             post(r, P.Abort(reason=f"rank {rank} died"))
-        if self.heals(notify):
+        if self.heals(notify) and not given_up:
             self.heal(rank)  # the healer restarts it and says so (healing.py)
+        elif given_up and not any(rec.tracks_failures for rec in cells):
+            # No cell of the user's reports it (idle, or a replacement that died while it got its replay back).
+            self.writer.put([(rank, "stderr", given_up)], target.ctx if target is not None else None)
         elif not cells and notify and target is not None:
             # Nobody waits on this rank: say so where the user last looked.
             status = str(RankDiedError(rank, rc, reason=reason)).split("] ", 1)[1]
@@ -187,6 +207,9 @@ class Deaths:
             out[r] = e
         if not self.state.running:
             return out, ""
+        given_up = [self.given_up[r] for r in dead if r in self.given_up]
+        if given_up:  # on_rank_death="restart", past restart_limit (or not restartable): the error says so
+            return out, " ".join(given_up)
         healing = self.state.options.on_rank_death == "restart" and set(dead) <= set(self.state.healing)
         return out, heal_hint(dead) if healing else restart_hint(dead, self.state.nproc)
 

@@ -5,8 +5,10 @@ interrupted and leave the broken process group), except the cells marked ``--rej
 replacement, and puts the rank in the ``DeathQueue``. The healer's thread (``monarch-heal``) then, for every rank
 that died (several deaths close together are healed at once):
 
-1. gives up on a rank that died more than ``restart_limit`` times within ``restart_window`` seconds, or whose
-   launcher cannot start it again (ranks that joined one process per rank), with a message;
+1. takes only the deaths ``DeathQueue.admit`` admitted as the rank died: a rank that died more than
+   ``restart_limit`` times within ``restart_window`` seconds, or whose launcher cannot start it again (ranks that
+   joined one process per rank), is given up there, and the cell that saw the death says so in its error (the
+   decision is taken before anything reports the death, so no report says "restarted" of a rank given up);
 2. waits until the survivors have stopped the cells that failed (``interrupt_grace`` plus a second at most);
 3. starts a fresh process for it through the launcher that started it (the local fork server, or its host agent);
 4. when no survivor runs a cell: makes a fresh process group of every rank (recovery.Restarts.regroup, as
@@ -67,6 +69,26 @@ class DeathQueue:
         self.state = state
         self.cond = threading.Condition()
         self.pending: list[tuple[int, float]] = []  # (rank, time.monotonic() of the death)
+        self.deaths: dict[int, collections.deque[float]] = {}  # rank -> times it died (the mesh lock guards it)
+
+    def admit(self, rank: int, when: float) -> str:
+        """Under the mesh lock, as ``rank`` dies by itself at ``when`` (time.monotonic()): "" when it is to be
+        restarted, else why not (hints.give_up_note: past ``restart_limit`` deaths within ``restart_window``
+        seconds; hints.not_restartable_note: its launcher cannot start it again)."""
+        self.state.assert_locked()
+        options, launcher = self.state.options, self.state.launcher
+        why = launcher.restartable([rank]) if launcher is not None else ""
+        if why:
+            return not_restartable_note([rank], why)
+        times = self.deaths.setdefault(rank, collections.deque())
+        times.append(when)
+        while times and when - times[0] > options.restart_window:
+            times.popleft()
+        if len(times) > options.restart_limit:
+            count = len(times)
+            times.clear()
+            return give_up_note(rank, count, options.restart_limit, options.restart_window)
+        return ""
 
     def put(self, rank: int) -> None:
         """``rank`` died (any thread, the mesh lock not held): cells that need it wait until it heals."""
@@ -107,7 +129,6 @@ class Healer:
         self.writer = writer
         self.submit = submit  # waiting.Waiter.submit
         self.replay_push = replay_push
-        self.deaths: dict[int, collections.deque[float]] = {}  # rank -> times it died (time.monotonic())
         self.healed = 0  # ranks restarted so far
         self.last_seconds = 0.0  # seconds from the death to the replacement's Ready, last time
         thread = threading.Thread(target=_serve, args=(weakref.ref(self), queue), name="monarch-heal", daemon=True)
@@ -140,9 +161,7 @@ class Healer:
                 state.healing.clear()
                 return
         first = min(t for _, t in deaths)
-        ranks = self._within_limit(deaths)
-        if not ranks:
-            return
+        ranks = sorted({r for r, _ in deaths})  # DeathQueue.admit let them through as they died
         why = state.launcher.restartable(ranks) if state.launcher is not None else "the mesh is not running"
         if why:
             self._give_up(ranks, not_restartable_note(ranks, why))
@@ -186,25 +205,6 @@ class Healer:
         state.events.emit("healed", ranks=ranks, seconds=self.last_seconds, rejoined=rejoined)
         if alone:
             self._regroup_when_idle(ranks)
-
-    def _within_limit(self, deaths: list[tuple[int, float]]) -> list[int]:
-        """The ranks of ``deaths`` to restart; those past ``restart_limit`` deaths in ``restart_window`` seconds
-        are given up (with a message)."""
-        options = self.state.options
-        ranks: list[int] = []
-        for rank, when in deaths:
-            times = self.deaths.setdefault(rank, collections.deque())
-            times.append(when)
-            while times and when - times[0] > options.restart_window:
-                times.popleft()
-        for rank in sorted({r for r, _ in deaths}):
-            times = self.deaths[rank]
-            if len(times) > options.restart_limit:
-                self._give_up([rank], give_up_note(rank, len(times), options.restart_limit, options.restart_window))
-                times.clear()
-            else:
-                ranks.append(rank)
-        return ranks
 
     def _give_up(self, ranks: list[int], text: str) -> None:
         """``ranks`` stay dead: cells that waited for them run (and fail), ``text`` says why."""

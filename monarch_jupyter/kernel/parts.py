@@ -107,7 +107,7 @@ def build(nproc: int, options: MeshOptions, join_launcher: JoinLauncher | None) 
     router = OutputRouter(state, cells, writer, routes)
     routes.update({"streams": router.on_stream, "progress": router.on_progress})
     queue = DeathQueue(state)  # ranks that died by themselves, for the healer (on_rank_death="restart")
-    deaths = Deaths(state, dispatcher, cells, interrupter, writer, queue.put)
+    deaths = Deaths(state, dispatcher, cells, interrupter, writer, queue.put, queue.admit)
     sink = RankEvents(state, router, deaths, [segments.on_rank_exit])  # what launchers report
     socket = ControllerSocket()
     hosts = listener = None

@@ -102,6 +102,28 @@ def test_a_rank_that_keeps_dying_is_given_up_and_the_mesh_stays_usable(capfd: py
         assert m.run("t = torch.ones(1); dist.all_reduce(t); t.item()") == {0: 2.0, 1: 2.0}
 
 
+def test_the_cell_that_sees_the_death_past_the_limit_says_it_is_given_up_not_restarted(
+        capfd: pytest.CaptureFixture) -> None:
+    """The decision to give up is taken as the rank dies, so the cell that saw that death says so (a fresh user got
+    "restarted by the mesh" in that cell's error, and the give-up line in an earlier cell)."""
+    suicide = ("import os, signal\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+               "t = torch.ones(1)\ndist.all_reduce(t)")
+    with Mesh(2, on_rank_death="restart", restart_limit=1, start_timeout=WAIT) as m:
+        with pytest.raises(MeshError) as first:
+            m.run(suicide)
+        assert "restarted by the mesh (on_rank_death=restart)" in first.value.hint
+        with pytest.raises(MeshError) as second:  # waits for the replacement, which then dies the same way
+            m.run(suicide)
+        hint = second.value.hint
+        assert "rank 1 died 2 times within 60 s (restart_limit 1): it is not restarted again" in hint, hint
+        assert "restarted by the mesh" not in hint
+        assert m.status()[1]["state"] == "dead" and 1 not in m.state.healing
+        assert m.run("rank", ranks=0) == {0: 0}
+        m.restart(ranks=1)
+        assert m.run("t = torch.ones(1); dist.all_reduce(t); t.item()") == {0: 2.0, 1: 2.0}
+    assert "restart_limit" not in capfd.readouterr().err  # said once, in the cell's error, not as a stray line
+
+
 def test_report_stays_the_default() -> None:
     with Mesh(2, start_timeout=WAIT) as m:
         assert m.on_rank_death == "report"
