@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import concurrent.futures
+import itertools
 import logging
 import os
 import sys
@@ -106,6 +107,9 @@ class MeshDebugger:
         self.exception_breakpoints: dict | None = None
         self.missing_note_shown = False
         self._lock = threading.Lock()
+        # The seq of each event it sends: DAP wants every message of one side numbered uniquely, and the ranks'
+        # adapters each count from 1, as the kernel's own debugpy does; these start past any count of theirs.
+        self._seq = itertools.count(1 << 30)
 
     @property
     def attached(self) -> bool:
@@ -357,7 +361,9 @@ class MeshDebugger:
         self._publish({**event, "body": VirtualIds.rewrite(body, rank, outward=True)})
 
     def _publish(self, event: dict) -> None:
-        self.inner.event_callback(event)
+        """Send ``event`` to the frontend (any thread) under a seq of its own (two ranks' events, or a rank's and
+        the kernel's, would otherwise share one: a fresh user saw two ``stopped`` events with the same seq)."""
+        self.inner.event_callback({**event, "seq": next(self._seq)})
 
 
 def _label_threads(rank: int, threads: list[dict]) -> list[dict]:

@@ -33,6 +33,7 @@ class DapKernel:
         self.km, self.kc = start_new_kernel(kernel_name="python3", env=dict(os.environ), cwd=cwd)
         self.seq = 0
         self.events: queue.Queue[dict] = queue.Queue()
+        self.event_seqs: list[int] = []  # the seq of every debug event the kernel sent, in order
         self.cells: dict[str, CellRun] = {}
         self.lock = threading.Condition()
         self._stop = False
@@ -54,6 +55,7 @@ class DapKernel:
     def _sort(self, msg: dict) -> None:
         kind, content = msg["msg_type"], msg["content"]
         if kind == "debug_event":
+            self.event_seqs.append(content.get("seq"))
             self.events.put(content)
             return
         with self.lock:

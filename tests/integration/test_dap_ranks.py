@@ -66,6 +66,7 @@ def test_gutter_breakpoint_stops_the_ranks_that_run_it(k: DapKernel) -> None:
     run = k.submit(code)
     stops = _stopped(k, 2)
     assert sorted(stops) == [0, 1] and all(s["reason"] == "breakpoint" for s in stops.values())
+    assert len(set(k.event_seqs)) == len(k.event_seqs), k.event_seqs  # DAP: each message of a side its own seq
     # The rank that did not stop ran on: its output is in the cell while the others wait.
     k.wait_output(run, "[rank2]: rank 2 runs on")
     names = [t["name"] for t in k.dap("threads")["body"]["threads"]]
