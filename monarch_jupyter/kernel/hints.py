@@ -24,7 +24,7 @@ from ..ranks import format_ranks, plural, ranks_text
 
 __all__ = ["name_hints", "hint_for", "restart_hint", "busy_message", "group_down_note", "stuck_message",
            "healed_note", "give_up_note", "not_restartable_note", "heal_failed_note", "replay_failed_note",
-           "healing_wait_note", "lighthouse_note", "heal_hint"]
+           "healing_wait_note", "healing_interrupted_note", "lighthouse_note", "heal_hint"]
 
 _UNDEFINED = re.compile(r"^name '([A-Za-z_][A-Za-z0-9_]*)' is not defined")
 
@@ -158,6 +158,13 @@ def healing_wait_note(ranks: list[int], what: str) -> str:
     """A cell waits until ``ranks`` are restarted and have got back what the notebook sent."""
     return (f"note: {what} waits until {ranks_text(ranks)} {plural(ranks, 'are', 'is')} restarted and in a fresh "
             "process group (on_rank_death=restart; the notebook's interrupt stops the wait)\n")
+
+
+def healing_interrupted_note(ranks: list[int], what: str) -> str:
+    """The notebook's interrupt stopped a cell that waited for ``ranks`` to be restarted (nothing was sent)."""
+    return (f"interrupted while {what} waited for {ranks_text(ranks)} to be restarted (on_rank_death=restart): it "
+            "did not run. The restart goes on (%mesh status shows it); run the cell again to wait for it, or leave "
+            f"{plural(ranks, 'those ranks', 'that rank')} out (--ranks)")
 
 
 def lighthouse_note(pid: int, returncode: int | None, address: str, error: str) -> str:

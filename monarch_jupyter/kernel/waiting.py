@@ -26,7 +26,7 @@ from ..ranks import RankMap, format_ranks, plural, ranks_text
 from .cells import CellHandle, CellTable
 from .deaths import Deaths
 from .dispatch import Dispatcher, Group
-from .hints import healing_wait_note
+from .hints import healing_interrupted_note, healing_wait_note
 from .interrupts import Interrupter
 from .output import OutputWriter, write_lines
 from .records import CellRecord
@@ -112,19 +112,23 @@ class Waiter:
         the caller); the healer's own work (``MeshState.healer``) does not wait."""
         state = self.state
         noted = False
-        while True:
-            with state.lock:
-                healing = (sorted(set(ranks) & state.healing)
-                           if state.running and state.healer is not threading.current_thread() else [])
-                if healing and noted:
-                    state.cond.wait(0.05)
-            if not healing:
-                if noted and state.healed_note:  # where the user looks now, besides the cell that saw the death
-                    sys.stderr.write(f"note: {state.healed_note}\n")
-                return
-            if not noted:
-                noted = True
-                sys.stderr.write(healing_wait_note(healing, what))
+        healing: list[int] = []
+        try:
+            while True:
+                with state.lock:
+                    healing = (sorted(set(ranks) & state.healing)
+                               if state.running and state.healer is not threading.current_thread() else [])
+                    if healing and noted:
+                        state.cond.wait(0.05)
+                if not healing:
+                    if noted and state.healed_note:  # where the user looks now, besides the cell that saw the death
+                        sys.stderr.write(f"note: {state.healed_note}\n")
+                    return
+                if not noted:
+                    noted = True
+                    sys.stderr.write(healing_wait_note(healing, what))
+        except KeyboardInterrupt:  # one line, not the controller's frames: nothing was sent
+            raise mesh_interrupt(healing_interrupted_note(healing, what)) from None
 
     def claim(self, rec: CellRecord) -> None:
         """This thread writes ``rec``'s lines from now on (after what was queued before it)."""

@@ -124,6 +124,49 @@ def test_the_cell_that_sees_the_death_past_the_limit_says_it_is_given_up_not_res
     assert "restart_limit" not in capfd.readouterr().err  # said once, in the cell's error, not as a stray line
 
 
+def test_interrupting_a_cell_that_waits_for_a_restart_says_so_in_one_line() -> None:
+    """The notebook's interrupt of a cell waiting for a healing rank: one line (a MeshInterrupt), nothing ran, and
+    the healing goes on (a fresh user got the controller's frames)."""
+    import _thread
+    import sys
+    import threading
+
+    from monarch_jupyter.errors import MeshInterrupt
+
+    flag = f"/tmp/monarch-heal-slow-{os.getpid()}"
+    main = threading.get_ident()
+
+    def interrupt_when_waiting() -> None:  # SIGINT's effect, once the main thread waits for the healing
+        wait_for("the cell to wait for the healing", lambda: any(
+            f.f_code.co_name == "_wait_healed" for f in _frames(sys._current_frames().get(main))))
+        _thread.interrupt_main()
+
+    with Mesh(2, on_rank_death="restart", start_timeout=WAIT) as m:
+        m.run(f"import os, time\nif rank == 1 and os.path.exists({flag!r}):\n    os.unlink({flag!r})\n"
+              "    time.sleep(5)", replay=True)  # the replacement gets this back: its healing takes 5 s
+        open(flag, "w").close()
+        try:
+            kill(m, 1)
+            threading.Thread(target=interrupt_when_waiting, daemon=True).start()
+            with pytest.raises(MeshInterrupt) as info:
+                m.run("rank")
+        finally:
+            if os.path.exists(flag):
+                os.unlink(flag)
+        text = "".join(info.value._render_traceback_())
+        assert "waited for rank 1 to be restarted (on_rank_death=restart): it did not run" in text, text
+        assert "\n" not in text.strip()
+        assert m.run("rank") == {0: 0, 1: 1}  # the healing went on; this cell waits for it, then runs
+
+
+def _frames(frame: object) -> list:
+    out = []
+    while frame is not None:
+        out.append(frame)
+        frame = frame.f_back  # type: ignore[attr-defined]
+    return out
+
+
 def test_report_stays_the_default() -> None:
     with Mesh(2, start_timeout=WAIT) as m:
         assert m.on_rank_death == "report"
