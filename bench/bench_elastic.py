@@ -2,6 +2,7 @@
 from a checkpoint and against a run with no failure, measured in one run.
 
     python bench/bench_elastic.py [--n 4] [--steps 1500] [--every 4] [--checkpoint-every 20] [--scale-only]
+                                  [--no-scale] [--json PATH]
 
 A small DDP model (an MLP, the same data at each step on every run: batches seeded by the step) trains for a fixed
 number of steps, while a "punisher" (torchft's pattern) SIGKILLs one random rank every ``--every`` seconds:
@@ -317,14 +318,16 @@ def main() -> None:
     parser.add_argument("--checkpoint-every", type=int, default=20, help="torchrun: steps between checkpoints")
     parser.add_argument("--cpu", action="store_true", help="the CPU even where there are GPUs")
     parser.add_argument("--scale-only", action="store_true", help="only the %%mesh scale 4 -> 6 -> 3 steps")
+    parser.add_argument("--no-scale", action="store_true", help="leave out the %%mesh scale steps")
+    parser.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON")
     args = parser.parse_args()
     import torch
 
-    scale = run_scale(args.n)
+    scale = run_scale(args.n) if not args.no_scale else {"steps": [], "restart_s": []}
     if args.scale_only:
         print(f"%mesh scale on CPU ranks ({os.cpu_count()} cores)")
         print_scale(scale)
-        print(json.dumps({"scale": scale}))
+        _write_json(args.json, {"scale": scale})
         return
 
     cuda = not args.cpu and torch.cuda.is_available() and torch.cuda.device_count() >= args.n
@@ -352,7 +355,13 @@ def main() -> None:
               f"{statistics.median(rec):.2f} s, max {max(rec):.2f} s over {len(rec)} deaths")
     print(f"  mesh vs torchrun goodput: {healed['steps_per_s'] / torchrun['steps_per_s']:.2f}x")
     print_scale(scale)
-    print(json.dumps({"clean": clean, "healed": healed, "torchrun": torchrun, "scale": scale}))
+    _write_json(args.json, {"clean": clean, "healed": healed, "torchrun": torchrun, "scale": scale})
+
+
+def _write_json(path: str | None, figures: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(figures, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -30,10 +30,12 @@ import concurrent.futures
 import itertools
 import logging
 import os
+import re
 import sys
 import threading
 from typing import Any
 
+from ..ranks import ranks_text
 from .dapsession import RankSession, SessionClosed
 
 log = logging.getLogger(__name__)
@@ -47,6 +49,8 @@ _SHIFT = 24  # virtual id = (rank + 1) << 24 | the rank's own id; the kernel's o
 _ID_KEYS = ("threadId", "frameId", "variablesReference", "srcFrameId")
 # Rank events passed on to the frontend (others, such as "initialized" or "process", belong to one session).
 _EVENTS = ("stopped", "continued", "thread", "output")
+# The rank picker: typed in the debugger's "Evaluate Code" dialog (any frame), it shows rank R in the sidebar.
+_SELECT = re.compile(r"^\s*%mesh\s+select(?:\s+(\S+))?\s*$")
 
 
 class VirtualIds:
@@ -103,6 +107,7 @@ class MeshDebugger:
         self.inner = inner
         self.sessions: dict[int, RankSession] = {}
         self.stopped: dict[int, set[int]] = {}  # rank -> its stopped (real) thread ids
+        self.stopped_events: dict[int, dict] = {}  # rank -> the body of its last stopped event, as sent
         self.breakpoints: dict[str, dict] = {}  # source path -> the last setBreakpoints arguments
         self.exception_breakpoints: dict | None = None
         self.missing_note_shown = False
@@ -129,6 +134,8 @@ class MeshDebugger:
         """Answer one DAP request from the frontend (the content of a ``debug_request``)."""
         command = message.get("command")
         args = message.get("arguments") or {}
+        if command == "evaluate" and (picked := _SELECT.match(str(args.get("expression", "")))):
+            return self._select(message, picked.group(1))
         rank = next((r for k in _ID_KEYS if (r := VirtualIds.rank_of(args.get(k))) is not None), None)
         if rank is not None:
             return await self._rank_request(rank, message)
@@ -151,6 +158,21 @@ class MeshDebugger:
             self.exception_breakpoints = None
             await asyncio.get_running_loop().run_in_executor(None, self.detach_ranks)
         return reply
+
+    def _select(self, message: dict, which: str | None) -> dict:
+        """``%mesh select R`` in the Evaluate dialog: the sidebar shows rank R. JupyterLab shows the thread of the
+        last ``stopped`` event it got (its callstack has no thread list), so rank R's is sent again."""
+        with self._lock:
+            stopped = dict(self.stopped_events)
+        rank = int(which) if which is not None and which.isdigit() else None
+        if rank is None or rank not in stopped:
+            now = f"stopped now: {ranks_text(sorted(stopped))}" if stopped else "no rank is stopped now"
+            why = "which rank?" if which is None else f"rank {which} is not stopped at a breakpoint"
+            return _failure(message, f"{why} ({now}). %mesh select R shows rank R's stack and variables")
+        self._publish({"type": "event", "event": "stopped", "body": stopped[rank]})
+        return {"type": "response", "seq": message.get("seq"), "request_seq": message.get("seq"), "success": True,
+                "command": "evaluate", "body": {"result": f"rank {rank}: its stack and variables are in the sidebar",
+                                                "variablesReference": 0}}
 
     # ---- requests about a rank
 
@@ -323,6 +345,7 @@ class MeshDebugger:
             s.close()
         with self._lock:
             self.stopped.clear()
+            self.stopped_events.clear()
 
     def _on_rank_event(self, rank: int, event: dict) -> None:
         name, body = event.get("event"), dict(event.get("body") or {})
@@ -339,6 +362,8 @@ class MeshDebugger:
             elif name == "closed":
                 gone, threads = set(threads), set()
                 self.stopped[rank] = threads
+            if not threads:
+                self.stopped_events.pop(rank, None)
         if name == "closed":  # the rank ended (or its adapter did): the frontend forgets its threads
             for t in gone:
                 self._publish({"type": "event", "seq": 0, "event": "continued",
@@ -358,7 +383,12 @@ class MeshDebugger:
             body["allThreadsContinued"] = False
         elif name == "output" and "output" in body:
             body["output"] = f"[rank{rank}]: {body['output']}"
-        self._publish({**event, "body": VirtualIds.rewrite(body, rank, outward=True)})
+        body = VirtualIds.rewrite(body, rank, outward=True)
+        if name == "stopped":
+            with self._lock:
+                if self.stopped.get(rank):
+                    self.stopped_events[rank] = body
+        self._publish({**event, "body": body})
 
     def _publish(self, event: dict) -> None:
         """Send ``event`` to the frontend (any thread) under a seq of its own (two ranks' events, or a rank's and

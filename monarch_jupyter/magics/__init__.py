@@ -133,6 +133,9 @@ class MeshMagics(Magics):
             "interrupt": self._interrupt,
             "auto": self.auto.command,
         }.get(sub)
+        if handler is None and sub == "select":
+            raise UsageError("%mesh select R goes in the visual debugger's Evaluate Code dialog while ranks are "
+                             "stopped at a breakpoint (it shows rank R in the sidebar); no notebook cell runs then")
         if handler is None:
             raise UsageError(
                 f"unknown %mesh subcommand {sub!r}; use one of: {', '.join(SUBCOMMANDS)} "

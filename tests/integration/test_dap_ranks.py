@@ -92,6 +92,15 @@ def test_gutter_breakpoint_stops_the_ranks_that_run_it(k: DapKernel) -> None:
     assert frame["line"] == 5 and values["y"] == "11"
     frame, _, values = _locals(k, stops[0]["threadId"])
     assert frame["line"] == 4 and "y" not in values  # rank 0 did not move
+    # The rank picker: "%mesh select R" in the Evaluate dialog sends rank R's stopped event again (JupyterLab shows
+    # the thread of the last one), from any rank's frame; a rank that is not stopped is refused with the ones that are.
+    for rank in (0, 1):
+        rep = k.dap("evaluate", expression=f"%mesh select {rank}", frameId=frame_id, context="repl")
+        assert rep["success"] and rep["body"]["result"].startswith(f"rank {rank}:"), rep
+        again = _stopped(k, 1)
+        assert list(again) == [rank] and again[rank]["threadId"] == stops[rank]["threadId"]
+    rep = k.dap("evaluate", expression="%mesh select 2", frameId=frame_id, context="repl")
+    assert not rep["success"] and "rank 2 is not stopped at a breakpoint (stopped now: ranks 0,1)" in rep["message"]
     # continue resumes every stopped rank: the cell ends with every rank's value.
     rep = k.dap("continue", threadId=stops[0]["threadId"])
     assert rep["success"], rep

@@ -75,3 +75,11 @@ def test_arguments_split_as_a_shell_splits_them_and_empty_ranks_are_refused() ->
             magics.parse_args(script_magics.run, f"--ranks {empty} train.py", "run")
     with pytest.raises(UsageError, match="cannot parse"):
         magics.parse_args(script_magics.run, "train.py 'unclosed", "run")
+
+
+def test_mesh_select_in_a_cell_says_where_it_belongs() -> None:
+    """``%mesh select R`` is the visual debugger's rank picker (kernel/dap.py), typed in its Evaluate dialog."""
+    from IPython.core.error import UsageError
+
+    with pytest.raises(UsageError, match="Evaluate Code dialog while ranks are stopped"):
+        magic_shell().run_line_magic("mesh", "select 1")  # type: ignore[attr-defined]
