@@ -287,6 +287,10 @@ class Healer:
             said = said or self.history.counts(plan)
             for item in plan:
                 error = self._replay_one(r, item)
+                with self.state.lock:
+                    died = self.state.ranks[r].state is RankState.DEAD
+                if died:  # it died again: that death is reported (and healed, or given up) on its own
+                    break
                 if error:
                     self._say(replay_failed_note(r, item.what, error), [r])
         return said
