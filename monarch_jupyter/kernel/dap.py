@@ -161,7 +161,10 @@ class MeshDebugger:
 
     def _select(self, message: dict, which: str | None) -> dict:
         """``%mesh select R`` in the Evaluate dialog: the sidebar shows rank R. JupyterLab shows the thread of the
-        last ``stopped`` event it got (its callstack has no thread list), so rank R's is sent again."""
+        last ``stopped`` event it got (its callstack has no thread list), so rank R's is sent again, after a
+        ``continued`` one for it: JupyterLab 4 blanks the Variables panel on every evaluate reply and loads it
+        again only when the current frame changes, which it does not when R is the rank shown already (the
+        ``continued`` clears its frames, so the ``stopped`` after it makes R's frame current anew)."""
         with self._lock:
             stopped = dict(self.stopped_events)
         rank = int(which) if which is not None and which.isdigit() else None
@@ -169,6 +172,8 @@ class MeshDebugger:
             now = f"stopped now: {ranks_text(sorted(stopped))}" if stopped else "no rank is stopped now"
             why = "which rank?" if which is None else f"rank {which} is not stopped at a breakpoint"
             return _failure(message, f"{why} ({now}). %mesh select R shows rank R's stack and variables")
+        self._publish({"type": "event", "event": "continued",
+                       "body": {"threadId": stopped[rank]["threadId"], "allThreadsContinued": False}})
         self._publish({"type": "event", "event": "stopped", "body": stopped[rank]})
         return {"type": "response", "seq": message.get("seq"), "request_seq": message.get("seq"), "success": True,
                 "command": "evaluate", "body": {"result": f"rank {rank}: its stack and variables are in the sidebar",
