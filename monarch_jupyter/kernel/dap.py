@@ -12,7 +12,8 @@ extension is loaded, ``install`` puts a ``MeshDebugger`` in front of it, which
 - copies a rank's value into the notebook (``copyToGlobals``: pickled on the rank, unpickled here);
 - gives each rank's threads, frames and variable references virtual ids (``VirtualIds``), lists ranks' threads as
   ``rank N: MainThread`` in ``threads``, and sends requests about a rank's ids (``stackTrace``, ``scopes``,
-  ``variables``, ``evaluate``, ``next``, ``stepIn``, ``stepOut``, ``pause``, ...) to that rank;
+  ``variables``, ``evaluate``, ``next``, ``stepIn``, ``stepOut``, ``pause``, ...) to that rank, and names its
+  frames ``rank N: <module>`` (JupyterLab's call stack shows no thread names);
 - copies ``setBreakpoints`` and ``setExceptionBreakpoints`` to every rank session, and forwards ranks' ``stopped``,
   ``continued`` and ``thread`` events with their ids mapped.
 
@@ -108,6 +109,7 @@ class MeshDebugger:
         self.sessions: dict[int, RankSession] = {}
         self.stopped: dict[int, set[int]] = {}  # rank -> its stopped (real) thread ids
         self.stopped_events: dict[int, dict] = {}  # rank -> the body of its last stopped event, as sent
+        self.shown: int | None = None  # the (virtual) thread of the last stopped event sent: the one the sidebar shows
         self.breakpoints: dict[str, dict] = {}  # source path -> the last setBreakpoints arguments
         self.exception_breakpoints: dict | None = None
         self.missing_note_shown = False
@@ -151,6 +153,9 @@ class MeshDebugger:
         elif command == "debugInfo" and reply.get("success"):
             with self._lock:
                 ranks = [VirtualIds.to_virtual(r, t) for r, ts in self.stopped.items() for t in ts]
+            # JupyterLab shows the first stopped thread after it asks again (e.g. when the Debug Console takes the
+            # focus): the one shown, else the sidebar would fall back to the lowest rank after '%mesh select R'
+            ranks.sort(key=lambda t: t != self.shown)
             reply["body"]["stoppedThreads"] = list(reply["body"].get("stoppedThreads", [])) + ranks
         elif command == "disconnect":
             self.missing_note_shown = False
@@ -161,7 +166,10 @@ class MeshDebugger:
 
     def _select(self, message: dict, which: str | None) -> dict:
         """``%mesh select R`` in the Evaluate dialog: the sidebar shows rank R. JupyterLab shows the thread of the
-        last ``stopped`` event it got (its callstack has no thread list), so rank R's is sent again."""
+        last ``stopped`` event it got (its callstack has no thread list), so rank R's is sent again, after a
+        ``continued`` one for it: JupyterLab 4 blanks the Variables panel on every evaluate reply and loads it
+        again only when the current frame changes, which it does not when R is the rank shown already (the
+        ``continued`` clears its frames, so the ``stopped`` after it makes R's frame current anew)."""
         with self._lock:
             stopped = dict(self.stopped_events)
         rank = int(which) if which is not None and which.isdigit() else None
@@ -169,6 +177,9 @@ class MeshDebugger:
             now = f"stopped now: {ranks_text(sorted(stopped))}" if stopped else "no rank is stopped now"
             why = "which rank?" if which is None else f"rank {which} is not stopped at a breakpoint"
             return _failure(message, f"{why} ({now}). %mesh select R shows rank R's stack and variables")
+        self._publish({"type": "event", "event": "continued",
+                       "body": {"threadId": stopped[rank]["threadId"], "allThreadsContinued": False}})
+        self.shown = stopped[rank]["threadId"]
         self._publish({"type": "event", "event": "stopped", "body": stopped[rank]})
         return {"type": "response", "seq": message.get("seq"), "request_seq": message.get("seq"), "success": True,
                 "command": "evaluate", "body": {"result": f"rank {rank}: its stack and variables are in the sidebar",
@@ -197,6 +208,9 @@ class MeshDebugger:
             resp["body"] = {"threads": _label_threads(rank, resp.get("body", {}).get("threads", []))}
         elif resp.get("body"):
             resp["body"] = VirtualIds.rewrite(resp["body"], rank, outward=True)
+            if command == "stackTrace":  # JupyterLab's call stack shows frames only: each says whose it is
+                resp["body"]["stackFrames"] = [{**f, "name": f"rank {rank}: {f.get('name', '')}"}
+                                               for f in resp["body"].get("stackFrames", [])]
         return {**resp, "request_seq": message.get("seq"), "seq": message.get("seq")}
 
     async def _continue_all(self, message: dict, selected: int) -> dict:
@@ -388,6 +402,7 @@ class MeshDebugger:
             with self._lock:
                 if self.stopped.get(rank):
                     self.stopped_events[rank] = body
+                    self.shown = body.get("threadId")
         self._publish({**event, "body": body})
 
     def _publish(self, event: dict) -> None:

@@ -633,6 +633,11 @@ class NotebookPage:
         except PwTimeout:
             raise HarnessError(self._describe(message)) from None
 
+    def wait_until(self, js: str, arg: Any = None, timeout: float = 60.0, message: str = "") -> None:
+        """Wait until the in-page function ``js`` (called with ``arg``) returns a truthy value, polling every
+        0.1 s; raise :class:`HarnessError` with ``message`` (and what the page shows) after ``timeout`` seconds."""
+        self._wait_for(js, arg, timeout, message or f"page condition not met within {timeout:.0f}s")
+
     def _describe(self, message: str) -> str:
         extra = [message]
         dialog = self.page.locator(".jp-Dialog")

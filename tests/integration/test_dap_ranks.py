@@ -74,6 +74,7 @@ def test_gutter_breakpoint_stops_the_ranks_that_run_it(k: DapKernel) -> None:
     for rank, stop in stops.items():
         frame, frame_id, values = _locals(k, stop["threadId"])
         assert (frame["source"]["path"], frame["line"]) == (path, 4)  # the gutter's line, the %%mesh line counted
+        assert frame["name"] == f"rank {rank}: <module>"  # the call stack says whose frame it is
         assert values["rank"] == str(rank) and values["x"] == str(rank * 10) and "y" not in values
         ev = k.dap("evaluate", expression="x + 1000", frameId=frame_id, context="repl")
         assert ev["success"] and ev["body"]["result"] == str(rank * 10 + 1000)
@@ -131,10 +132,10 @@ def test_step_in_out_and_pause(k: DapKernel, tmp_path: object) -> None:
     tid = _stopped(k, 1)[0]["threadId"]
     assert k.dap("stepIn", threadId=tid)["success"]
     frame, _, values = _locals(k, _stopped(k, 1)[0]["threadId"])
-    assert (frame["name"], frame["line"], values["a"]) == ("f", 3, "4")
+    assert (frame["name"], frame["line"], values["a"]) == ("rank 0: f", 3, "4")
     assert k.dap("stepOut", threadId=tid)["success"]
     frame, _, _ = _locals(k, _stopped(k, 1)[0]["threadId"])
-    assert frame["name"] == "<module>" and frame["line"] == 5
+    assert frame["name"] == "rank 0: <module>" and frame["line"] == 5
     assert k.dap("continue", threadId=tid)["success"]
     k.wait(run)
     assert run.results == ["{0: 8}"], (run.stdout, run.errors)
