@@ -141,6 +141,11 @@ class MeshDebugger:
         rank = next((r for k in _ID_KEYS if (r := VirtualIds.rank_of(args.get(k))) is not None), None)
         if rank is not None:
             return await self._rank_request(rank, message)
+        if command == "continue" and not getattr(self.inner, "stopped_threads", None):
+            with self._lock:
+                stopped = sorted(r for r, ts in self.stopped.items() if ts)
+            if stopped:  # JupyterLab sends threadId 1 when it lost track of the rank's thread: the ranks go on
+                return await self._continue_all(message, stopped[0])
         reply = await self.inner.process_request(message)
         if command == "threads" and reply.get("success"):
             reply["body"]["threads"] = reply["body"].get("threads", []) + await self._rank_threads()

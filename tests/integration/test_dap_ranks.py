@@ -123,6 +123,12 @@ def test_breakpoint_call_goes_to_the_attached_debugger(k: DapKernel) -> None:
     assert k.dap("continue", threadId=stops[1]["threadId"])["success"]
     k.wait(run)
     assert run.results == ["{1: 42}"], (run.stdout, run.errors)
+    # JupyterLab's Continue names threadId 1 (a kernel thread) when it lost track of the rank's: the ranks go on.
+    run = k.submit("%%mesh --ranks 1\nw = 22\nbreakpoint()\nw * 2\n")
+    assert list(_stopped(k, 1)) == [1]
+    assert k.dap("continue", threadId=1)["success"]
+    k.wait(run)
+    assert run.results == ["{1: 44}"], (run.stdout, run.errors)
 
 
 def test_step_in_out_and_pause(k: DapKernel, tmp_path: object) -> None:
