@@ -201,3 +201,29 @@ def test_late_host_and_host_without_torch(fake_hosts: FakeHosts, tmp_path: Path)
     assert codes[1] == 1  # the broken host's agent said why and ended
     assert codes[0] in (0, 2)  # the good one was stopped (admitted: 0) or turned away (still waiting: 2)
     assert not fake_hosts.wait_empty(1) and not fake_hosts.wait_empty(2)
+
+
+def test_a_host_agents_rank_that_dies_is_restarted_on_its_host(fake_hosts: FakeHosts, tmp_path: Path) -> None:
+    """on_rank_death="restart" across hosts: rank 3 (on fake host 2) SIGKILLed; its host agent forks a fresh
+    process, which gets back what the notebook pushed and joins a fresh process group of 4 (kernel/healing.py)."""
+    m = Mesh.listen(4, address=fake_hosts.bridge, nproc_per_node=2, timeout=180, show=False,
+                    on_rank_death="restart")
+    procs: list[subprocess.Popen] = []
+    try:
+        procs = start_agents(fake_hosts, m.join_commands().generic, tmp_path)
+        assert m.wait_ready(180)
+        m.push(w=7)
+        hosts = {r: h for h, ranks in m.hosts().items() for r in ranks}
+        old = m.status()[3]["pid"]
+        assert old in fake_hosts.pids(2)
+        os.kill(old, signal.SIGKILL)
+        deadline = time.monotonic() + 180  # the next cell waits for the healing, then runs on all four
+        while m.status()[3]["pid"] == old and time.monotonic() < deadline:
+            time.sleep(0.05)
+        got = m.run("import os\nt = torch.ones(1); dist.all_reduce(t); (t.item(), w + rank, os.getpid())")
+        assert {r: v[:2] for r, v in got.items()} == {r: (4.0, 7 + r) for r in range(4)}
+        assert got[3][2] != old and got[3][2] in fake_hosts.pids(2)  # a fresh process, on the same host
+        assert {r: h for h, ranks in m.hosts().items() for r in ranks} == hosts
+    finally:
+        m.stop()
+    assert reap(procs) == [0, 0]
