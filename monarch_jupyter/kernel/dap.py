@@ -113,6 +113,7 @@ class MeshDebugger:
         self.breakpoints: dict[str, dict] = {}  # source path -> the last setBreakpoints arguments
         self.exception_breakpoints: dict | None = None
         self.missing_note_shown = False
+        self.events: Any = None  # the mesh's events (prepare_cell): the live view shows ranks stopped here
         self._lock = threading.Lock()
         # The seq of each event it sends: DAP wants every message of one side numbered uniquely, and the ranks'
         # adapters each count from 1, as the kernel's own debugpy does; these start past any count of theirs.
@@ -232,6 +233,8 @@ class MeshDebugger:
         results = await asyncio.gather(*futures, return_exceptions=True)
         ok = any(isinstance(r, dict) and r.get("success") for r in results)
         for r, threads in stopped.items():  # the frontend forgets every rank thread that runs again
+            if ok and threads and self.events is not None:
+                self.events.emit("rank_state", rank=r, state="running")
             for t in threads:
                 self._publish({"type": "event", "seq": 0, "event": "continued",
                                "body": {"threadId": VirtualIds.to_virtual(r, t), "allThreadsContinued": False}})
@@ -371,6 +374,7 @@ class MeshDebugger:
         gone: set[int] = set()
         with self._lock:
             threads = self.stopped.setdefault(rank, set())
+            was_stopped = bool(threads)
             if name == "stopped":
                 threads.add(body.get("threadId", 0))
             elif name == "continued":
@@ -403,6 +407,13 @@ class MeshDebugger:
         elif name == "output" and "output" in body:
             body["output"] = f"[rank{rank}]: {body['output']}"
         body = VirtualIds.rewrite(body, rank, outward=True)
+        events = self.events
+        if events is not None and name == "stopped":  # the live view: the rank waits in the sidebar, not at pdb
+            events.emit("rank_state", rank=rank, state="breakpoint",
+                        note=f"stopped at a breakpoint in the visual debugger: its stack and variables are in the "
+                             f"sidebar (%mesh select {rank} in its Debug Console shows this rank)")
+        elif events is not None and name == "continued" and was_stopped:
+            events.emit("rank_state", rank=rank, state="running")
         if name == "stopped":
             with self._lock:
                 if self.stopped.get(rank):
@@ -485,6 +496,7 @@ def prepare_cell(shell: Any, mesh: Any, cell: str, ranks: Any) -> tuple[str, str
         print(f"the debugger attaches to {ranks_text(busy)} when idle (busy with an earlier cell now), so this cell "
               "runs there without breakpoints", file=sys.stderr)
         return None
+    dbg.events = mesh.events
     if need:
         try:
             ports = mesh.call(dapside.listen, ranks=need, timeout=ATTACH_TIMEOUT)

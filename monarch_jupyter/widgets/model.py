@@ -284,6 +284,7 @@ class MeshMonitor:
             for c in info.cells.values():
                 if c.state in ("running", "breakpoint"):
                     c.state = state
+                    c.error = data.get("note", "") if state == "breakpoint" else ""  # which debugger, if said
                     break
             info.state = state
         else:

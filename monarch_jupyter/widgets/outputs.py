@@ -84,9 +84,10 @@ def render_item(item: Item) -> str:
 
 
 def render_failure(rank: int, state: str, error: str, traceback: str = "") -> str:
-    """A failed rank's error (``traceback`` collapsed under it), or a rank stopped at a pdb prompt."""
+    """A failed rank's error (``traceback`` collapsed under it), or a rank stopped at a breakpoint (``error``: where
+    to look, when not at its pdb prompt)."""
     if state == "breakpoint":
-        body = f"stopped at a breakpoint: answer at its (Pdb rank {rank}) prompt below"
+        body = error or f"stopped at a breakpoint: answer at its (Pdb rank {rank}) prompt below"
         return (f'<div class="mj-item mj-prompt" {_attr((rank,))}>{_label((rank,))}'
                 f'<div class="mj-note">{_e(body)}</div></div>')
     tb = _ANSI.sub("", traceback).rstrip()

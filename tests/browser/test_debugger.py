@@ -170,6 +170,11 @@ def test_gutter_breakpoint_in_a_mesh_cell(tmp_path: Path) -> None:
         # Whose stack it is (the rank shown may change as the second rank's stopped event arrives: the last wins).
         assert all(re.match(r"rank [01]: <module>", f) for f in frames), frames
         notebook.page.locator(".jp-DebuggerPausedOverlay").first.wait_for(state="visible", timeout=30_000)
+        # The cell's live view says where the stopped ranks wait (not "running", not a pdb prompt).
+        view = notebook.output_area(MESH_CELL)
+        view.get_by_text("stopped at a breakpoint in the visual debugger").first.wait_for(state="visible",
+                                                                                           timeout=60_000)
+        assert "Pdb rank" not in notebook.output_text(MESH_CELL)
         assert notebook.prompt(MESH_CELL) == "[*]:"  # the cell waits for its stopped ranks
 
         # Both ranks stopped before the picker is checked (a stopped event that came after would take the sidebar):
@@ -216,3 +221,4 @@ def test_gutter_breakpoint_in_a_mesh_cell(tmp_path: Path) -> None:
         for r in (0, 1):
             assert f"rank {r}: x={r * 10} y={r * 10 + 1}" in text, text
         notebook.page.locator(".jp-DebuggerPausedOverlay").first.wait_for(state="hidden", timeout=30_000)
+        assert "stopped at a breakpoint" not in notebook.output_text(MESH_CELL)  # the view followed the continue
