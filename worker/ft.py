@@ -148,8 +148,10 @@ def _ddp_class() -> type:
             inner = getattr(fut, "_fut", None)
             if inner is not None:
                 return inner
-            if isinstance(fut, torch.futures.Future):  # a _DummyWork's: the manager had errored already
+            if type(fut) is torch.futures.Future:  # a _DummyWork's (set): the manager had errored already
                 return fut
+            # The allreduce failed (a peer died): torchft's managed future (a Future subclass) is never completed
+            # then, and DDP's reducer would wait for it forever inside backward (measured: a survivor hung there).
             done: torch.futures.Future = torch.futures.Future()
             done.set_result(bucket.buffer())  # torchft recorded the error: should_commit discards this step
             return done

@@ -73,11 +73,12 @@ class Deaths:
         now = time.monotonic()
         self.given_up.pop(info.rank, None)
         heals = self.heals(natural)
+        given_up = False
         if heals:  # decided before anything reports the death, so no report says "restarted" of a rank given up
             why_not = self.admit(info.rank, now)
             if why_not:
                 self.given_up[info.rank] = why_not
-                heals = False
+                heals, given_up = False, True
                 if info.rank in self.state.healing:  # a replacement that died while it healed: cells that wait
                     self.state.healing.discard(info.rank)  # for it (a --rejoin cell it left) fail now
                     for rec in list(self.state.cells.values()):
@@ -92,8 +93,12 @@ class Deaths:
         self.state.failures.pop(info.rank, None)  # its kept traceback died with it
         failed = []
         for rec in list(info.cells):
-            if heals and rec.rejoin is not None and info.rank not in rec.finished and not rec.interrupted:
-                self.cells.rank_left(rec, info.rank)  # its replacement rejoins it (healing.py)
+            if (heals or given_up) and rec.rejoin is not None and info.rank not in rec.finished and not rec.interrupted:
+                if heals:
+                    self.cells.rank_left(rec, info.rank)  # its replacement rejoins it (healing.py)
+                else:  # not failed: the survivors go on without it (a torchft loop needs no peer to go on)
+                    self.cells.rank_died(rec, info.rank, RankDiedError(info.rank, returncode, reason="not restarted"),
+                                         now)
             elif info.rank not in rec.finished:
                 last, earlier = info.last_output(rec.cell_id)
                 self.cells.rank_died(rec, info.rank,

@@ -25,7 +25,8 @@ model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.L
 opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 """
 
-# A torchft loop as torchft's own train_ddp.py writes it; rank 1 kills itself at step DIE_AT, once (a marker file).
+# A torchft loop as torchft's own train_ddp.py writes it; rank 1 kills itself at step DIE_AT, once (a marker file):
+# before the step (WHERE="step"), or after its forward, so that rank 0's gradient allreduce fails ("allreduce").
 LOOP = """
 manager = ft.manager(state_dict=lambda: {"model": model.state_dict(), "opt": opt.state_dict()},
                      load_state_dict=lambda sd: (model.load_state_dict(sd["model"]), opt.load_state_dict(sd["opt"])))
@@ -33,13 +34,17 @@ ddp, optim = ft.DistributedDataParallel(manager, model), Optimizer(manager, opt)
 steps = []
 while manager.current_step() < STEPS:
     step = manager.current_step()
-    if rank == 1 and step == DIE_AT and not os.path.exists(FLAG):
+    if rank == 1 and step == DIE_AT and WHERE == "step" and not os.path.exists(FLAG):
         open(FLAG, "w").close()
         os.kill(os.getpid(), signal.SIGKILL)
     g = torch.Generator().manual_seed(step)
     x, y = torch.randn(32, 16, generator=g), torch.randn(32, 4, generator=g)
     optim.zero_grad()
     loss = ((ddp(x) - y) ** 2).mean()
+    if rank == 1 and step == DIE_AT and WHERE == "allreduce" and not os.path.exists(FLAG):
+        open(FLAG, "w").close()  # in the step's quorum already: rank 0's gradient allreduce fails while it waits
+        time.sleep(2)  # (so that rank 0 is inside it: an allreduce that starts after the death fails at once)
+        os.kill(os.getpid(), signal.SIGKILL)
     loss.backward()
     optim.step()
     if manager.current_step() > step:  # committed: the step the quorum was at (a replacement's first is the peer's)
@@ -54,7 +59,10 @@ def flag(tmp_path: object) -> str:
     return os.path.join(str(tmp_path), "died")
 
 
-def test_a_rank_sigkilled_at_a_known_step_heals_from_its_peer_and_trains_on(flag: str) -> None:
+@pytest.mark.parametrize("where", ["step", "allreduce"])
+def test_a_rank_sigkilled_at_a_known_step_heals_from_its_peer_and_trains_on(flag: str, where: str) -> None:
+    """``allreduce``: the survivor's allreduce fails; torchft's managed future is never completed then, and DDP's
+    reducer waited for it inside backward forever (bench_elastic's 4-rank runs stalled there)."""
     with Mesh(2, on_rank_death="restart", torchft=True, start_timeout=WAIT) as m:
         lighthouse = m.parts.lighthouse.proc
         assert lighthouse is not None and lighthouse.poll() is None
@@ -62,7 +70,7 @@ def test_a_rank_sigkilled_at_a_known_step_heals_from_its_peer_and_trains_on(flag
                     "'NUM_REPLICA_GROUPS')}")
         assert env[1] == {"TORCHFT_LIGHTHOUSE": m.parts.lighthouse.address, "REPLICA_GROUP_ID": "1",
                           "NUM_REPLICA_GROUPS": "2"}
-        m.push(STEPS=60, DIE_AT=20, FLAG=flag)
+        m.push(STEPS=60, DIE_AT=20, FLAG=flag, WHERE=where)
         m.run(SETUP, replay=True)
         handle = m.run(LOOP, rejoin=True, block=False)
         assert handle.result(timeout=WAIT) == {0: 60, 1: 60}
@@ -96,7 +104,7 @@ def test_the_lighthouse_is_started_again_when_it_dies(capfd: pytest.CaptureFixtu
         while m.parts.lighthouse.restarts == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert m.parts.lighthouse.address == address
-        m.push(STEPS=5, DIE_AT=-1, FLAG="/nonexistent")
+        m.push(STEPS=5, DIE_AT=-1, FLAG="/nonexistent", WHERE="step")
         m.run(SETUP)
         assert m.run(LOOP, timeout=WAIT) == {0: 5, 1: 5}
     assert f"exited with code -9; it was started again at {address}" in capfd.readouterr().err
@@ -112,7 +120,7 @@ def test_without_torchft_the_helper_says_how_to_start_it() -> None:
 def test_fewer_ranks_than_min_replicas_wait_visibly_and_the_interrupt_works(flag: str) -> None:
     with Mesh(2, on_rank_death="restart", restart_limit=0, torchft=True, torchft_min_replicas=2,
               start_timeout=WAIT) as m:
-        m.push(STEPS=1000, DIE_AT=5, FLAG=flag)
+        m.push(STEPS=1000, DIE_AT=5, FLAG=flag, WHERE="step")
         m.run(SETUP, replay=True)
         handle = m.run(LOOP, rejoin=True, block=False)
         deadline = time.monotonic() + WAIT
@@ -140,7 +148,7 @@ def test_report_shows_the_step_and_the_quorum_in_the_live_view() -> None:
     with Mesh(2, torchft=True, torchft_min_replicas=2, start_timeout=WAIT) as m:
         seen: list[dict] = []
         m.add_listener(lambda kind, data: seen.append(data) if kind == "progress" else None)
-        m.push(STEPS=5, DIE_AT=-1, FLAG="/nonexistent")
+        m.push(STEPS=5, DIE_AT=-1, FLAG="/nonexistent", WHERE="step")
         m.run(SETUP)
         assert m.run(LOOP.replace("manager.shutdown()", "ft.report(manager, STEPS)\nmanager.shutdown()"),
                      timeout=WAIT) == {0: 5, 1: 5}
