@@ -205,9 +205,11 @@ def _recoveries(log: str, n: int, kills: list[tuple[float, int, int]]) -> list[f
     return out
 
 
-def run_torchrun(n: int, steps: int, every: float | None, checkpoint_every: int, cuda: bool, folder: str) -> dict:
+def run_torchrun(n: int, steps: int, every: float | None, checkpoint_every: int, cuda: bool, folder: str,
+                 stall: float = 120.0) -> dict:
     """The same loop with torch's DDP under torchrun --max-restarts, from a checkpoint every ``checkpoint_every``
-    steps."""
+    steps. A run whose checkpoint step and live workers stay the same for ``stall`` seconds is killed and reported
+    as stalled (restarted workers that hang in the re-rendezvous)."""
     log, ckpt = os.path.join(folder, "torchrun"), os.path.join(folder, "ckpt.pt")
     script = os.path.join(folder, "train.py")
     with open(script, "w") as f:
@@ -230,11 +232,23 @@ def run_torchrun(n: int, steps: int, every: float | None, checkpoint_every: int,
     punisher = Punisher(workers, every or 0)
     if every:
         punisher.start()
+    progress, moved = None, time.time()
     while proc.poll() is None:
         time.sleep(0.2)
-        if every and os.path.exists(ckpt) and _ckpt_step(ckpt) >= steps - 2 * checkpoint_every:
+        step = _ckpt_step(ckpt) if os.path.exists(ckpt) else 0
+        if every and step >= steps - 2 * checkpoint_every:
             punisher.stop()
             every = None
+        now = (step, len(workers()))
+        if now != progress:
+            progress, moved = now, time.time()
+        elif time.time() - moved > stall:  # restarted workers that never train again (a hung re-rendezvous)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            if every:
+                punisher.stop()
+            return {"seconds": None, "steps_per_s": 0.0, "loss": None, "kills": len(punisher.kills),
+                    "returncode": proc.returncode, "stalled": stall, "last_checkpoint_step": step}
     if every:
         punisher.stop()
     with open(f"{log}.pids") as f:  # from its first training step: torchrun's own start-up is not counted
@@ -243,7 +257,7 @@ def run_torchrun(n: int, steps: int, every: float | None, checkpoint_every: int,
     with open(f"{log}.loss") as f:
         loss = float(f.read())
     return {"seconds": seconds, "steps_per_s": steps / seconds, "loss": loss, "kills": len(punisher.kills),
-            "returncode": proc.returncode}
+            "returncode": proc.returncode, "stalled": None}
 
 
 def _ckpt_step(path: str) -> int:
@@ -346,14 +360,20 @@ def main() -> None:
     print(f"  mesh + torchft, self-healing:    {healed['steps_per_s']:6.2f} steps/s  ({healed['seconds']:.1f} s, "
           f"{healed['kills']} kills)  {healed['steps_per_s'] / base:.2f} of failure-free  final loss "
           f"{healed['loss']:.6f}  replicas bitwise equal: {healed['equal']}")
-    print(f"  torchrun --max-restarts, ckpt/{args.checkpoint_every}: {torchrun['steps_per_s']:6.2f} steps/s  "
-          f"({torchrun['seconds']:.1f} s, {torchrun['kills']} kills)  {torchrun['steps_per_s'] / base:.2f} of "
-          f"failure-free  final loss {torchrun['loss']:.6f}")
+    if torchrun["stalled"]:
+        print(f"  torchrun --max-restarts, ckpt/{args.checkpoint_every}: did not recover: after {torchrun['kills']} "
+              f"kills its restarted workers made no progress for {torchrun['stalled']:g} s (last checkpoint at step "
+              f"{torchrun['last_checkpoint_step']}); killed")
+    else:
+        print(f"  torchrun --max-restarts, ckpt/{args.checkpoint_every}: {torchrun['steps_per_s']:6.2f} steps/s  "
+              f"({torchrun['seconds']:.1f} s, {torchrun['kills']} kills)  {torchrun['steps_per_s'] / base:.2f} of "
+              f"failure-free  final loss {torchrun['loss']:.6f}")
     rec = healed["recovery"]
     if rec:
         print(f"  death -> first committed step with the replacement in the quorum: median "
               f"{statistics.median(rec):.2f} s, max {max(rec):.2f} s over {len(rec)} deaths")
-    print(f"  mesh vs torchrun goodput: {healed['steps_per_s'] / torchrun['steps_per_s']:.2f}x")
+    if torchrun["steps_per_s"]:
+        print(f"  mesh vs torchrun goodput: {healed['steps_per_s'] / torchrun['steps_per_s']:.2f}x")
     print_scale(scale)
     _write_json(args.json, {"clean": clean, "healed": healed, "torchrun": torchrun, "scale": scale})
 
