@@ -239,22 +239,25 @@ def test_an_interrupted_start_says_so_in_one_line_and_leaves_nothing(tmp_path: P
     assert not wait_gone(worker_pids() - before)
 
 
+def _interrupt_once_it_waits_for_the_ranks() -> None:
+    """SIGINT to this process once the main thread waits for the ranks (``wait_started``); at the 60 s deadline
+    too: the test then fails on what it sees."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        frame, names = sys._current_frames().get(threading.main_thread().ident), set()
+        while frame is not None:
+            names.add(frame.f_code.co_name)
+            frame = frame.f_back
+        if "wait_started" in names:
+            break
+        time.sleep(0.005)
+    os.kill(os.getpid(), signal.SIGINT)
+
+
 def test_an_interrupted_restart_says_so_in_one_line(shell: InteractiveShell) -> None:
     running_mesh(shell)
 
-    def interrupt_once_it_waits_for_the_ranks() -> None:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            frame, names = sys._current_frames().get(threading.main_thread().ident), set()
-            while frame is not None:
-                names.add(frame.f_code.co_name)
-                frame = frame.f_back
-            if "wait_started" in names:
-                break
-            time.sleep(0.005)
-        os.kill(os.getpid(), signal.SIGINT)  # at the deadline too: the test then fails on what it sees
-
-    interrupter = threading.Thread(target=interrupt_once_it_waits_for_the_ranks, daemon=True)
+    interrupter = threading.Thread(target=_interrupt_once_it_waits_for_the_ranks, daemon=True)
     interrupter.start()
     with pytest.raises(KeyboardInterrupt) as info:
         shell.run_line_magic("mesh", "restart")
@@ -270,19 +273,7 @@ def test_an_interrupted_scale_finishes_first_and_says_so_in_one_line(shell: Inte
     group would never join one), then says so in one line, not the controller's frames; the mesh is whole."""
     m = running_mesh(shell)
 
-    def interrupt_once_it_waits_for_the_ranks() -> None:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            frame, names = sys._current_frames().get(threading.main_thread().ident), set()
-            while frame is not None:
-                names.add(frame.f_code.co_name)
-                frame = frame.f_back
-            if "wait_started" in names:
-                break
-            time.sleep(0.005)
-        os.kill(os.getpid(), signal.SIGINT)
-
-    interrupter = threading.Thread(target=interrupt_once_it_waits_for_the_ranks, daemon=True)
+    interrupter = threading.Thread(target=_interrupt_once_it_waits_for_the_ranks, daemon=True)
     interrupter.start()
     with pytest.raises(KeyboardInterrupt) as info:
         shell.run_line_magic("mesh", "scale -n 3")
