@@ -25,6 +25,7 @@ whole mesh regroups with the fresh ranks.
 
 from __future__ import annotations
 
+import contextvars
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -37,7 +38,17 @@ from .lifecycle import Lifecycle
 from .resize import Resizer
 from .state import MeshState, RankState
 
-__all__ = ["Splitter", "SubMesh", "SubHandle", "partition"]
+__all__ = ["Splitter", "SubMesh", "SubHandle", "partition", "selected"]
+
+_SELECTED: contextvars.ContextVar[tuple[SubMesh, ...]] = contextvars.ContextVar("monarch_submesh", default=())
+"""The sub-meshes of the ``with sub:`` blocks this thread (context) is in, innermost last."""
+
+
+def selected() -> SubMesh | None:
+    """The sub-mesh of the innermost ``with sub:`` block of the calling thread (None outside one). A thread
+    started inside a block is outside it (Python starts threads in a fresh context); asyncio tasks inherit it."""
+    stack = _SELECTED.get()
+    return stack[-1] if stack else None
 
 
 def partition(spec: int | Sequence[Sequence[int]], nproc: int) -> list[list[int]]:
@@ -168,6 +179,27 @@ class SubMesh:
         """``Mesh.interrupt`` of what this sub-mesh's ``ranks`` run (its numbers; default all)."""
         self.check()
         return self.mesh.interrupt(self.to_global(ranks), force=force, grace=grace)
+
+    def __enter__(self) -> SubMesh:
+        """``with sub:`` selects this sub-mesh, in the calling thread only, for ``strategy="mesh"``: a Trainer or
+        Fabric built inside the block runs there (``monarch_jupyter.lightning``). It does not merge at the end.
+
+        Raises MonarchError when the sub-mesh no longer exists, or when the thread is inside ``with other:`` of
+        another sub-mesh (a block selects one; the same sub-mesh again is fine)."""
+        self.check()
+        stack = _SELECTED.get()
+        if stack and stack[-1] is not self:
+            outer = stack[-1].name
+            raise MonarchError(f"already inside  with {outer}:  in this thread: a with block selects one sub-mesh "
+                               f"for strategy='mesh'. Leave it first, or pass the sub-mesh itself:  "
+                               f"Trainer(strategy=MeshStrategy(mesh={self.name}))")
+        _SELECTED.set((*stack, self))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        stack = _SELECTED.get()
+        if stack and stack[-1] is self:
+            _SELECTED.set(stack[:-1])
 
     def __repr__(self) -> str:
         where = f"mesh ranks {format_ranks(self.ranks)}" if self.alive else "merged"

@@ -23,6 +23,7 @@ import contextlib
 import logging
 import os
 import sys
+import threading
 import time
 import weakref
 from typing import Any
@@ -35,6 +36,7 @@ from .errors import MeshLightningError, TrainingInterrupted, UnpicklableJobError
 from .predictions import assemble_predictions
 from .reports import FoldedRemoteError, cell_names, name_cells
 from .shipping import KeptObjects, pickle_job
+from .target import Target, resolve
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +46,10 @@ PUSH_THRESHOLD = 8 << 20
 """New kept objects of at least this many bytes (in all) go to the ranks by ``Mesh.push`` (shared memory on this
 host, one copy) before the call; smaller ones travel with the call."""
 
-_kept: weakref.WeakKeyDictionary[Mesh, tuple[float, KeptObjects]] = weakref.WeakKeyDictionary()
+# Per mesh: the ranks a job ran on (all of them, or a sub-mesh's) -> (mesh generation, their identity table). Two
+# fits on two sub-meshes may run at once (from two threads): each has its own table, and _lock guards the map.
+_kept: weakref.WeakKeyDictionary[Mesh, dict[tuple[int, ...], tuple[float, KeptObjects]]] = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
 
 # Loggers whose version the notebook took from rank 0 (so that trainer.logger.log_dir is right after a fit): the
 # version they had then. The next job ships them without it, so it logs into a new version directory, as a new
@@ -55,43 +60,37 @@ _borrowed_versions: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDiction
 # ------------------------------------------------------------------------------------------------ configuration
 
 
-def _mesh_of(strategy: Any) -> Mesh:
-    mesh = strategy.mesh
-    if mesh is None:
-        try:
-            mesh = current_mesh()
-        except MeshNotRunningError:
-            raise MeshNotRunningError(
-                "strategy='mesh' runs on a mesh, and none is running: start one first with  %mesh start -n N  "
-                "(or monarch_jupyter.Mesh(nproc=N)), N = devices x num_nodes, or pass  MeshStrategy(mesh=...)"
-            ) from None
-    if not mesh.running and not mesh.listening:
-        raise MeshNotRunningError("the mesh of strategy='mesh' is stopped: start it with  %mesh restart  (or "
-                                  "mesh.restart())")
-    return mesh
-
-
-def configure(strategy: Any, who: str) -> Mesh:
-    """Check ``strategy`` against its mesh; derive ``num_nodes`` from the mesh's hosts; returns the mesh.
+def configure(strategy: Any, who: str) -> Target:
+    """Check ``strategy`` against its mesh or sub-mesh (``target.resolve``); derive ``num_nodes`` from its hosts;
+    returns where the job runs.
 
     Raises
     ------
     MeshNotRunningError
         No mesh runs.
+    MonarchError
+        The strategy's sub-mesh no longer exists (merged, or the mesh restarted).
     MeshLightningError
-        devices x num_nodes differs from the mesh's world size, or hosts hold different numbers of ranks, or a GPU
-        accelerator meets ranks without GPUs. The message says what to change.
+        devices x num_nodes differs from the (sub-)mesh's world size, or hosts hold different numbers of ranks, or a
+        GPU accelerator meets ranks without GPUs, or the mesh is split and no sub-mesh was chosen. The message says
+        what to change.
     """
-    mesh = _mesh_of(strategy)
+    target = resolve(strategy)
+    mesh = target.mesh
     devices = len(strategy.parallel_devices or []) or 1
     num_nodes = int(strategy.num_nodes or 1)
-    world = mesh.world_size
-    hosts = mesh.hosts() if mesh.running else {}
-    hosts = {h: sorted(rs) for h, rs in hosts.items()}
+    world = target.world_size
+    hosts = target.hosts()
     n_hosts = len(hosts) or 1
     where = "; ".join(f"{h}: {ranks_text(rs)}" for h, rs in sorted(hosts.items(), key=lambda kv: kv[1][0]))
     if num_nodes == 1 and n_hosts > 1:
         num_nodes = n_hosts  # a multi-node mesh: one node per host
+    if devices * num_nodes != world and target.sub is not None:
+        raise MeshLightningError(
+            f"{who}(strategy='mesh', devices={devices}, num_nodes={num_nodes}) wants {devices * num_nodes} ranks, but "
+            f"{target.label} has {world}{target.where()}. devices x num_nodes must equal the sub-mesh's world size: "
+            f"use {who}(strategy='mesh', devices={world}) on it, or split the mesh into sub-meshes of "
+            f"{devices * num_nodes} ranks ( %mesh merge  then  %mesh split ... )")
     if devices * num_nodes != world:
         per_node = world // num_nodes if world % num_nodes == 0 else None
         nodes = f", num_nodes={num_nodes}" if num_nodes > 1 else ""
@@ -119,7 +118,7 @@ def configure(strategy: Any, who: str) -> Mesh:
     gpu = accelerator in ("CUDAAccelerator",) or any(getattr(d, "type", "") == "cuda"
                                                      for d in strategy.parallel_devices or [])
     if gpu and mesh.running:
-        cpu_only = [r for r, s in mesh.status().items() if not str(s.get("device") or "").startswith("cuda")]
+        cpu_only = [r for r, s in target.status().items() if not str(s.get("device") or "").startswith("cuda")]
         if cpu_only:
             raise MeshLightningError(
                 f"{who}(strategy='mesh', accelerator='gpu') but {ranks_text(cpu_only)} have no GPU (their "
@@ -134,7 +133,7 @@ def configure(strategy: Any, who: str) -> Mesh:
         if hasattr(strategy, name):
             getattr(strategy, name)()
             break
-    return mesh
+    return target
 
 
 # ------------------------------------------------------------------------------------------------ running
@@ -164,15 +163,18 @@ def warm_up(family: str = "lightning", mesh: Mesh | None = None) -> None:
         log.debug("could not warm the ranks up", exc_info=True)
 
 
-def _kept_for(mesh: Mesh) -> KeptObjects:
-    started, kept = _kept.get(mesh, (None, None))
-    if kept is None or started != mesh.generation:
-        if kept is not None:  # a restarted mesh: fresh ranks hold nothing
-            kept.sent.clear()
-        else:
-            kept = KeptObjects()
-        _kept[mesh] = (mesh.generation, kept)
-    return kept
+def _kept_for(target: Target) -> KeptObjects:
+    mesh = target.mesh
+    with _lock:
+        tables = _kept.setdefault(mesh, {})
+        started, kept = tables.get(tuple(target.ranks), (None, None))
+        if kept is None or started != mesh.generation:
+            if kept is not None:  # a restarted mesh: fresh ranks hold nothing
+                kept.sent.clear()
+            else:
+                kept = KeptObjects()
+            tables[tuple(target.ranks)] = (mesh.generation, kept)
+        return kept
 
 
 def _live_view_mode(strategy: Any) -> tuple[str, int]:
@@ -233,13 +235,14 @@ def _describe_unpicklable(job: rank_side.Job, error: BaseException) -> str:
     return f"cannot send the job to the ranks: {error}. Nothing was sent; the mesh is unchanged."
 
 
-def _run(mesh: Mesh, strategy: Any, job: rank_side.Job) -> RankMap:
-    """Ship ``job`` and run it on every rank; returns rank -> value. Raises as the mesh does, except that an
-    interrupt (KeyboardInterrupt) leaves the ranks free again (stuck collectives are released) before it is
-    raised again."""
+def _run(target: Target, strategy: Any, job: rank_side.Job) -> RankMap:
+    """Ship ``job`` and run it on every rank of ``target``; returns rank -> value (the job's rank numbers). Raises
+    as the mesh does (errors name the mesh's ranks), except that an interrupt (KeyboardInterrupt) leaves the ranks
+    free again (stuck collectives are released) before it is raised again."""
+    mesh = target.mesh
     if mesh.listening and not mesh.running:
         mesh.wait_ready()
-    kept = _kept_for(mesh)
+    kept = _kept_for(target)
     for _attempt in range(3):
         try:
             shipment = pickle_job(job, kept)
@@ -247,7 +250,7 @@ def _run(mesh: Mesh, strategy: Any, job: rank_side.Job) -> RankMap:
             raise UnpicklableJobError(_describe_unpicklable(job, e)) from None
         new = shipment.new
         if new and shipment.new_bytes >= PUSH_THRESHOLD:
-            mesh.push({rank_side.INBOX: new})
+            mesh.push({rank_side.INBOX: new}, ranks=target.call_ranks)
             new = {}
         mode, fold = _live_view_mode(strategy)
         view = None
@@ -255,11 +258,12 @@ def _run(mesh: Mesh, strategy: Any, job: rank_side.Job) -> RankMap:
         if mode != "off":
             from ..widgets import cell_view
 
-            view = cell_view(mesh, mode=mode, fold_threshold=fold)
+            title = f"mesh cell on {target.sub.name}" if target.sub is not None else "mesh cell"
+            view = cell_view(mesh, target.ranks, mode=mode, fold_threshold=fold, title=title)
             if view is not None:
                 captured.enter_context(view.capture())
         handle = mesh.call(rank_side.run_job, shipment.data, shipment.slots, new, kept.take_dropped(),
-                           shipment.tokens, shipment.sources, job.family, block=False)
+                           shipment.tokens, shipment.sources, job.family, ranks=target.call_ranks, block=False)
         assert isinstance(handle, CellHandle)
         names = cell_names(shipment.sources)
         released: list[int] = []
@@ -268,7 +272,7 @@ def _run(mesh: Mesh, strategy: Any, job: rank_side.Job) -> RankMap:
             results = handle.result()
         except KeyboardInterrupt as e:
             if not handle.done():  # some ranks are blocked in a collective that the others left
-                report = mesh.interrupt(force=True)
+                report = mesh.interrupt(target.call_ranks, force=True)
                 print(f"strategy='mesh': released the ranks still running after the interrupt: "
                       f"{name_cells(report.text, names)}", file=sys.stderr)
             raise _Interrupted(name_cells(str(e), names), list(handle.ranks)) from None
@@ -289,7 +293,7 @@ def _run(mesh: Mesh, strategy: Any, job: rank_side.Job) -> RankMap:
             captured.close()
             if view is not None:
                 view.finish()
-        values = dict(results or {})
+        values = dict(target.local(results))
         missing = sorted({t for v in values.values() if isinstance(v, rank_side.Missing) for t in v.tokens})
         if not missing:
             kept.sent.update(shipment.tokens)
@@ -341,14 +345,15 @@ def _base_job(strategy: Any, family: str, kind: str) -> dict:
     return {
         "family": family,
         "kind": kind,
-        "env": {k: os.environ.get(k) for k in rank_side.ENV_KEYS},
+        "env": {**{k: os.environ.get(k) for k in rank_side.ENV_KEYS},
+                **{k: v for k, v in os.environ.items() if k.startswith(rank_side.ENV_PREFIXES)}},
         "node_ranks": dict(getattr(strategy, "node_ranks", {}) or {}),
     }
 
 
 def launch_trainer(strategy: Any, family: str, function: Any, args: tuple, kwargs: dict, trainer: Any) -> Any:
     """``MeshLauncher.launch``: run a Trainer entry point on the ranks and update the notebook's objects."""
-    mesh = configure(strategy, "Trainer")
+    target = configure(strategy, "Trainer")
     if trainer is not None:
         for logger in trainer.loggers:
             if logger in _borrowed_versions and getattr(logger, "_version", None) == _borrowed_versions[logger]:
@@ -359,15 +364,15 @@ def launch_trainer(strategy: Any, family: str, function: Any, args: tuple, kwarg
     # A KeyboardInterrupt must never leave this launcher: Lightning would answer it with SIG_IGN and sys.exit(1).
     try:
         try:
-            results = _run(mesh, strategy, job)
+            results = _run(target, strategy, job)
         except _Interrupted as e:
-            _recover_partial(mesh, trainer)
+            _recover_partial(target, trainer)
             raise TrainingInterrupted(
                 f"{e} ; trainer.interrupted is True and the ranks keep running: the next fit works as usual",
                 e.ranks) from None
         except MeshError as e:
             if not isinstance(e, MeshTimeoutError):  # after a timeout, ranks may still run the job
-                _recover_partial(mesh, trainer)
+                _recover_partial(target, trainer)
             raise
         output = results.get(0)
         if trainer is None or not isinstance(output, rank_side.WorkerOutput):
@@ -385,12 +390,12 @@ def launch_trainer(strategy: Any, family: str, function: Any, args: tuple, kwarg
 def launch_fabric(strategy: Any, family: str, function: Any, args: tuple, kwargs: dict) -> Any:
     """``MeshFabricLauncher.launch``: run ``function(*args, **kwargs)`` on every rank; rank 0's value, or every
     rank's (``return_all``)."""
-    mesh = configure(strategy, "Fabric")
+    target = configure(strategy, "Fabric")
     fabric = args[0] if args else None
     job = rank_side.Job(fn=function, args=tuple(args), kwargs=dict(kwargs), trainer=fabric,
                         global_state=_global_state(family), **_base_job(strategy, family, "fabric"))
     try:
-        results = _run(mesh, strategy, job)
+        results = _run(target, strategy, job)
     except _Interrupted as e:
         raise fabric_interrupt(f"{e} ; the ranks keep running: the next launch works as usual") from None
     strategy.rank_results = results
@@ -438,6 +443,10 @@ def _recover(trainer: Any, out: rank_side.WorkerOutput) -> None:
         target = getattr(trainer, attr)
         target.clear()
         target.update(out.metrics.get(key, {}))
+    for logger, ids in zip(trainer.loggers, out.logger_runs, strict=False):
+        for attr, value in ids.items():  # MLFlowLogger's run: the notebook's logger names rank 0's
+            if getattr(logger, attr, None) is None:
+                setattr(logger, attr, value)
     for logger, version in zip(trainer.loggers, out.logger_versions, strict=False):
         if version is not None and hasattr(logger, "_version") and logger._version is None:
             logger._version = version
@@ -451,16 +460,17 @@ PARTIAL_TIMEOUT = 30.0
 """Seconds the notebook waits for rank 0's counters after a failed or interrupted fit (then it goes without)."""
 
 
-def _recover_partial(mesh: Mesh, trainer: Any) -> None:
+def _recover_partial(target: Target, trainer: Any) -> None:
     """After a failed or interrupted job: rank 0's counters, metrics, callback states and weights so far into the
     notebook's Trainer and model, as a local Trainer holds them after an exception (``global_step`` counts the
     steps that ran). Nothing when rank 0 is gone or busy; never raises (the job's own error is what the cell
     shows)."""
+    mesh = target.mesh
     if trainer is None or not mesh.running:
         return
     try:
-        got = mesh.call(rank_side.take_partial, ranks=[0], timeout=PARTIAL_TIMEOUT)
-        output = got.get(0) if isinstance(got, RankMap) else None
+        got = mesh.call(rank_side.take_partial, ranks=[target.first], timeout=PARTIAL_TIMEOUT)
+        output = got.get(target.first) if isinstance(got, RankMap) else None
         if isinstance(output, rank_side.WorkerOutput):
             _recover(trainer, output)
     except BaseException:  # noqa: BLE001 - an interrupt here, a dead or busy rank 0: the counters stay as they were

@@ -43,6 +43,10 @@ _KEPT: dict[int, tuple[Any, int | None]] = {}
 # Environment variables of the notebook that Lightning reads on the ranks (seed_everything, deterministic mode).
 ENV_KEYS = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS", "CUBLAS_WORKSPACE_CONFIG")
 
+ENV_PREFIXES = ("MLFLOW_",)
+"""Variables that loggers read (MLFlowLogger: MLFLOW_TRACKING_URI, MLFLOW_ALLOW_FILE_STORE...): those set in the
+notebook hold on the ranks while the job runs, as torchrun's workers inherit them from its shell."""
+
 PYTORCH = {"lightning": "lightning.pytorch", "standalone": "pytorch_lightning"}
 FABRIC = {"lightning": "lightning.fabric", "standalone": "lightning_fabric"}
 
@@ -100,6 +104,17 @@ class WorkerOutput:
     logger_versions: list
     results: Any
     predictions: Any = None
+    logger_runs: list = field(default_factory=list)  # per logger: its run's ids on rank 0 (LOGGER_RUN_ATTRS)
+
+
+LOGGER_RUN_ATTRS = ("_run_id", "_experiment_id")
+"""Attributes naming the run a logger made on rank 0 (MLFlowLogger's, CometLogger's...): the notebook's logger takes
+them after a fit, so that its ``run_id`` is that run, not a new empty one made in the notebook."""
+
+
+def _logger_runs(trainer: Any) -> list:
+    return [{a: getattr(lg, a) for a in LOGGER_RUN_ATTRS if getattr(lg, a, None) is not None}
+            for lg in trainer.loggers]
 
 
 @dataclass
@@ -345,6 +360,7 @@ def _run_trainer(job: Job, rank: int) -> Any:
         callbacks=_callback_states(trainer, job.family),
         metrics=_metrics(trainer, apply_func),
         logger_versions=[getattr(lg, "_version", None) for lg in trainer.loggers],
+        logger_runs=_logger_runs(trainer),
         results=None if recorder is not None else apply_func.move_data_to_device(results, "cpu"),
         predictions=predictions,
     )
@@ -365,7 +381,8 @@ def _partial_output(trainer: Any, family: str, states: Any, apply_func: Any) -> 
                    [*module.named_parameters(), *module.named_buffers()]}
     return WorkerOutput(trainer_state=trainer.state, weights=weights, loops=_loop_states(trainer),
                         callbacks=_callback_states(trainer, family), metrics=_metrics(trainer, apply_func),
-                        logger_versions=[getattr(lg, "_version", None) for lg in trainer.loggers], results=None)
+                        logger_versions=[getattr(lg, "_version", None) for lg in trainer.loggers],
+                        logger_runs=_logger_runs(trainer), results=None)
 
 
 def take_partial() -> WorkerOutput | None:

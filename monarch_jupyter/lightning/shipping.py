@@ -70,6 +70,11 @@ def _nbytes(obj: Any) -> int:
         return 0
 
 
+_TOKENS = itertools.count(1)
+"""Tokens of every table in this process: a rank keeps objects of several tables (the whole mesh's, its sub-mesh's),
+so one table's token must never name another table's object."""
+
+
 @dataclass
 class _Entry:
     ref: Any
@@ -86,7 +91,7 @@ class KeptObjects:
 
     def __init__(self) -> None:
         self._entries: dict[int, _Entry] = {}
-        self._tokens = itertools.count(1)
+        self._tokens = _TOKENS
         self.sent: set[int] = set()
         self.dropped: list[int] = []
 

@@ -124,8 +124,9 @@ def build_trainer(family: str, environment: type) -> dict[str, type]:
         Parameters
         ----------
         mesh:
-            The mesh to run on (default: ``monarch_jupyter.current_mesh()`` when the Trainer is built and at each
-            launch).
+            The mesh, or a sub-mesh of a split mesh (``m.split``), to run on. Default: the sub-mesh of the ``with
+            sub:`` block the Trainer is built in (kept for every later fit, from any thread), else
+            ``monarch_jupyter.current_mesh()`` when the Trainer is built and at each launch (lightning/target.py).
         live_view:
             "auto", "widget", "text" or "off": the per-rank dashboard under the cell (default: ``%config
             MeshMagics.live_view`` when the extension is loaded, else "auto").

@@ -102,8 +102,8 @@ class LiveView:
     ranks:
         Ranks shown (default: all; a followed cell's own ranks replace them).
     follow_cell:
-        True: bind to the next cell submitted to the mesh (make the view just before ``Mesh.run``); the view is
-        final when that cell is done. False: show the mesh's state until it stops.
+        True: bind to the next cell submitted to the mesh on one of ``ranks`` (make the view just before
+        ``Mesh.run``); the view is final when that cell is done. False: show the mesh's state until it stops.
     """
 
     #: Render inside the context captured at creation (text views: their lines belong to that cell).
@@ -127,8 +127,10 @@ class LiveView:
 
     def _on_mesh_event(self, kind: str, data: dict) -> None:
         if self.follow_cell:
-            if kind == "cell_started" and self.handle is None:
-                # The first cell submitted after this view was made is the one it shows.
+            if kind == "cell_started" and self.handle is None and (
+                    self.ranks is None or set(self.ranks) & set(data["ranks"])):
+                # The first cell submitted after this view was made, on its ranks, is the one it shows (a cell on
+                # other ranks is another thread's: e.g. a fit on another sub-mesh that starts at the same time).
                 self.handle, self.cell_id, self.ranks = data.get("handle"), data["cell_id"], list(data["ranks"])
             elif kind == "cell_done" and self.handle is not None and data.get("handle") is self.handle:
                 self._final_render()

@@ -87,6 +87,7 @@ class FakeMesh:
         self.device = device
         self.generation = 1
         self.calls: list = []
+        self.subs: dict = {}
 
     def call(self, fn, *args, **kwargs):  # the warm-up's background import of Lightning on the ranks
         self.calls.append((fn.__name__, args))
