@@ -8,6 +8,10 @@ and world size, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE (ROLE_*) and ``ra
 in the namespace (monarch_worker.recovery.regroup, elastic_env.resized). ``merge`` regroups every rank into one
 group of the whole mesh again, numbered as before the split.
 
+``with sub:`` selects a sub-mesh, in the calling thread only (a ContextVar: ``selected``), for ``strategy="mesh"``:
+a Lightning Trainer or Fabric built inside the block trains there (lightning/target.py); nesting another
+sub-mesh's block is refused; the block never merges.
+
 Each ``SubMesh`` runs cells on its own ranks (``run``, ``call``, ``%%mesh --mesh NAME``): a cell on one sub-mesh
 runs while a cell on another does (``block=False``, ``--async``), since their collectives use different groups.
 The dispatcher refuses code while a rank is stuck in an abandoned cell only within that rank's process group
