@@ -266,10 +266,10 @@ def test_large_data_is_kept_on_the_ranks_by_identity(kernel: Kernel) -> None:
     kernel.ok("big = torch.randn(300_000, 8); bigy = (big[:, 0] > 0).long(); bdm = Data(big, bigy, 256)")
     sizes = []
     for _ in range(2):
-        kernel.ok("from monarch_jupyter.lightning import shipping, launch\n"
+        kernel.ok("from monarch_jupyter.lightning import shipping, launch, target\n"
                   "t = new_trainer(limit_train_batches=2, limit_val_batches=0)\nt.fit(model, datamodule=bdm)")
         sizes.append(kernel.value("sum(len(s.data) + sum(x.numel() * x.element_size() for x in s.slots) "
-                                  "for s in [shipping.pickle_job(bdm, launch._kept_for(m))]) >> 20"))
+                                  "for s in [shipping.pickle_job(bdm, launch._kept_for(target.Target(m)))]) >> 20"))
     assert sizes[-1] == 0  # the 9 MiB data set is not in the job any more: a token stands for it
     # Changed in place in the notebook: shipped again (torch's version counter).
     kernel.ok("big.mul_(1.0)\nt = new_trainer(limit_train_batches=2, limit_val_batches=0)\n"
@@ -417,6 +417,55 @@ def test_weights_equal_torchrun_ddp_bitwise(kernel: Kernel, tmp_path: Path) -> N
     a, b = torch.load(ref), torch.load(mine)
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a), {k: (a[k] - b[k]).abs().max().item() for k in a}
+
+
+def test_two_notebook_threads_fit_on_two_sub_meshes_at_once(kernel: Kernel) -> None:
+    """Issue 29, item 2, in a real kernel with its live views: two threads, each building its Trainer inside its
+    own ``with sub:`` block, fit on the two halves of the split mesh; each fit waits at its first step until the
+    other's has begun, so fits that did not overlap fail. Then the mesh merges and fits on both ranks again."""
+    kernel.ok("%mesh split 2")  # binds sub0 (rank 0) and sub1 (rank 1) in the notebook
+    try:
+        out = kernel.ok(textwrap.dedent('''
+            import tempfile, threading
+            gate = tempfile.mkdtemp()
+
+            class Gated(Net):
+                def __init__(self, me, other):
+                    super().__init__()
+                    self.me, self.other = me, other
+
+                def training_step(self, batch, batch_idx):
+                    if batch_idx == 0:
+                        open(os.path.join(gate, self.me), "w").close()
+                        deadline = time.monotonic() + 120
+                        while not os.path.exists(os.path.join(gate, self.other)):
+                            assert time.monotonic() < deadline, f"{self.other} did not fit while {self.me} did"
+                            time.sleep(0.05)
+                    return super().training_step(batch, batch_idx)
+
+            fitted, failed = {}, {}
+
+            def fit_on(sub, other):
+                try:
+                    with sub:
+                        t = new_trainer(devices=1)
+                    t.fit(Gated(sub.name, other), datamodule=dm)
+                    fitted[sub.name] = (t.global_step, t.strategy.mesh.name)
+                except BaseException as e:
+                    failed[sub.name] = repr(e)
+
+            threads = [threading.Thread(target=fit_on, args=(sub0, "sub1")),
+                       threading.Thread(target=fit_on, args=(sub1, "sub0"))]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join(300)
+            print(sorted(fitted.items()), failed)
+        '''))
+        assert out.stdout.strip().splitlines()[-1] == "[('sub0', (8, 'sub0')), ('sub1', (8, 'sub1'))] {}", out.stdout
+    finally:
+        kernel.ok("%mesh merge")
+    assert kernel.value("new_trainer().fit(Net(), datamodule=dm) or m.run('world_size')") == {"0": 2, "1": 2}
 
 
 def test_ranks_started_after_import_lightning_import_it_at_once(kernel: Kernel) -> None:
