@@ -1,5 +1,5 @@
-"""strategy="mesh" on sub-meshes (issue 29, items 2 and 4): two fits on two sub-meshes at once from two threads,
-Lightning's own loggers (CSV, TensorBoard, MLflow to a ``file:`` store) and ModelCheckpoint, whose files the
+"""strategy="mesh" on sub-meshes (issue 29, items 2 and 4): two fits on two sub-meshes at once from two threads
+(and, the torchrun way, from two async cells with Lightning's strategy="ddp" on the ranks), Lightning's own loggers (CSV, TensorBoard, MLflow to a ``file:`` store) and ModelCheckpoint, whose files the
 notebook (here: this process, the mesh's controller) reads back, and bad input that leaves every sub-mesh usable.
 
 One 4-rank mesh split into two sub-meshes of 2 serves the module; tests run in file order.
@@ -200,6 +200,56 @@ def test_lightnings_loggers_and_checkpoints_are_read_back_from_the_notebook(
         assert torch.equal(last["state_dict"][key], value)
     restored = Net.load_from_checkpoint(checkpoints.last_model_path)
     assert restored.hparams.lr == 0.1
+
+
+ON_THE_RANKS = """
+import os, time
+import lightning as L
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+class OnRanks(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Linear(4, 2)
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 0 and rank == 0:  # wait until the other sub-mesh's fit has begun
+            open(os.path.join(GATE, ME), "w").close()
+            deadline = time.monotonic() + 120
+            while not os.path.exists(os.path.join(GATE, OTHER)):
+                assert time.monotonic() < deadline, f"{OTHER} did not fit while {ME} did"
+                time.sleep(0.05)
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+g = torch.Generator().manual_seed(1)
+x = torch.randn(256, 4, generator=g)
+model = OnRanks()
+t = L.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=1, limit_train_batches=4, logger=False,
+              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+t.fit(model, DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=16))
+(t.global_step, t.world_size, t.global_rank, [p.detach().clone() for p in model.parameters()])
+"""
+
+
+def test_two_async_cells_fit_with_lightnings_ddp_on_two_sub_meshes_at_once(
+        halves: tuple[Mesh, SubMesh, SubMesh], tmp_path: Path) -> None:
+    """The torchrun way, in ``%%mesh --mesh NAME --async`` cells: Lightning's own strategy="ddp" on each sub-mesh's
+    ranks (its torchrun variables), two fits at once."""
+    _, a, b = halves
+    handles = {sub.name: sub.run(f"GATE, ME, OTHER, LR = {str(tmp_path)!r}, {sub.name!r}, {other!r}, {lr}\n"
+                                 + ON_THE_RANKS, block=False)
+               for sub, other, lr in ((a, "sub1", 0.05), (b, "sub0", 0.5))}
+    got = {name: h.result(2 * WAIT) for name, h in handles.items()}
+    for name, per_rank in got.items():
+        assert [v[:3] for v in per_rank.values()] == [(4, 2, 0), (4, 2, 1)], name
+        assert all(torch.equal(p, q) for p, q in zip(per_rank[0][3], per_rank[1][3], strict=True)), name
+    assert not all(torch.equal(p, q) for p, q in zip(got["sub0"][0][3], got["sub1"][0][3], strict=True))
 
 
 def test_bad_input_names_the_fix_and_leaves_every_sub_mesh_usable(
