@@ -1,6 +1,7 @@
 """strategy="mesh" on sub-meshes (issue 29, items 2 and 4): two fits on two sub-meshes at once from two threads
-(and, the torchrun way, from two async cells with Lightning's strategy="ddp" on the ranks), Lightning's own loggers (CSV, TensorBoard, MLflow to a ``file:`` store) and ModelCheckpoint, whose files the
-notebook (here: this process, the mesh's controller) reads back, and bad input that leaves every sub-mesh usable.
+(and, the torchrun way, from two async cells with Lightning's strategy="ddp" on the ranks), Lightning's own loggers
+(CSV, TensorBoard, MLflow to a ``file:`` store) and ModelCheckpoint, whose files the notebook (here: this process,
+the mesh's controller) reads back, and bad input that leaves every sub-mesh usable.
 
 One 4-rank mesh split into two sub-meshes of 2 serves the module; tests run in file order.
 """
