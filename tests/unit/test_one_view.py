@@ -110,3 +110,19 @@ def test_running_step_counts_over_epochs_and_names_a_global_step():
         mon.on_event("progress", {"rank": 0, "cell_id": 2, "n": 1, "total": 2, "desc": "x",
                                   "postfix": f"global_step={step}, loss=1.0"})
     assert [x for x, _ in mon.metrics(2, [0])["loss"][0]] == [10.0, 20.0] and "global_step" not in mon.metrics(2, [0])
+
+
+def test_a_cell_view_follows_the_next_cell_on_its_own_ranks_only() -> None:
+    """Two fits on two sub-meshes start at once from two threads: each view was made for its sub-mesh's ranks and
+    binds to the cell on those ranks, whichever of the two cells was submitted first."""
+    from monarch_jupyter.widgets.view import LiveView
+
+    view = LiveView(monitor=None, ranks=[0, 1], follow_cell=True)  # type: ignore[arg-type]  # never rendered here
+    other, mine = object(), object()
+    view._on_mesh_event("cell_started", {"cell_id": 7, "ranks": [2, 3], "handle": other})
+    assert view.handle is None
+    view._on_mesh_event("cell_started", {"cell_id": 8, "ranks": [0, 1], "handle": mine})
+    assert (view.handle, view.cell_id, view.ranks) == (mine, 8, [0, 1])
+    every = LiveView(monitor=None, ranks=None, follow_cell=True)  # type: ignore[arg-type]
+    every._on_mesh_event("cell_started", {"cell_id": 9, "ranks": [3], "handle": other})
+    assert every.handle is other
