@@ -253,6 +253,25 @@ def test_two_async_cells_fit_with_lightnings_ddp_on_two_sub_meshes_at_once(
     assert not all(torch.equal(p, q) for p, q in zip(got["sub0"][0][3], got["sub1"][0][3], strict=True))
 
 
+def where_am_i(fabric: Any) -> tuple:
+    import os
+
+    import torch.distributed as dist
+
+    return fabric.world_size, fabric.global_rank, dist.get_world_size(), os.getpid()
+
+
+def test_fabric_launches_on_the_sub_mesh_of_its_with_block(halves: tuple[Mesh, SubMesh, SubMesh]) -> None:
+    from monarch_jupyter.lightning import MeshFabricStrategy
+
+    _, _, b = halves
+    with b:
+        fabric = L.Fabric(strategy=MeshFabricStrategy(return_all=True), accelerator="cpu", devices=2)
+    got = fabric.launch(where_am_i)
+    pids = b.run("__import__('os').getpid()")
+    assert got == {r: (2, r, 2, pids[r]) for r in (0, 1)}
+
+
 def test_bad_input_names_the_fix_and_leaves_every_sub_mesh_usable(
         halves: tuple[Mesh, SubMesh, SubMesh], tmp_path: Path) -> None:
     m, a, b = halves
