@@ -299,3 +299,25 @@ def test_bad_input_names_the_fix_and_leaves_every_sub_mesh_usable(
     with pytest.raises(MonarchError, match="sub-mesh 'sub1' no longer exists"), b:
         pass
     assert m.run("world_size") == dict.fromkeys(range(4), 4)
+
+
+def test_an_optuna_sweep_fits_with_lightning_on_each_leased_sub_mesh(
+        halves: tuple[Mesh, SubMesh, SubMesh], tmp_path: Path) -> None:
+    """monarch_jupyter.sweep runs each trial in an Optuna worker thread on a leased sub-mesh: the objective fits
+    with MeshStrategy(mesh=sub) there (the mesh was merged by the test before)."""
+    optuna = pytest.importorskip("optuna")
+    from monarch_jupyter import sweep
+
+    m, _, _ = halves
+
+    def objective(trial: Any, sub: SubMesh) -> float:
+        t = trainer(tmp_path / str(trial.number), strategy=MeshStrategy(mesh=sub), limit_train_batches=4)
+        t.fit(Net(lr=trial.suggest_float("lr", 0.01, 1.0, log=True)), data())
+        trial.set_user_attr("steps", t.global_step)
+        return float(t.callback_metrics["train_loss"])
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = sweep(m, objective, optuna.create_study(), n_trials=2, ranks_per_trial=2, catch=())
+    assert [(t.state.name, t.user_attrs["steps"]) for t in study.trials] == [("COMPLETE", 4), ("COMPLETE", 4)]
+    assert all(t.user_attrs["ranks"] in ([0, 1], [2, 3]) for t in study.trials)
+    assert m.subs == {} and m.run("world_size") == dict.fromkeys(range(4), 4)
