@@ -10,7 +10,9 @@ with both ranks' values.
 
 Screenshots while stopped go to $BROWSER_TEST_ARTIFACTS, else build/browser-artifacts/ (kept by CI): debugger/
 light-1400-stopped.png and light-800-stopped.png (the whole window), light-1400-sidebar.png, dark-1400-sidebar.png,
-light-800-sidebar.png (the sidebar showing rank 1, after ``%mesh select 1``), and failure.png when the test fails.
+light-800-sidebar.png (the sidebar showing rank 1, after ``%mesh select 1``), light-1400-select-refused.png (the
+Debug Console's answer to ``%mesh select 5``), light-1400-postmortem.png (``%mesh debug --rank 1`` after a cell that
+raised on rank 1: its failing frame in the sidebar), and failure.png when the test fails.
 """
 
 from __future__ import annotations
@@ -40,8 +42,11 @@ CELLS = [
     "%load_ext monarch",
     "%mesh start -n 2",
     "%%mesh\nx = rank * 10\ny = x + 1\nprint(f'rank {rank}: x={x} y={y}')\ny",
+    "%%mesh\nz = rank + 5\nif rank == 1:\n    raise ValueError(f'rank {rank} fails')\nz",
+    "%mesh debug --rank 1",
 ]
 MESH_CELL = 2
+FAILING_CELL, DEBUG_CELL, RAISE_LINE = 3, 4, 4  # the line of the failing cell that raises (its %%mesh line is 1)
 SIDEBAR = "#jp-debugger-sidebar"
 
 # {name: value} of the Variables panel (tree view), or null while it shows none.
@@ -211,6 +216,12 @@ def test_gutter_breakpoint_in_a_mesh_cell(tmp_path: Path) -> None:
         # The rank shown already, picked again: JupyterLab blanks the Variables panel on each evaluate; they come back.
         assert _evaluate(notebook, "%mesh select 0").startswith("rank 0:")
         assert _wait_stopped_at(notebook, 0, timeout=30)["rank"] == "0"
+        # A rank that is not stopped: the Debug Console prints why (not "Evaluation resulted in an error"), and the
+        # sidebar keeps the rank it showed.
+        refused = _evaluate(notebook, "%mesh select 5")
+        assert "rank 5 is not stopped at a breakpoint (stopped now: ranks 0,1)" in refused, refused
+        assert _wait_stopped_at(notebook, 0, timeout=30)["x"] == "0"
+        notebook.screenshot(SHOTS / "light-1400-select-refused.png")
         assert int(first["rank"]) in (0, 1)
 
         # Continue (the Callstack's toolbar) resumes every stopped rank; the cell ends with both ranks' values.
@@ -222,3 +233,26 @@ def test_gutter_breakpoint_in_a_mesh_cell(tmp_path: Path) -> None:
             assert f"rank {r}: x={r * 10} y={r * 10 + 1}" in text, text
         notebook.page.locator(".jp-DebuggerPausedOverlay").first.wait_for(state="hidden", timeout=30_000)
         assert "stopped at a breakpoint" not in notebook.output_text(MESH_CELL)  # the view followed the continue
+
+        # Post-mortem in the sidebar: rank 1's failed cell, its failing frame and values; Continue ends it.
+        notebook.run_cell(FAILING_CELL, timeout=120)
+        assert "rank 1 fails" in notebook.output_text(FAILING_CELL), notebook.output_text(FAILING_CELL)
+        debug = notebook.run_cell(DEBUG_CELL, wait=False)
+        js = """
+        ([css, line]) => {
+          const frames = Array.from(document.querySelectorAll(css + ' .jp-DebuggerCallstackFrame'), f => f.innerText);
+          if (!frames.length || !frames[0].startsWith('rank 1: <module>') || !frames[0].includes(':' + line)) return false;
+          const body = document.querySelector(css + ' .jp-DebuggerVariables-body');
+          return !!body && Array.from(body.querySelectorAll('.jp-DebuggerVariables-name'), n => n.textContent.trim()
+            + '=' + (n.parentElement.querySelector(':scope > .jp-DebuggerVariables-detail') || {}).textContent)
+            .includes('z=6');
+        }
+        """
+        notebook.wait_until(js, [SIDEBAR, RAISE_LINE], 120, f"the sidebar did not show rank 1's failing frame; "
+                            f"frames: {_frames(notebook)}, variables: {_variables(notebook)}")
+        notebook.output_area(DEBUG_CELL).get_by_text("stopped at the failing frame").first.wait_for(
+            state="visible", timeout=60_000)
+        notebook.screenshot(SHOTS / "light-1400-postmortem.png")
+        notebook.page.locator(f'{SIDEBAR} [data-command="debugger:continue"]').first.click()
+        debug.wait(120)
+        notebook.page.locator(".jp-DebuggerPausedOverlay").first.wait_for(state="hidden", timeout=30_000)
