@@ -53,7 +53,7 @@ _ID_KEYS = ("threadId", "frameId", "variablesReference", "srcFrameId")
 _EVENTS = ("stopped", "continued", "thread", "output")
 # The rank picker: typed in the debugger's "Evaluate Code" dialog (any frame), it shows rank R in the sidebar.
 # Where the live view says a rank stopped, by the stopped event's reason (others: "at a breakpoint").
-_AT = {"exception": "at an exception (post-mortem: %mesh debug)", "pause": "(paused)", "step": "after a step"}
+_AT = {"exception": "at an exception", "pause": "(paused)", "step": "after a step"}
 _SELECT = re.compile(r"^\s*%mesh\s+select(?:\s+(\S+))?\s*$")
 
 
