@@ -7,6 +7,7 @@ loopback port and what it exposes). The rank keeps listening until it ends; a la
 
 ``stop_here`` is what ``breakpoint()`` does while a debugger client is connected: it stops in that client,
 as ipykernel's ``breakpoint()`` does for the kernel's own cells (without one, the rank's pdb prompt stays).
+``post_mortem`` is ``%mesh debug`` then: it stops at the failing frame of a kept traceback.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 import types
 from typing import Any
 
-__all__ = ["DebugpyMissing", "listen", "client_connected", "release_thread", "stop_here"]
+__all__ = ["DebugpyMissing", "listen", "client_connected", "release_thread", "stop_here", "post_mortem"]
 
 _PORT: list[int] = []  # the port of this rank's debugpy adapter, once it listens
 
@@ -89,3 +90,17 @@ def stop_here(frame: types.FrameType) -> None:
 
     pydevd.settrace(suspend=True, trace_only_current_thread=True, patch_multiprocessing=False, stop_at_frame=frame,
                     notify_stdin=False)
+
+
+def post_mortem(exc: BaseException, tb: types.TracebackType) -> None:
+    """Stop in the connected debugger client at the innermost frame of ``tb`` (``exc``'s traceback, from its first
+    frame of notebook code), as ``pdb.post_mortem`` does: its frames and their variables can be inspected, not
+    stepped through (they have finished). Returns when the client continues (or leaves); a no-op when none is
+    connected.
+
+    debugpy's ``trigger_exception_handler`` with ``as_uncaught=False`` stops whatever the client's exception
+    breakpoint filters say (debugpy >= 1.8.22).
+    """
+    import debugpy
+
+    debugpy.trigger_exception_handler((type(exc), exc, tb), as_uncaught=False)

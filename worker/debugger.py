@@ -261,8 +261,11 @@ class RankDebugger:
             p.message(header)
         p.trace_from(frame)
 
-    def post_mortem(self) -> tuple[bool, Any]:
-        """Open pdb on the kept traceback (main thread, run as a cell). Returns (True, {"debugged", "reason"})."""
+    def post_mortem(self, mode: str = "pdb") -> tuple[bool, Any]:
+        """Open pdb on the kept traceback (main thread, run as a cell). Returns (True, {"debugged", "reason"}).
+
+        ``mode`` "sidebar" stops in the attached visual debugger instead (until its Continue); "listen" only
+        starts this rank's debugpy adapter for that and adds its ``"port"`` (see ``P.DebugPostMortem``)."""
         exc = self.error
         if exc is None:
             return True, {"debugged": False, "reason": f"rank {self._rank.rank} keeps no traceback: its last cell "
@@ -273,6 +276,18 @@ class RankDebugger:
         if tb is None:
             return True, {"debugged": False, "reason": f"the error of rank {self._rank.rank} has no frames of "
                           "the notebook's code to debug"}
+        if mode == "listen":
+            return True, {"debugged": False, "reason": "", "port": dapside.listen()}
+        if mode == "sidebar":
+            if not dapside.client_connected():
+                return True, {"debugged": False, "reason": f"rank {self._rank.rank} is not attached to the visual "
+                              "debugger (is the debugger on in the notebook's toolbar?)"}
+            self._in_post_mortem = True
+            try:
+                dapside.post_mortem(exc, tb)
+            finally:
+                self._in_post_mortem = False
+            return True, {"debugged": True, "reason": ""}
         p = RemotePdb(self)
         p.reset()
         p.message("".join(traceback.format_exception_only(type(exc), exc)).rstrip("\n"))

@@ -458,11 +458,15 @@ class DebugInput(Message):
 @dataclass(frozen=True)
 class DebugPostMortem(Message):
     """Controller -> rank (main thread, like a cell): open pdb on the traceback the rank kept from its last
-    failed cell; the outcome comes back as a ``Result`` whose value is ``{"debugged": bool, "reason": str}``."""
+    failed cell; the outcome comes back as a ``Result`` whose value is ``{"debugged": bool, "reason": str}``.
+
+    ``mode`` "sidebar": stop in the attached visual debugger instead of pdb; "listen": only start the rank's
+    debugpy adapter (the traceback stays kept, as it would not through a ``Call``) and add its ``"port"``."""
 
     TYPE: ClassVar[str] = "debug_post_mortem"
     WORK: ClassVar[bool] = True
     cell_id: int
+    mode: str = "pdb"
 
 
 @_register

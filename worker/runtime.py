@@ -518,7 +518,7 @@ class Rank:
         self.run_work(msg.cell_id, body)
 
     def _post_mortem(self, msg: P.DebugPostMortem, payload: bytes, bufs: list) -> None:
-        self.run_work(msg.cell_id, self.debugger.post_mortem)
+        self.run_work(msg.cell_id, lambda: self.debugger.post_mortem(msg.mode))
 
     def start_io(self) -> None:
         self._io.start()

@@ -37,11 +37,12 @@ import threading
 from typing import Any
 
 from ..ranks import ranks_text
+from .dapfrontends import Frontends, response
 from .dapsession import RankSession, SessionClosed
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MeshDebugger", "VirtualIds", "install", "uninstall", "prepare_cell"]
+__all__ = ["MeshDebugger", "VirtualIds", "install", "uninstall", "prepare_cell", "attached_debugger"]
 
 ATTACH_TIMEOUT = 60.0  # seconds for a rank to start listening and for its debugpy session to attach
 REQUEST_TIMEOUT = 30.0  # seconds for a rank's answer to one request
@@ -51,6 +52,8 @@ _ID_KEYS = ("threadId", "frameId", "variablesReference", "srcFrameId")
 # Rank events passed on to the frontend (others, such as "initialized" or "process", belong to one session).
 _EVENTS = ("stopped", "continued", "thread", "output")
 # The rank picker: typed in the debugger's "Evaluate Code" dialog (any frame), it shows rank R in the sidebar.
+# Where the live view says a rank stopped, by the stopped event's reason (others: "at a breakpoint").
+_AT = {"exception": "at an exception", "pause": "(paused)", "step": "after a step"}
 _SELECT = re.compile(r"^\s*%mesh\s+select(?:\s+(\S+))?\s*$")
 
 
@@ -104,8 +107,9 @@ class MeshDebugger:
     events arrive on each session's reader thread. ``_lock`` guards the sessions and the stopped threads.
     """
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Any, kernel: Any = None) -> None:
         self.inner = inner
+        self.frontends = Frontends(kernel)  # which frontend drives it (two attached: the last one)
         self.sessions: dict[int, RankSession] = {}
         self.stopped: dict[int, set[int]] = {}  # rank -> its stopped (real) thread ids
         self.stopped_events: dict[int, dict] = {}  # rank -> the body of its last stopped event, as sent
@@ -137,6 +141,8 @@ class MeshDebugger:
         """Answer one DAP request from the frontend (the content of a ``debug_request``)."""
         command = message.get("command")
         args = message.get("arguments") or {}
+        if (answer := self.frontends.before(message, self.attached)) is not None:
+            return answer
         if command == "evaluate" and (picked := _SELECT.match(str(args.get("expression", "")))):
             return self._select(message, picked.group(1))
         rank = next((r for k in _ID_KEYS if (r := VirtualIds.rank_of(args.get(k))) is not None), None)
@@ -148,6 +154,7 @@ class MeshDebugger:
             if stopped:  # JupyterLab sends threadId 1 when it lost track of the rank's thread: the ranks go on
                 return await self._continue_all(message, stopped[0])
         reply = await self.inner.process_request(message)
+        self.frontends.after(message, reply)
         if command == "threads" and reply.get("success"):
             reply["body"]["threads"] = reply["body"].get("threads", []) + await self._rank_threads()
         elif command == "setBreakpoints":
@@ -175,21 +182,28 @@ class MeshDebugger:
         last ``stopped`` event it got (its callstack has no thread list), so rank R's is sent again, after a
         ``continued`` one for it: JupyterLab 4 blanks the Variables panel on every evaluate reply and loads it
         again only when the current frame changes, which it does not when R is the rank shown already (the
-        ``continued`` clears its frames, so the ``stopped`` after it makes R's frame current anew)."""
+        ``continued`` clears its frames, so the ``stopped`` after it makes R's frame current anew).
+
+        A rank that is not stopped is refused in the answer's result, as a REPL prints a message (JupyterLab's
+        Debug Console shows only "Evaluation resulted in an error" for a failed evaluate), and the rank shown
+        stays (sent again: the reply blanked its variables)."""
         with self._lock:
             stopped = dict(self.stopped_events)
         rank = int(which) if which is not None and which.isdigit() else None
-        if rank is None or rank not in stopped:
+        if rank is not None and rank in stopped:
+            text = f"rank {rank}: its stack and variables are in the sidebar"
+        else:
             now = f"stopped now: {ranks_text(sorted(stopped))}" if stopped else "no rank is stopped now"
             why = "which rank?" if which is None else f"rank {which} is not stopped at a breakpoint"
-            return _failure(message, f"{why} ({now}). %mesh select R shows rank R's stack and variables")
-        self._publish({"type": "event", "event": "continued",
-                       "body": {"threadId": stopped[rank]["threadId"], "allThreadsContinued": False}})
-        self.shown = stopped[rank]["threadId"]
-        self._publish({"type": "event", "event": "stopped", "body": stopped[rank]})
+            text = f"{why} ({now}). %mesh select R shows rank R's stack and variables"
+            rank = next((r for r, body in stopped.items() if body.get("threadId") == self.shown), None)
+        if rank is not None:
+            self._publish({"type": "event", "event": "continued",
+                           "body": {"threadId": stopped[rank]["threadId"], "allThreadsContinued": False}})
+            self.shown = stopped[rank]["threadId"]
+            self._publish({"type": "event", "event": "stopped", "body": stopped[rank]})
         return {"type": "response", "seq": message.get("seq"), "request_seq": message.get("seq"), "success": True,
-                "command": "evaluate", "body": {"result": f"rank {rank}: its stack and variables are in the sidebar",
-                                                "variablesReference": 0}}
+                "command": "evaluate", "body": {"result": text, "variablesReference": 0}}
 
     # ---- requests about a rank
 
@@ -341,8 +355,11 @@ class MeshDebugger:
                                         "supportsVariableType": True}, ATTACH_TIMEOUT)
             attach = session.request("attach", {
                 "justMyCode": True, "subProcess": False, "redirectOutput": False,
-                # the rank's own runtime (cells are run from it) is never shown or stepped into
-                "rules": [{"path": os.path.dirname(monarch_worker.__file__), "include": False}]})
+                # the rank's own runtime (cells are run from it) is never shown or stepped into; code run by name
+                # ("<mesh cell 7>": m.run, cells run before the debugger was on) is the user's (pydevd takes
+                # any "<...>" file for a library's)
+                "rules": [{"path": os.path.dirname(monarch_worker.__file__), "include": False},
+                          {"path": "<mesh *>", "include": True}]})
             if not initialized.wait(ATTACH_TIMEOUT):
                 raise TimeoutError(f"rank {rank}'s debugger did not initialize within {ATTACH_TIMEOUT:g} s")
             for args in list(self.breakpoints.values()):
@@ -410,7 +427,8 @@ class MeshDebugger:
         events = self.events
         if events is not None and name == "stopped":  # the live view: the rank waits in the sidebar, not at pdb
             events.emit("rank_state", rank=rank, state="breakpoint",
-                        note=f"stopped at a breakpoint in the visual debugger: its stack and variables are in the "
+                        note=f"stopped {_AT.get(body.get('reason'), 'at a breakpoint')} in the visual debugger: its "
+                             f"stack and variables are in the "
                              f"sidebar (%mesh select {rank} in its Debug Console shows this rank)")
         elif events is not None and name == "continued" and was_stopped:
             events.emit("rank_state", rank=rank, state="running")
@@ -433,8 +451,7 @@ def _label_threads(rank: int, threads: list[dict]) -> list[dict]:
 
 
 def _failure(message: dict, text: str) -> dict:
-    return {"type": "response", "seq": message.get("seq"), "request_seq": message.get("seq"), "success": False,
-            "command": message.get("command"), "message": text, "body": {}}
+    return response(message, False, {}, text)
 
 
 # ---------------------------------------------------------------------------- the kernel side of a %%mesh cell
@@ -448,7 +465,7 @@ def install(shell: Any) -> MeshDebugger | None:
         return None
     if isinstance(inner, MeshDebugger):
         return inner
-    kernel.debugger = MeshDebugger(inner)
+    kernel.debugger = MeshDebugger(inner, kernel)
     return kernel.debugger
 
 
@@ -461,6 +478,12 @@ def uninstall(shell: Any) -> None:
         kernel.debugger = current.inner
 
 
+def attached_debugger(shell: Any) -> MeshDebugger | None:
+    """The kernel's MeshDebugger while a frontend's debugger is attached to it, else None."""
+    dbg = getattr(getattr(shell, "kernel", None), "debugger", None)
+    return dbg if isinstance(dbg, MeshDebugger) and dbg.attached else None
+
+
 def prepare_cell(shell: Any, mesh: Any, cell: str, ranks: Any) -> tuple[str, str] | None:
     """``(code, filename)`` to run a ``%%mesh`` cell under the kernel's debugger, or None when no frontend is
     attached (then the cell runs as always: this is all it costs).
@@ -470,8 +493,8 @@ def prepare_cell(shell: Any, mesh: Any, cell: str, ranks: Any) -> tuple[str, str
     the filename is the path JupyterLab gave the cell.
     Where debugpy is missing on the ranks, or they do not attach in time, prints why to stderr once and returns None.
     """
-    dbg = getattr(getattr(shell, "kernel", None), "debugger", None)
-    if not isinstance(dbg, MeshDebugger) or not dbg.attached:
+    dbg = attached_debugger(shell)
+    if dbg is None:
         return None
     raw = _raw_cell(shell)
     offset = _body_offset(raw, cell) if raw is not None else None

@@ -94,6 +94,12 @@ class MeshDebugger:
         NothingToDebugError, MonarchError, ValueError)."""
         self._pm.post_mortem(rank, commands, timeout)
 
+    def post_mortem_in_sidebar(self, rank: int | None, connect: Callable[[int, int], None],
+                               timeout: float | None = None) -> int:
+        """Stop ``rank`` at the failing frame of its last failed cell in the visual debugger; see
+        ``PostMortem.in_sidebar`` (it raises as ``post_mortem`` does)."""
+        return self._pm.in_sidebar(rank, connect, timeout)
+
     def inspect(self, expr: str, rank: int, *, frame: bool = False, timeout: float = 10.0) -> Inspection:
         """Evaluate ``expr`` on ``rank`` beside its busy main thread; see ``Inspector.inspect``."""
         return self._inspector.inspect(expr, rank, frame=frame, timeout=timeout)

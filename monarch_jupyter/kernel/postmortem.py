@@ -112,6 +112,37 @@ class PostMortem:
         ValueError
             ``rank`` is not a rank of this mesh.
         """
+        rank = self._idle_rank(rank)
+        cell_id = next(self.state.ids)
+        self.prompts.post_mortem_session(cell_id)
+        with self._scripted(commands):
+            outcome = self._run(rank, cell_id, "pdb", timeout)
+        if not outcome.get("debugged"):
+            raise NothingToDebugError(outcome.get("reason") or f"rank {rank} has nothing to debug")
+
+    def in_sidebar(self, rank: int | None, connect: Callable[[int, int], None], timeout: float | None = None) -> int:
+        """Stop ``rank`` (None: as ``post_mortem``) in the visual debugger at the failing frame of its last failed
+        cell; returns the rank once the debugger continues it (or ``timeout`` seconds passed; None: no limit).
+
+        The rank's debugpy adapter starts first (its traceback stays kept) and ``connect(rank, port)`` attaches the
+        kernel's debugger to it (the TCP port on the rank's loopback).
+
+        Raises
+        ------
+        NothingToDebugError, MonarchError, ValueError
+            As ``post_mortem``; and whatever ``connect`` raises.
+        """
+        rank = self._idle_rank(rank)
+        opened = self._run(rank, next(self.state.ids), "listen", timeout)
+        if "port" not in opened:
+            raise NothingToDebugError(opened.get("reason") or f"rank {rank} has nothing to debug")
+        connect(rank, int(opened["port"]))
+        outcome = self._run(rank, next(self.state.ids), "sidebar", timeout)
+        if not outcome.get("debugged"):
+            raise NothingToDebugError(outcome.get("reason") or f"rank {rank} has nothing to debug")
+        return rank
+
+    def _idle_rank(self, rank: int | None) -> int:
         state = self.state
         state.check_running()
         if rank is None:
@@ -125,15 +156,15 @@ class PostMortem:
         if rank_state is not RankState.IDLE:
             raise MonarchError(f"rank {rank} is {rank_state.value}; post-mortem debugging needs an idle rank "
                                "(use  %mesh inspect  to look at a busy one)")
-        cell_id = next(state.ids)
-        self.prompts.post_mortem_session(cell_id)
-        with self._scripted(commands):
-            handle = self.waiter.submit(cell_id, [([rank], P.DebugPostMortem(cell_id), b"", [])],
-                                        f"post-mortem of rank {rank}", tracks_failures=False)
-            values = handle.result(timeout)
-        outcome: dict[str, Any] = (values.get(rank) if values else None) or {}
-        if not outcome.get("debugged"):
-            raise NothingToDebugError(outcome.get("reason") or f"rank {rank} has nothing to debug")
+        return rank
+
+    def _run(self, rank: int, cell_id: int, mode: str, timeout: float | None) -> dict[str, Any]:
+        """Run the rank's side of a post-mortem (``P.DebugPostMortem``) as a cell; its outcome (a dict)."""
+        what = f"post-mortem of rank {rank}"
+        handle = self.waiter.submit(cell_id, [([rank], P.DebugPostMortem(cell_id, mode), b"", [])], what,
+                                    tracks_failures=False)
+        values = handle.result(timeout)
+        return (values.get(rank) if values else None) or {}
 
     def _scripted(self, commands: str | Iterable[str] | None) -> contextlib.AbstractContextManager[Any]:
         return self.prompts.options(commands=commands) if commands is not None else contextlib.nullcontext()

@@ -13,6 +13,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from .. import errors
+from ..kernel import dappostmortem
 from ..kernel.postmortem import NothingToDebugError
 from ..ranks import ranks_text
 
@@ -34,7 +35,8 @@ def debug(magics: MagicsHost, rest: str) -> None:
     """%mesh debug [--rank R] [--commands "p x; up"] [--clear]: pdb at the failing frame of a rank's last cell.
 
     Each rank keeps the traceback of its last failed cell until its next cell (or --clear). Ranks stopped at a
-    breakpoint() of a cell nobody waits for (run with block=False) are offered first.
+    breakpoint() of a cell nobody waits for (run with block=False) are offered first. While JupyterLab's visual
+    debugger is on, the post-mortem opens in its sidebar instead (not with --commands, which are pdb's).
     """
     args = magics.parse_args(debug, rest, "debug")
     m = magics.current()
@@ -46,6 +48,8 @@ def debug(magics: MagicsHost, rest: str) -> None:
             return
         if args.rank is None and args.commands is None and m.debugger.attach():
             return
+        if args.commands is None and dappostmortem.open_in_sidebar(magics.shell, m, args.rank) is not None:
+            return  # the visual debugger is on: the post-mortem was in its sidebar
         m.debugger.post_mortem(args.rank, args.commands)
     except (NothingToDebugError, ValueError) as e:
         raise UsageError(str(e)) from None

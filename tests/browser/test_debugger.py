@@ -10,7 +10,9 @@ with both ranks' values.
 
 Screenshots while stopped go to $BROWSER_TEST_ARTIFACTS, else build/browser-artifacts/ (kept by CI): debugger/
 light-1400-stopped.png and light-800-stopped.png (the whole window), light-1400-sidebar.png, dark-1400-sidebar.png,
-light-800-sidebar.png (the sidebar showing rank 1, after ``%mesh select 1``), and failure.png when the test fails.
+light-800-sidebar.png (the sidebar showing rank 1, after ``%mesh select 1``), and failure.png when the test fails;
+light-1400-postmortem.png (``%mesh debug --rank 1`` after a cell that raised on rank 1: its failing frame in the
+sidebar, and the Debug Console's answer to ``%mesh select 0``) and failure-postmortem.png for the second test.
 """
 
 from __future__ import annotations
@@ -40,8 +42,11 @@ CELLS = [
     "%load_ext monarch",
     "%mesh start -n 2",
     "%%mesh\nx = rank * 10\ny = x + 1\nprint(f'rank {rank}: x={x} y={y}')\ny",
+    "%%mesh\nz = rank + 5\nif rank == 1:\n    raise ValueError(f'rank {rank} fails')\nz",
+    "%mesh debug --rank 1",
 ]
 MESH_CELL = 2
+FAILING_CELL, DEBUG_CELL, RAISE_LINE = 3, 4, 4  # the line of the failing cell that raises (its %%mesh line is 1)
 SIDEBAR = "#jp-debugger-sidebar"
 
 # {name: value} of the Variables panel (tree view), or null while it shows none.
@@ -134,7 +139,7 @@ def _sidebar_shot(notebook: jlab.NotebookPage, name: str) -> None:
 
 
 def test_gutter_breakpoint_in_a_mesh_cell(tmp_path: Path) -> None:
-    nb = jlab.write_notebook(tmp_path / "debugger.ipynb", CELLS)
+    nb = jlab.write_notebook(tmp_path / "debugger.ipynb", CELLS[:MESH_CELL + 1])
     SHOTS.mkdir(parents=True, exist_ok=True)
     (SHOTS / "failure.png").unlink(missing_ok=True)
     with (
@@ -147,15 +152,7 @@ def test_gutter_breakpoint_in_a_mesh_cell(tmp_path: Path) -> None:
         notebook.run_cell(1, timeout=180)
         assert "world_size=2" in notebook.output_text(1), notebook.output_text(1)
 
-        # The bug toggle in the notebook's toolbar, then the debugger's sidebar (right).
-        bug = notebook.page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-DebuggerBugButton button").first
-        notebook.wait_until("(el) => !el.disabled", bug.element_handle(), 60,
-                            "the notebook's debugger toggle stayed disabled")
-        bug.click()
-        notebook.wait_until("(el) => el.getAttribute('aria-pressed') === 'true' || el.classList.contains("
-                            "'lm-mod-toggled')", bug.element_handle(), 60, "the debugger did not turn on")
-        notebook.page.evaluate("() => window.jupyterapp.shell.activateById('jp-debugger-sidebar')")
-        notebook.page.locator(SIDEBAR).wait_for(state="visible", timeout=30_000)
+        _debugger_on(notebook)
 
         _set_gutter_breakpoint(notebook, MESH_CELL, BREAK_LINE)
         # JupyterLab sends the cell (dumpCell) and its breakpoints; the Breakpoints panel lists it once they are set.
@@ -222,3 +219,66 @@ def test_gutter_breakpoint_in_a_mesh_cell(tmp_path: Path) -> None:
             assert f"rank {r}: x={r * 10} y={r * 10 + 1}" in text, text
         notebook.page.locator(".jp-DebuggerPausedOverlay").first.wait_for(state="hidden", timeout=30_000)
         assert "stopped at a breakpoint" not in notebook.output_text(MESH_CELL)  # the view followed the continue
+
+
+
+def _debugger_on(notebook: jlab.NotebookPage) -> None:
+    """The bug toggle in the notebook's toolbar, then the debugger's sidebar (right)."""
+    bug = notebook.page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-DebuggerBugButton button").first
+    notebook.wait_until("(el) => !el.disabled", bug.element_handle(), 60,
+                        "the notebook's debugger toggle stayed disabled")
+    bug.click()
+    notebook.wait_until("(el) => el.getAttribute('aria-pressed') === 'true' || el.classList.contains("
+                        "'lm-mod-toggled')", bug.element_handle(), 60, "the debugger did not turn on")
+    notebook.page.evaluate("() => window.jupyterapp.shell.activateById('jp-debugger-sidebar')")
+    notebook.page.locator(SIDEBAR).wait_for(state="visible", timeout=30_000)
+
+
+def test_post_mortem_in_the_sidebar(tmp_path: Path) -> None:
+    """``%mesh debug --rank 1`` after a cell that raised on rank 1: the failing frame and its values in the sidebar;
+    ``%mesh select 0`` then (rank 0 is not stopped) is answered in the Debug Console; Continue ends the post-mortem."""
+    cells = [CELLS[0], CELLS[1], CELLS[FAILING_CELL], CELLS[DEBUG_CELL]]
+    nb = jlab.write_notebook(tmp_path / "postmortem.ipynb", cells)
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    (SHOTS / "failure-postmortem.png").unlink(missing_ok=True)
+    with (
+        jlab.jupyterlab_server(tmp_path, extra_env={"PYTHONPATH": _package_path()}) as server,
+        jlab.chromium() as browser,
+        jlab.open_notebook(browser, server, nb.name, viewport=(1400, 1000), default_timeout=60,
+                           failure_screenshot=SHOTS / "failure-postmortem.png") as notebook,
+    ):
+        notebook.run_cell(0, timeout=60)
+        notebook.run_cell(1, timeout=180)
+        _debugger_on(notebook)
+        notebook.run_cell(2, timeout=120)
+        assert "rank 1 fails" in notebook.output_text(2), notebook.output_text(2)
+        debug = notebook.run_cell(3, wait=False)
+        js = """
+        ([css, line]) => {
+          const frames = Array.from(document.querySelectorAll(css + ' .jp-DebuggerCallstackFrame'), f => f.innerText);
+          if (!frames.length || !frames[0].startsWith('rank 1: <module>') || !frames[0].includes(':' + line)) {
+            return false;
+          }
+          const body = document.querySelector(css + ' .jp-DebuggerVariables-body');
+          if (!body) return false;
+          return Array.from(body.querySelectorAll('.jp-DebuggerVariables-name'), n => {
+            const d = n.parentElement.querySelector(':scope > .jp-DebuggerVariables-detail');
+            return n.textContent.trim() + '=' + (d ? d.textContent.trim() : '');
+          }).includes('z=6');
+        }
+        """
+        notebook.wait_until(js, [SIDEBAR, RAISE_LINE], 120, f"the sidebar did not show rank 1's failing frame; "
+                            f"frames: {_frames(notebook)}, variables: {_variables(notebook)}")
+        notebook.output_area(3).get_by_text("stopped at the failing frame").first.wait_for(state="visible",
+                                                                                           timeout=60_000)
+        # A rank that is not stopped: the Debug Console prints why (not "Evaluation resulted in an error").
+        refused = _evaluate(notebook, "%mesh select 0")
+        assert "rank 0 is not stopped at a breakpoint (stopped now: rank 1)" in refused, refused
+        notebook.wait_until(js, [SIDEBAR, RAISE_LINE], 30, f"the sidebar did not keep rank 1's failing frame; "
+                            f"frames: {_frames(notebook)}, variables: {_variables(notebook)}")
+        # The Variables panel is short: z (the rank's own value) is below the fold.
+        notebook.page.locator(f"{SIDEBAR} .jp-DebuggerVariables-name", has_text="z").last.scroll_into_view_if_needed()
+        notebook.screenshot(SHOTS / "light-1400-postmortem.png")
+        notebook.page.locator(f'{SIDEBAR} [data-command="debugger:continue"]').first.click()
+        debug.wait(120)
+        notebook.page.locator(".jp-DebuggerPausedOverlay").first.wait_for(state="hidden", timeout=30_000)

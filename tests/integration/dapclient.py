@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jupyter_client.manager import KernelManager, start_new_kernel
+from jupyter_client.session import Session
 
 TIMEOUT = 180.0
 
@@ -25,13 +26,47 @@ class CellRun:
     idle: bool = False
 
 
+class Frontend:
+    """DAP on one client's control channel, as one JupyterLab page sends it (its own client session)."""
+
+    def __init__(self, kc: Any) -> None:
+        self.kc = kc
+        self.seq = 0
+
+    def dap(self, command: str, timeout: float = TIMEOUT, **arguments: Any) -> dict:
+        """Send one DAP request as a ``debug_request``; the ``debug_reply`` content."""
+        self.seq += 1
+        msg = self.kc.session.msg("debug_request", {"type": "request", "seq": self.seq, "command": command,
+                                                    "arguments": arguments})
+        self.kc.control_channel.send(msg)
+        deadline = time.monotonic() + timeout
+        while True:
+            reply = self.kc.get_control_msg(timeout=max(0.1, deadline - time.monotonic()))
+            if reply["parent_header"].get("msg_id") == msg["header"]["msg_id"]:
+                return reply["content"]
+
+    def debugger_on(self) -> None:
+        """What JupyterLab sends when the bug icon is clicked."""
+        rep = self.dap("initialize", clientID="jupyterlab", clientName="JupyterLab", adapterID="python",
+                       pathFormat="path", linesStartAt1=True, columnsStartAt1=True, supportsVariableType=True,
+                       supportsVariablePaging=True, supportsRunInTerminalRequest=True, locale="en")
+        assert rep["success"], rep
+        rep = self.dap("attach")
+        assert rep["success"], rep
+        rep = self.dap("configurationDone")
+        assert rep["success"], rep
+
+    def close(self) -> None:
+        self.kc.stop_channels()
+
+
 class DapKernel:
     """One kernel, its channels, and a thread that sorts IOPub and shell messages (events, cells)."""
 
     def __init__(self, cwd: str) -> None:
         self.km: KernelManager
         self.km, self.kc = start_new_kernel(kernel_name="python3", env=dict(os.environ), cwd=cwd)
-        self.seq = 0
+        self.frontend = Frontend(self.kc)
         self.events: queue.Queue[dict] = queue.Queue()
         self.event_seqs: list[int] = []  # the seq of every debug event the kernel sent, in order
         self.cells: dict[str, CellRun] = {}
@@ -84,26 +119,18 @@ class DapKernel:
 
     def dap(self, command: str, timeout: float = TIMEOUT, **arguments: Any) -> dict:
         """Send one DAP request as a ``debug_request``; the ``debug_reply`` content."""
-        self.seq += 1
-        msg = self.kc.session.msg("debug_request", {"type": "request", "seq": self.seq, "command": command,
-                                                    "arguments": arguments})
-        self.kc.control_channel.send(msg)
-        deadline = time.monotonic() + timeout
-        while True:
-            reply = self.kc.get_control_msg(timeout=max(0.1, deadline - time.monotonic()))
-            if reply["parent_header"].get("msg_id") == msg["header"]["msg_id"]:
-                return reply["content"]
+        return self.frontend.dap(command, timeout, **arguments)
 
     def debugger_on(self) -> None:
         """What JupyterLab sends when the bug icon is clicked."""
-        rep = self.dap("initialize", clientID="jupyterlab", clientName="JupyterLab", adapterID="python",
-                       pathFormat="path", linesStartAt1=True, columnsStartAt1=True, supportsVariableType=True,
-                       supportsVariablePaging=True, supportsRunInTerminalRequest=True, locale="en")
-        assert rep["success"], rep
-        rep = self.dap("attach")
-        assert rep["success"], rep
-        rep = self.dap("configurationDone")
-        assert rep["success"], rep
+        self.frontend.debugger_on()
+
+    def other_frontend(self) -> Frontend:
+        """A second frontend of this kernel (another browser tab: a client session of its own), DAP only."""
+        session = Session(key=self.km.session.key, signature_scheme=self.km.session.signature_scheme)
+        kc = self.km.client(session=session)
+        kc.start_channels(shell=False, iopub=False, stdin=False, hb=False, control=True)
+        return Frontend(kc)
 
     def wait_event(self, pred: Any, timeout: float = TIMEOUT, what: str = "event") -> dict:
         deadline = time.monotonic() + timeout
@@ -120,8 +147,8 @@ class DapKernel:
     # ------------------------------------------------------------------ cells
 
     def submit(self, code: str) -> CellRun:
-        msg_id = self.kc.execute(code, stop_on_error=False)
-        with self.lock:
+        with self.lock:  # the reader thread drops replies of unknown cells: a fast reply must find this one
+            msg_id = self.kc.execute(code, stop_on_error=False)
             run = self.cells[msg_id] = CellRun(msg_id)
         return run
 

@@ -100,8 +100,11 @@ def test_gutter_breakpoint_stops_the_ranks_that_run_it(k: DapKernel) -> None:
         assert rep["success"] and rep["body"]["result"].startswith(f"rank {rank}:"), rep
         again = _stopped(k, 1)
         assert list(again) == [rank] and again[rank]["threadId"] == stops[rank]["threadId"]
+    # Refused in the result (JupyterLab's Debug Console prints it; a failed evaluate shows only "Evaluation resulted
+    # in an error"), and the rank shown stays: its stopped event again, as the reply blanked its variables.
     rep = k.dap("evaluate", expression="%mesh select 2", frameId=frame_id, context="repl")
-    assert not rep["success"] and "rank 2 is not stopped at a breakpoint (stopped now: ranks 0,1)" in rep["message"]
+    assert rep["success"] and "rank 2 is not stopped at a breakpoint (stopped now: ranks 0,1)" in rep["body"]["result"]
+    assert list(_stopped(k, 1)) == [1]
     # continue resumes every stopped rank: the cell ends with every rank's value.
     rep = k.dap("continue", threadId=stops[0]["threadId"])
     assert rep["success"], rep
@@ -194,6 +197,67 @@ def test_disconnect_while_stopped_resumes_the_ranks(k: DapKernel) -> None:
     k.dap("continue", threadId=stops[2]["threadId"])
     k.wait(run)
     assert run.results == ["{0: 0, 1: 7, 2: 14}"], (run.stdout, run.errors)
+    _breakpoints(k, code, [])
+
+
+def test_post_mortem_in_the_sidebar(k: DapKernel) -> None:
+    code = "%%mesh\nv = rank * 3\nif rank == 1:\n    bad = v + 100\n    raise ValueError(f'rank {rank} fails')\nv\n"
+    path = k.dap("dumpCell", code=code)["body"]["sourcePath"]
+    run = k.execute(code)
+    assert run.reply["status"] == "error" and "rank 1 fails" in str(run.errors), (run.stdout, run.errors)
+    run = k.submit("%mesh debug --rank 1")  # the debugger is on: rank 1 stops in the sidebar, not at pdb
+    stop = _stopped(k, 1)[1]
+    frame, frame_id, values = _locals(k, stop["threadId"])
+    assert (frame["source"]["path"], frame["line"], frame["name"]) == (path, 5, "rank 1: <module>"), frame
+    assert values["bad"] == "103" and values["rank"] == "1", values
+    ev = k.dap("evaluate", expression="bad * 2", frameId=frame_id, context="repl")
+    assert ev["success"] and ev["body"]["result"] == "206", ev
+    k.wait_output(run, "rank 1 is stopped at the failing frame of its last cell")
+    assert not k.kc.stdin_channel.msg_ready()  # no (Pdb rank 1) prompt
+    assert k.dap("continue", threadId=stop["threadId"])["success"]
+    k.wait(run)
+    assert run.reply["status"] == "ok", (run.stdout, run.errors)
+    assert k.execute("%%mesh\nrank + 1\n").results == ["{0: 1, 1: 2, 2: 3}"]  # the mesh goes on
+    # A rank not attached yet (restarted; its cell failed outside a %%mesh cell): it attaches, its traceback kept.
+    assert k.execute("%mesh restart --rank 2").reply["status"] == "ok"
+    assert k.execute("m.run('def f(n):\\n    return 10 // n\\nf(rank - 2)', ranks=[2])").reply["status"] == "error"
+    run = k.submit("%mesh debug")
+    stop = _stopped(k, 1)[2]
+    frame, _, values = _locals(k, stop["threadId"])
+    assert (frame["name"], frame["line"], values["n"]) == ("rank 2: f", 2, "0"), (frame, values)
+    # The debugger switched off during a post-mortem: the rank goes on, the %mesh debug cell ends.
+    assert k.dap("disconnect", restart=False, terminateDebuggee=False)["success"]
+    k.wait(run)
+    assert run.reply["status"] == "ok", (run.stdout, run.errors)
+    k.debugger_on()
+    # Nothing kept: the usual message, and pdb is not opened.
+    run = k.execute("%mesh debug --rank 0")
+    assert run.reply["status"] == "error" and "rank 0 keeps no traceback" in run.reply["evalue"], run.reply
+
+
+def test_a_second_frontend_takes_the_debugger_over(k: DapKernel) -> None:
+    code = "%%mesh --ranks 0\ng = 4\ng * 2\n"
+    _breakpoints(k, code, [3])
+    other = k.other_frontend()
+    try:
+        other.debugger_on()  # another tab (or this page reloaded) switches the debugger on: it drives it now
+        run = k.submit(code)
+        stop = _stopped(k, 1)[0]
+        rep = k.dap("stackTrace", threadId=stop["threadId"])  # the first frontend is refused, and told why
+        assert not rep["success"] and "switched on in another frontend" in rep["message"], rep
+        rep = k.dap("evaluate", expression="%mesh select 0", context="repl")  # its Debug Console prints why
+        assert rep["success"] and "switch the debugger off and on here" in rep["body"]["result"], rep
+        assert k.dap("disconnect", restart=False, terminateDebuggee=False)["success"]  # ends its own view only
+        frame = other.dap("stackTrace", threadId=stop["threadId"])["body"]["stackFrames"][0]
+        assert (frame["name"], frame["line"]) == ("rank 0: <module>", 3), frame
+        assert other.dap("continue", threadId=stop["threadId"])["success"]
+        k.wait(run)
+        assert run.results == ["{0: 8}"], (run.stdout, run.errors)
+        k.debugger_on()  # and the first takes it back: the other one is refused now
+        assert "switched on in another frontend" in other.dap("threads")["message"]
+        assert k.dap("threads")["success"]
+    finally:
+        other.close()
     _breakpoints(k, code, [])
 
 
