@@ -60,7 +60,7 @@ def sim_row(world: int, relays: int, cells: int, seconds: float) -> dict[str, fl
     """``world`` simulated ranks, agents of PER_AGENT ranks: flat (``relays`` 0) or under ``relays`` relays."""
     from monarch_jupyter import Mesh
 
-    m = Mesh.listen(world, timeout=600, heartbeat_timeout=0, show=False)
+    m = Mesh.listen(world, timeout=300, heartbeat_timeout=0, show=False)
     with open(m.join_commands().secret_file) as f:
         secret = f.read().strip()
     agents = world // PER_AGENT
@@ -72,7 +72,7 @@ def sim_row(world: int, relays: int, cells: int, seconds: float) -> dict[str, fl
     procs = [subprocess.Popen(a) for a in argv]
     try:
         t0 = time.perf_counter()
-        if not m.wait_ready(600):
+        if not m.wait_ready(240):
             raise RuntimeError("simulated hosts did not join")
         return {"ready_s": time.perf_counter() - t0, **timed(m, cells, seconds)}
     finally:

@@ -30,6 +30,8 @@ from .state import MeshState
 __all__ = ["CellHandle", "CellTable", "CellWaiter", "CellSnapshot", "RECENT_CELLS"]
 
 RECENT_CELLS = 64  # cells whose late rich output still reaches them (MeshState.recent_cells)
+BOTH_STREAMS = frozenset(("stdout", "stderr"))
+NO_STREAMS: frozenset[str] = frozenset()
 
 
 class CellWaiter(Protocol):
@@ -272,7 +274,7 @@ class CellTable:
         self.state.assert_locked()
         launcher = self.state.launcher
         relays = launcher is not None and launcher.relays_output
-        if rank in rec.results_in and (not relays or rec.synced.get(rank, set()) >= {"stdout", "stderr"}):
+        if rank in rec.results_in and (not relays or rec.synced.get(rank, NO_STREAMS) >= BOTH_STREAMS):
             self.finish_rank(rec, rank)
 
     def finish_rank(self, rec: CellRecord, rank: int) -> None:
@@ -286,7 +288,10 @@ class CellTable:
         summary finishes many ranks at once: no output markers to wait for there)."""
         self.state.assert_locked()
         state = self.state
-        rec.finished.update(ranks)
+        if len(ranks) == 1:
+            rec.finished.add(ranks[0])
+        else:
+            rec.finished.update(ranks)
         if rec.unmarked:
             for rank in ranks:
                 rec.unmarked.pop(rank, None)
