@@ -1,7 +1,7 @@
 """Meshes past one host against the local mesh, measured in one run: host agents on simulated hosts, torchrun here,
 the controller's cost per cell, and simulated trees of 256 and 1,024 ranks.
 
-    sudo python bench/bench_multihost.py [--hosts 2] [--per-host 4] [--cells 200] [--no-old] [--no-sim]
+    sudo python bench/bench_multihost.py [--hosts 2] [--per-host 4] [--cells 200] [--no-old] [--no-sim] [--json PATH]
 
 Every figure is printed with its reference, measured in the same run:
 
@@ -14,9 +14,10 @@ Every figure is printed with its reference, measured in the same run:
 - a trivial cell (``x = 1``) on 2 hosts x 16 ranks against a local mesh of 32 (goal <= 1.0x);
 - the controller's CPU (this process: every thread) per trivial cell at 2 x 2, 2 x 8 and 2 x 16 ranks (goal: flat
   within 2x from 4 to 32 ranks);
-- simulated hosts (bench/simhosts.py: the real controller, agents whose ranks finish at once) at 256 and 1,024
-  ranks, flat (the controller talks to every agent) and as a tree (relays between): latency and controller CPU
-  per cell.
+- simulated hosts (bench/simhosts.py: the real controller, agents whose ranks finish at once) at 256, 1,024 and
+  4,096 ranks, flat (the controller talks to every agent) and as a tree (one level of relays between): latency and
+  controller CPU per cell, against their goal (bench/bench_scale.py's rows; it also measures them before and after
+  a change, ``--reference``).
 
 Simulated hosts are network namespaces with their own address and hostname (tests/multihost/netns.sh); they need
 root (the rows that need them are skipped otherwise, saying why). On a shared 2-core machine every number is noisy:
@@ -174,8 +175,10 @@ def main() -> None:
     ap.add_argument("--per-host", type=int, default=4, help="ranks per host for the launch-to-ready rows")
     ap.add_argument("--cells", type=int, default=200, help="trivial cells per latency median")
     ap.add_argument("--no-old", action="store_true", help="skip the one-process-per-rank row")
-    ap.add_argument("--no-sim", action="store_true", help="skip the simulated 256/1,024-rank rows")
+    ap.add_argument("--no-sim", action="store_true", help="skip the simulated 256/1,024/4,096-rank rows")
+    ap.add_argument("--json", default=None, metavar="PATH", help="write the figures to PATH as JSON")
     args = ap.parse_args()
+    figures: dict[str, object] = {}
     hosts, per = args.hosts, args.per_host
     world = hosts * per
     print(f"multihost benchmark: {os.cpu_count()} CPUs, python {sys.version.split()[0]}; load average "
@@ -197,13 +200,14 @@ def main() -> None:
               f"(torchrun --no-python ... true): {t_torchrun:.2f} s", flush=True)
 
         local8 = local_cold(world)
+        figures["local_cold_ready_s"] = local8
         print(f"local N={world}, cold (fresh process, fork server included): launch -> ready {local8:.2f} s",
               flush=True)
-        here = torchrun_here(world, args.cells)
+        here = figures["torchrun_here"] = torchrun_here(world, args.cells)
         print(f"torchrun on this host N={world}: launch -> ready {here['ready_s']:.2f} s = "
               f"{here['ready_s'] / local8:.2f}x local (goal <= 2.5x)", flush=True)
         if not why:
-            joined = across_hosts(hosts, per, args.cells)
+            joined = figures["joined"] = across_hosts(hosts, per, args.cells)
             floor = t_torchrun + t_import
             print(f"joined {hosts} hosts x {per} (host agents, printed torchrun): launch -> ready "
                   f"{joined['ready_s']:.2f} s = {joined['ready_s'] / local8:.2f}x local (goal <= 2x); floor "
@@ -219,13 +223,13 @@ def main() -> None:
                 print(f"  before agents: the one-process-per-rank torchrun command: {old['ready_s']:.2f} s = "
                       f"{old['ready_s'] / local8:.2f}x local", flush=True)
 
-        local32 = local_warm(32, args.cells)
+        local32 = figures["local32"] = local_warm(32, args.cells)
         print(f"local N=32: trivial cell {local32['cell_s'] * 1e3:.2f} ms, controller CPU "
               f"{local32['cpu_s'] * 1e3:.3f} ms per cell", flush=True)
         cpu: dict[int, dict[str, float]] = {}
         if not why:
             for n in (2, 8, 16):
-                cpu[n] = across_hosts(2, n, args.cells)
+                cpu[n] = figures[f"joined_2x{n}"] = across_hosts(2, n, args.cells)
                 print(f"joined 2 x {n}: trivial cell {cpu[n]['cell_s'] * 1e3:.2f} ms, controller CPU "
                       f"{cpu[n]['cpu_s'] * 1e3:.3f} ms per cell", flush=True)
             print(f"trivial cell, 2 hosts x 16 / local N=32: {cpu[16]['cell_s'] / local32['cell_s']:.2f}x "
@@ -239,16 +243,26 @@ def main() -> None:
         print(f"(rows on simulated hosts skipped: {why})")
 
     if not args.no_sim:
+        import bench_scale  # bench/bench_scale.py (this folder is on sys.path)
+
         print("simulated hosts (ranks answer at once; the controller is real):", flush=True)
-        for world_sim, agents, relays, per_relay in ((256, 4, 2, 2), (1024, 16, 4, 4)):
-            flat = simulated(world_sim, 0, agents, args.cells // 2)
-            tree = simulated(world_sim, relays, per_relay, args.cells // 2)
-            print(f"  {world_sim} ranks, flat ({agents} agents of {world_sim // agents}): cell "
-                  f"{flat['cell_s'] * 1e3:.2f} ms, controller CPU {flat['cpu_s'] * 1e3:.2f} ms, ready "
-                  f"{flat['ready_s']:.1f} s", flush=True)
-            print(f"  {world_sim} ranks, tree ({relays} relays x {per_relay} agents): cell {tree['cell_s'] * 1e3:.2f} "
-                  f"ms, controller CPU {tree['cpu_s'] * 1e3:.2f} ms, ready {tree['ready_s']:.1f} s", flush=True)
+        sim: dict[str, dict[str, float]] = {}
+        for world_sim in (256, 1024, 4096):
+            for relays in (0, bench_scale.TREE[world_sim]):
+                name = (f"{world_sim} ranks, flat ({world_sim // 64} agents of 64)" if not relays else
+                        f"{world_sim} ranks, tree ({relays} relays x {world_sim // 64 // relays} agents of 64)")
+                sim[name] = r = bench_scale.run_row(None, "sim", world_sim, relays, args.cells, 20.0)
+                print(f"  {name}: cell {r['cell_s'] * 1e3:.2f} ms, controller CPU {r['cpu_s'] * 1e3:.2f} ms "
+                      f"(goal at 1,024 and 4,096: <= {bench_scale.GOAL_MS} ms), ready {r['ready_s']:.1f} s",
+                      flush=True)
+        best = {w: min(r["cpu_s"] for n, r in sim.items() if n.startswith(f"{w} ")) for w in (256, 4096)}
+        print(f"  controller CPU, best layout, 4,096 / 256 ranks: {best[4096] / best[256]:.2f}x "
+              f"(goal <= {bench_scale.GOAL_RATIO}x)", flush=True)
+        figures["simulated"] = sim
     print("reference: torchmonarch (published) exec on all of 32 hosts in about 4.3 s (not measured here)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Simulated hosts for bench/bench_multihost.py: meshes of 256 and 1,024 ranks on one 2-core machine.
+"""Simulated hosts for bench/bench_multihost.py: meshes of 256, 1,024 and 4,096 ranks on one 2-core machine.
 
 A simulated agent (``python bench/simhosts.py agent ...``) speaks the real agent protocol to a real controller
 (``Mesh.listen``): AgentHello, the ranks' Hello / StoreReady / Ready relayed in HostEvents, Forward in, compact
@@ -6,7 +6,9 @@ A simulated agent (``python bench/simhosts.py agent ...``) speaks the real agent
 controller's cost and the messages' path, not rank work. A simulated relay (``... relay ...``) is the inner node of
 a tree: to the controller it is one agent for all the ranks below it; it hands each Forward to its children once
 and merges their batches (the ``done`` events of one cell become one) before it answers. The children of a relay
-speak the same protocol to it as agents speak to the controller, with the same secret.
+speak the same protocol to it as agents speak to the controller, with the same secret. A relay's merged ``done``
+event lists its ranks in order (its children's lists sorted by their first rank), so that the controller sees one
+range per relay.
 
 This is a model of docs/scale.md's design, not the product: the product's agent (monarch_worker.agent) forks real
 ranks; relays are the documented next step.
@@ -113,7 +115,7 @@ def relay(address: str, secret_hex: str, children: int, nproc: int) -> None:
     poller = zmq.Poller()
     poller.register(up.sock, zmq.POLLIN)
     poller.register(down, zmq.POLLIN)
-    cells: dict[int, tuple[set[int], list[int], list[float]]] = {}  # cell -> (owed ranks, done ranks, durations)
+    cells: dict[int, tuple[set[int], list[tuple[list[int], list[float]]]]] = {}  # cell -> (owed ranks, batches)
     try:
         while True:
             for sock, _ in poller.poll(int(BEAT * 1000)):
@@ -143,7 +145,7 @@ def relay(address: str, secret_hex: str, children: int, nproc: int) -> None:
                             for r in msg.ranks:
                                 per.setdefault(child_of[r], []).append(r)
                             if msg.kind in ("exec", "call") and msg.cell_id >= 0:
-                                cells[msg.cell_id] = (set(msg.ranks), [], [])
+                                cells[msg.cell_id] = (set(msg.ranks), [])
                             for ident, its in per.items():
                                 fwd = P.Forward(its, msg.kind, msg.cell_id)
                                 send_frames(down, [ident, *down_signer.pack(fwd, b"", bufs)])
@@ -164,13 +166,13 @@ def _merge(up: Upstream, msg: P.HostEvents, bufs: list, cells: dict) -> None:
     out, relayed, pos = [], [], 0
     for event in msg.events:
         if event[0] == "done" and event[1] in cells:
-            owed, done, durations = cells[event[1]]
+            owed, batches = cells[event[1]]
             owed.difference_update(event[2])
-            done += event[2]
-            durations += event[3]
+            batches.append((event[2], event[3]))
             if not owed:
                 del cells[event[1]]
-                out.append(("done", event[1], done, durations))
+                batches.sort(key=lambda b: b[0][0] if b[0] else -1)
+                out.append(("done", event[1], [r for b in batches for r in b[0]], [d for b in batches for d in b[1]]))
             continue
         if event[0] == "msg":
             relayed += bufs[pos:pos + event[2]]

@@ -24,11 +24,14 @@ from ..errors import MonarchError, RankDiedError, RemoteError
 from ..ranks import RankMap, format_ranks
 from .output import FOLD_WINDOW, OutputWriter, fold_lines
 from .records import CellRecord, Line
-from .state import MeshState, RankState
+from .spans import contiguous
+from .state import MeshState
 
 __all__ = ["CellHandle", "CellTable", "CellWaiter", "CellSnapshot", "RECENT_CELLS"]
 
 RECENT_CELLS = 64  # cells whose late rich output still reaches them (MeshState.recent_cells)
+BOTH_STREAMS = frozenset(("stdout", "stderr"))
+NO_STREAMS: frozenset[str] = frozenset()
 
 
 class CellWaiter(Protocol):
@@ -70,7 +73,7 @@ class CellHandle:
         """Finished ranks, errors and durations, copied under the lock."""
         rec = self.record
         with self._state.lock:
-            return CellSnapshot(set(rec.finished), dict(rec.errors), dict(rec.durations))
+            return CellSnapshot(set(rec.finished), dict(rec.errors), rec.duration_map())
 
     def done(self) -> bool:
         """True when every rank has finished this cell (or died)."""
@@ -135,10 +138,7 @@ class CellTable:
         state.recent_cells[rec.cell_id] = rec  # late rich output still finds its cell (rich.py)
         while len(state.recent_cells) > RECENT_CELLS:
             state.recent_cells.pop(next(iter(state.recent_cells)))
-        for r in rec.ranks:
-            info = state.ranks[r]
-            info.cells.append(rec)
-            info.state = RankState.RUNNING
+        state.pending[rec.cell_id] = rec  # its ranks' handles read it (RankInfo.cells, RankInfo.state)
         # Told before anything it causes: no line of its output can be routed before this (it needs the lock).
         state.events.emit("cell_started", cell_id=rec.cell_id, ranks=rec.ranks, handle=rec.handle)
 
@@ -161,9 +161,14 @@ class CellTable:
         """``rank`` has not started ``rec``, as an earlier cell still runs there (ranks run their
         cells in the order they were sent); ``background`` False: an earlier cell of the user's."""
         self.state.assert_locked()
-        info = self.state.ranks.get(rank)
-        return info is not None and any(c.cell_id < rec.cell_id and rank not in c.finished
-                                        and (background or not c.background) for c in info.cells)
+        if rank not in self.state.ranks:
+            return False
+        for c in self.state.pending.values():
+            if c.cell_id >= rec.cell_id:
+                break
+            if (background or not c.background) and c.runs_on(rank):
+                return True
+        return False
 
     # ------------------------------------------------------------------ what ranks report (any thread)
 
@@ -192,13 +197,16 @@ class CellTable:
                 else:
                     self.state.failures.pop(rank, None)
             rec.results_in.add(rank)
-            rec.result_seen_at[rank] = time.monotonic()
+            rec.result_seen_at[rank] = now = time.monotonic()
             if error is not None:
                 rec.errors[rank] = error
             else:
-                rec.values[rank] = value
+                if value is not None:
+                    rec.values[rank] = value
                 rec.has_value[rank] = msg.has_value
             self.check_rank(rec, rank)
+            if rank not in rec.finished:
+                rec.unmarked[rank] = now  # its output markers are late (waiting.Waiter finishes it without them)
         self.state.events.emit("rank_result", rank=rank, cell_id=msg.cell_id, status=msg.status,
                                error=None if error is None else str(error), duration=msg.duration,
                                ename=getattr(error, "ename", ""), evalue=getattr(error, "evalue", ""))
@@ -211,48 +219,50 @@ class CellTable:
             rec = state.cells.get(cell_id)
             if rec is None:
                 return
-            now = time.monotonic()
             if rec.tracks_failures and state.failures:
                 for rank in ranks:
                     state.failures.pop(rank, None)
-            rec.durations.update(zip(ranks, durations, strict=True))
-            rec.results_in.update(ranks)
-            rec.result_seen_at.update(dict.fromkeys(ranks, now))
-            rec.values.update(dict.fromkeys(ranks))
-            rec.has_value.update(dict.fromkeys(ranks, False))
+            if len(ranks) != len(durations):
+                raise ValueError(f"a done event of cell {cell_id} names {len(ranks)} ranks and {len(durations)} "
+                                 "durations")
+            rec.duration_batches.append((ranks, durations))  # as the agent sent them (duration_map reads them)
+            span = range(ranks[0], ranks[-1] + 1) if ranks and contiguous(ranks) else ranks  # a host's: one range
+            rec.results_in.update(span)
             launcher = state.launcher
             if launcher is not None and launcher.relays_output:  # output markers to wait for, rank by rank
+                now = time.monotonic()
                 for rank in ranks:
                     self.check_rank(rec, rank)
+                    if rank not in rec.finished:
+                        rec.unmarked[rank] = now
             else:
-                self.finish_ranks(rec, ranks)
-        if state.events.listening:
-            for rank, duration in zip(ranks, durations, strict=True):
-                state.events.emit("rank_result", rank=rank, cell_id=cell_id, status="ok", error=None,
-                                  duration=duration, ename="", evalue="")
+                self.finish_ranks(rec, span)
+        if state.events.listening:  # views (one queueing for the batch; the events are documented per rank)
+            state.events.emit_all([("rank_result", {"rank": rank, "cell_id": cell_id, "status": "ok", "error": None,
+                                                    "duration": duration, "ename": "", "evalue": ""})
+                                   for rank, duration in zip(ranks, durations, strict=True)])
 
     def on_sync(self, rank: int, stream: str, cell_id: int) -> None:
         """Under the lock: ``rank``'s ``stream`` reached the end of cell ``cell_id`` (a sync marker)."""
         self.state.assert_locked()
         rec = self.state.cells.get(cell_id)
-        if rec is not None and rank in rec.synced:
-            rec.synced[rank].add(stream)
+        if rec is not None and rank in rec.members:
+            rec.synced.setdefault(rank, set()).add(stream)
             self.check_rank(rec, rank)
 
     def end_output(self, rec: CellRecord, rank: int) -> None:
         """Under the lock: both of ``rank``'s streams reached the end of ``rec`` (its Result came as a record, which
         the rank writes after its stderr)."""
         self.state.assert_locked()
-        if rank in rec.synced:
-            rec.synced[rank].update(("stdout", "stderr"))
+        if rank in rec.members:
+            rec.synced.setdefault(rank, set()).update(("stdout", "stderr"))
 
     def target(self, rank: int, stream: str, cells: Iterable[CellRecord]) -> CellRecord | None:
         """The cell a line of ``rank`` on ``stream`` belongs to: the oldest of its ``cells`` whose
         output on that stream is not complete, else the last cell submitted."""
         self.state.assert_locked()
         for rec in cells:
-            synced = rec.synced.get(rank)
-            if synced is not None and stream not in synced:
+            if rank in rec.members and stream not in rec.synced.get(rank, ()):
                 return rec
         return self.state.last_cell
 
@@ -264,40 +274,37 @@ class CellTable:
         self.state.assert_locked()
         launcher = self.state.launcher
         relays = launcher is not None and launcher.relays_output
-        if rank in rec.results_in and (not relays or rec.synced[rank] >= {"stdout", "stderr"}):
+        if rank in rec.results_in and (not relays or rec.synced.get(rank, NO_STREAMS) >= BOTH_STREAMS):
             self.finish_rank(rec, rank)
 
     def finish_rank(self, rec: CellRecord, rank: int) -> None:
         """``rank`` is done with the cell (result and output in, or it died)."""
         self.state.assert_locked()
-        self.finish_ranks(rec, [rank])
+        if rank not in rec.finished:
+            self.finish_ranks(rec, [rank])
 
-    def finish_ranks(self, rec: CellRecord, ranks: list[int]) -> None:
+    def finish_ranks(self, rec: CellRecord, ranks: list[int] | range) -> None:
         """Each of ``ranks`` is done with the cell, with one wake-up of its waiter (a host agent's
         summary finishes many ranks at once: no output markers to wait for there)."""
         self.state.assert_locked()
         state = self.state
-        state.assert_locked()
-        infos = state.ranks
-        for rank in ranks:
-            if rank in rec.finished:
-                continue
-            rec.finished.add(rank)
-            info = infos.get(rank)
-            if info is not None:
-                if info.cells and info.cells[0] is rec:
-                    info.cells.popleft()
-                elif rec in info.cells:
-                    info.cells.remove(rec)
-                if not info.cells and info.state is RankState.RUNNING:
-                    info.state = RankState.IDLE
-        if rec.order == "rank":
-            for r in rec.ranks:
-                if rec.held[r] and self._released(rec, r):
-                    rec.lines.extend(rec.held[r])
-                    rec.held[r] = []
-            if not rec.waiting:
-                self._deliver(rec)
+        if len(ranks) == 1:
+            rec.finished.add(ranks[0])
+        else:
+            rec.finished.update(ranks)
+        if rec.unmarked:
+            for rank in ranks:
+                rec.unmarked.pop(rank, None)
+        if rec.all_done:
+            state.pending.pop(rec.cell_id, None)  # no rank runs it any more (RankInfo.cells, RankInfo.state)
+        if rec.order == "rank" and rec.held:
+            frontier = self._frontier(rec)
+            for r in sorted(rec.held):
+                if frontier is not None and r > frontier:
+                    break
+                rec.lines.extend(rec.held.pop(r))
+        if rec.order == "rank" and not rec.waiting:
+            self._deliver(rec)
         if rec.all_done or rec.lines:
             rec.wake.notify_all()
         if rec.all_done:
@@ -321,8 +328,9 @@ class CellTable:
         waits for the replacement's result instead of failing (what the dead process wrote has all been read)."""
         self.state.assert_locked()
         rec.left.add(rank)
-        rec.synced[rank] = set()
+        rec.synced.pop(rank, None)
         rec.results_in.discard(rank)
+        rec.unmarked.pop(rank, None)
 
     def rejoin(self, rec: CellRecord, rank: int) -> bool:
         """``rank``'s replacement is sent ``rec`` now (after what it was sent before); False when the cell ended
@@ -330,19 +338,16 @@ class CellTable:
         self.state.assert_locked()
         if rank not in rec.left or self.state.cells.get(rec.cell_id) is not rec:
             return False
-        rec.left.discard(rank)
-        info = self.state.ranks[rank]
-        info.cells.append(rec)
-        info.state = RankState.RUNNING
+        rec.left.discard(rank)  # it runs the cell again (RankInfo.cells)
+        self.state.pending.setdefault(rec.cell_id, rec)
         return True
 
     def stop_all(self) -> None:
         """The mesh stopped; every cell ends, each unfinished rank with a RankDiedError."""
         self.state.assert_locked()
         for rec in list(self.state.cells.values()):
-            for r in rec.ranks:
-                if r not in rec.finished:
-                    self.fail_rank(rec, r, RankDiedError(r, None, reason="the mesh was stopped"))
+            for r in rec.members.without(rec.finished):
+                self.fail_rank(rec, r, RankDiedError(r, None, reason="the mesh was stopped"))
 
     # ------------------------------------------------------------------ interrupts and releases (under the lock)
 
@@ -351,7 +356,7 @@ class CellTable:
         not started it: an earlier cell still runs there, and they skip it)."""
         self.state.assert_locked()
         rec.interrupted = True
-        running = [r for r in rec.ranks if r not in rec.finished]
+        running = rec.members.without(rec.finished)
         rec.queued_on = {r for r in running if self.queued_behind(rec, r)}
         return running, rec.queued_on
 
@@ -359,7 +364,7 @@ class CellTable:
         """Under the lock: nobody waits for the cell any more; returns the ranks that still run it (later cells
         must not queue behind it there: dispatch.py refuses code while a rank is stuck in it)."""
         self.state.assert_locked()
-        left = [r for r in rec.ranks if r not in rec.finished]
+        left = rec.members.without(rec.finished)
         rec.abandoned = bool(left)
         return left
 
@@ -414,7 +419,7 @@ class CellTable:
         """Under the lock: lines the cell's ``rank`` wrote, in order: held for the waiter, or queued to be written."""
         self.state.assert_locked()
         if rec.order == "rank" and not self._released(rec, rank):
-            rec.held[rank].extend((rank, stream, text) for text in texts)
+            rec.held.setdefault(rank, []).extend((rank, stream, text) for text in texts)
         else:
             if not rec.lines:
                 rec.lines_since = time.monotonic()
@@ -463,10 +468,12 @@ class CellTable:
         self.writer.put(fold_lines(lines) if rec.fold else lines, rec.ctx)  # type: ignore[arg-type]
 
     @staticmethod
-    def _released(rec: CellRecord, rank: int) -> bool:
-        for r in rec.ranks:
-            if r == rank:
-                return True
-            if r not in rec.finished:
-                return False
-        return True
+    def _frontier(rec: CellRecord) -> int | None:
+        """The first of ``rec``'s ranks that has not finished it (None: all have)."""
+        return rec.members.first_not_in(rec.finished)
+
+    @classmethod
+    def _released(cls, rec: CellRecord, rank: int) -> bool:
+        """Order "rank": every rank before ``rank`` finished the cell, so its lines go out now."""
+        frontier = cls._frontier(rec)
+        return frontier is None or rank <= frontier

@@ -104,8 +104,7 @@ class Deaths:
                 self.cells.rank_died(rec, info.rank,
                                      RankDiedError(info.rank, returncode, last, info.pid, reason, earlier), now)
                 failed.append(rec)
-        info.cells.clear()
-        self.state.cond.notify_all()
+        self.state.cond.notify_all()  # each of its cells has it finished, or left (info.cells is empty now)
         return failed
 
     def after_death(self, rank: int, reason: str, cells: list[CellRecord], notify: bool = True) -> None:

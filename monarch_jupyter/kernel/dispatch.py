@@ -34,9 +34,19 @@ from .state import MeshState, RankState
 if TYPE_CHECKING:
     from .launch.base import WorkPipe
 
-__all__ = ["Dispatcher", "Group", "sigint_held"]
+__all__ = ["Dispatcher", "Group", "ToRanks", "sigint_held"]
 
 Group = tuple[list[int], P.Message, bytes, list]  # ranks that get one message (signed once), its payload, buffers
+
+
+class ToRanks:
+    """Recipients named by rank (sorted), not by identity: the I/O thread routes them per host agent without a
+    step per rank (iothread.IOThread, launch/hosts.HostLinks.deliver_ranks)."""
+
+    __slots__ = ("ranks",)
+
+    def __init__(self, ranks: list[int]) -> None:
+        self.ranks = ranks
 
 WORK_TYPES = P.work_types()
 class Dispatcher:
@@ -100,11 +110,13 @@ class Dispatcher:
                 self.cells.register(rec)
                 launcher = state.launcher
                 work_pipe = launcher.work_pipe if launcher is not None and launcher.has_work_pipes else None
-                sends: list[tuple[list[WorkPipe], list[Any], P.Message, bytes, list]] = []
+                sends: list[tuple[list[WorkPipe], Any, P.Message, bytes, list]] = []
                 for group_ranks, msg, payload, buffers in groups:
-                    pipes = [p for r in group_ranks if work_pipe is not None and (p := work_pipe(r)) is not None]
-                    identities = [state.ranks[r].identity for r in group_ranks
-                                  if work_pipe is None or work_pipe(r) is None]
+                    if work_pipe is None:  # every rank over the socket: the I/O thread routes them by host
+                        sends.append(([], ToRanks(group_ranks), msg, payload, buffers))
+                        continue
+                    pipes = [p for r in group_ranks if (p := work_pipe(r)) is not None]
+                    identities = [state.ranks[r].identity for r in group_ranks if work_pipe(r) is None]
                     sends.append((pipes, identities, msg, payload, buffers))
             if down and state.healer is not threading.current_thread():  # survivors run cells: collectives fail
                 sys.stderr.write(group_down_note(down))
@@ -134,11 +146,14 @@ class Dispatcher:
         rank does)."""
         self.state.assert_locked()
         ranks, what, infos = rec.ranks, rec.what, self.state.ranks
-        dead = [r for r in ranks if infos[r].state is RankState.DEAD]
+        # state.dead_ranks may name a rank whose handle was replaced since (a restart): its handle says
+        dead = sorted(r for r in self.state.dead_ranks if r in rec.members and infos[r].base_state is RankState.DEAD)
         if dead:
             raise MeshError({r: RankDiedError(r, infos[r].returncode, "\n".join(infos[r].last_lines), infos[r].pid,
                                               infos[r].death_reason)
                              for r in dead}, what=what, hint=restart_hint(dead, self.state.nproc), not_run=True)
+        if not any(c.abandoned for c in self.state.pending.values()):
+            return  # no rank is stuck in a cell
         busy = self._stuck(self.state.peers(ranks) if runs_code else ranks)  # code: its process group's ranks
         if busy:
             raise RankBusyError(busy_message(what, busy, [r for r in ranks if r not in busy], runs_code), busy)

@@ -28,7 +28,7 @@ from monarch_worker import protocol as P
 from monarch_worker.channel import recv_frames
 
 from . import lograte
-from .dispatch import Dispatcher
+from .dispatch import Dispatcher, ToRanks
 from .endpoint import ControllerSocket
 from .state import Handler, MeshState, RankInfo, RankState
 
@@ -186,7 +186,8 @@ class IOThread:
             if now >= next_ping:
                 next_ping = now + interval
                 with state.lock:
-                    idents = [i.identity for i in state.ranks.values() if i.identity and i.state is not RankState.DEAD]
+                    idents = [i.identity for i in state.ranks.values()
+                              if i.identity and i.base_state is not RankState.DEAD]
                 if self.links is not None:
                     idents += self.links.agent_identities()
                 self._deliver(idents, self.socket.pack(P.Ping()), P.Ping())
@@ -235,7 +236,14 @@ class IOThread:
     def _send_outbox(self) -> None:
         for identities, msg, payload, buffers in self.dispatcher.drain():
             # One signature for every recipient: each rank checks replays per sender session.
-            self._deliver(identities, self.socket.pack(msg, payload, buffers), msg)
+            frames = self.socket.pack(msg, payload, buffers)
+            if isinstance(identities, ToRanks):
+                if self.links is not None:
+                    self.links.deliver_ranks(identities.ranks, frames, msg)
+                    continue
+                with self.state.lock:
+                    identities = [self.state.ranks[r].identity for r in identities.ranks if r in self.state.ranks]
+            self._deliver(identities, frames, msg)
 
     # ------------------------------------------------------------------ handshake (I/O thread)
 

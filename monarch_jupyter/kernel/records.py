@@ -6,8 +6,13 @@ ranks released) is a method there, called with the mesh lock held. Other parts r
 mesh lock and never assign them (tests/unit/test_structure.py checks). The user holds a ``CellHandle``, a view of
 the record (cells.py).
 
-The record knows nothing of the mesh: its module imports no other part, so that ``MeshState`` (which lists the
-records of each rank) and the cell table can both name it.
+The record knows nothing of the mesh: its module imports no other part but spans.py, so that ``MeshState`` (which
+lists the records in flight) and the cell table can both name it.
+
+Ranks that act alike are kept as ranges (spans.RankSpans: ``members``, ``results_in``, ``finished``) and a host's
+durations as the list its agent sent (``duration_batches``): a cell's dispatch, a host's ``done`` batch and the
+cell's end cost the same whatever the number of ranks behind a host. Per-rank entries exist only for ranks that
+differ: a value, an error, output markers or held lines (``synced``, ``held``), a result not finished yet.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from __future__ import annotations
 import contextvars
 import time
 from typing import Any
+
+from .spans import RankSpans
 
 __all__ = ["CellRecord", "Who", "Line"]
 
@@ -27,7 +34,8 @@ class CellRecord:
     writes them."""
 
     __slots__ = ("cell_id", "ranks", "what", "order", "ctx", "submitted", "tracks_failures", "background", "fold",
-                 "values", "has_value", "errors", "results_in", "synced", "finished", "durations", "result_seen_at",
+                 "members", "values", "has_value", "errors", "results_in", "synced", "finished", "durations",
+                 "duration_batches", "result_seen_at", "unmarked",
                  "death_at", "collective_released", "released", "collective_hint", "interrupted", "abandoned",
                  "queued_on", "keep_outcome", "final", "lines", "lines_since", "held", "waiting", "wake", "handle",
                  "rejoin", "left")
@@ -35,7 +43,8 @@ class CellRecord:
     def __init__(self, cell_id: int, ranks: list[int], what: str, order: str, fold: bool, tracks_failures: bool,
                  background: bool) -> None:
         self.cell_id = cell_id
-        self.ranks = ranks
+        self.ranks = ranks  # sorted
+        self.members = RankSpans.of_sorted(ranks)
         self.what = what  # how messages name it: "the cell", "call of f", "push of x"
         self.order = order  # "arrival" or "rank": the order its lines are shown in
         self.ctx = contextvars.copy_context()  # the submitter's context: its output lands in the submitter's cell
@@ -43,14 +52,17 @@ class CellRecord:
         self.tracks_failures = tracks_failures  # its failures are the ones post-mortem opens
         self.background = background  # the package's own work (Lightning's warm-up): no note says a cell waits
         self.fold = fold  # identical lines of several ranks show once (output.fold_lines)
-        self.values: dict[int, Any] = {}
-        self.has_value: dict[int, bool] = {}
+        self.values: dict[int, Any] = {}  # rank -> value, for ranks that sent one (others: None)
+        self.has_value: dict[int, bool] = {}  # rank -> whether its Result had a value (ranks that sent a Result)
         self.errors: dict[int, Any] = {}  # rank -> MonarchError, in the order they came
-        self.results_in: set[int] = set()
-        self.synced: dict[int, set[str]] = {r: set() for r in ranks}  # streams whose end marker came, per rank
-        self.finished: set[int] = set()
-        self.durations: dict[int, float] = {}  # seconds each rank ran it
-        self.result_seen_at: dict[int, float] = {}  # time.monotonic() when each rank's result came
+        self.results_in = RankSpans()
+        # Streams whose end marker came, for ranks that sent one (local ranks: the launcher reads their pipes)
+        self.synced: dict[int, set[str]] = {}
+        self.finished = RankSpans()
+        self.durations: dict[int, float] = {}  # seconds each rank ran it, for ranks that sent their own Result
+        self.duration_batches: list[tuple[list[int], list[float]]] = []  # a host's ``done``: (ranks, seconds)
+        self.result_seen_at: dict[int, float] = {}  # time.monotonic() when a rank's own Result came
+        self.unmarked: dict[int, float] = {}  # ranks whose result came before their output markers -> when
         self.death_at: float | None = None  # when the first of its ranks died
         self.collective_released = ""  # why the process group was torn down to release its ranks (releases.py)
         self.released: dict[int, str] = {}  # rank -> the collective it was released from
@@ -62,7 +74,7 @@ class CellRecord:
         self.final: tuple[Any, BaseException | None] | None = None  # the outcome, once computed (waiting.py)
         self.lines: list[Line] = []  # lines for the thread that waits for it
         self.lines_since = 0.0  # when the oldest of ``lines`` came
-        self.held: dict[int, list[Line]] = {r: [] for r in ranks} if order == "rank" else {}  # not yet released
+        self.held: dict[int, list[Line]] = {}  # order "rank": lines of ranks not yet released (ranks that wrote)
         self.waiting = False  # a thread waits for it (and writes its lines)
         self.wake: Any = None  # threading.Condition on the mesh lock: lines came, or it is done (set by the table)
         self.handle: Any = None  # the submitter's view of it (cells.CellHandle), told to views with its events
@@ -70,6 +82,18 @@ class CellRecord:
         # dispatch.Group it was sent as), or None: a death fails it (kernel/healing.py).
         self.rejoin: list[Any] | None = None
         self.left: set[int] = set()  # ranks whose process died running it, and whose replacement has not rejoined
+
+    def duration_map(self) -> dict[int, float]:
+        """rank -> seconds it ran the cell, for the ranks whose result came (a copy, built on demand)."""
+        out: dict[int, float] = {}
+        for ranks, seconds in self.duration_batches:
+            out.update(zip(ranks, seconds, strict=True))
+        out.update(self.durations)
+        return out
+
+    def runs_on(self, rank: int) -> bool:
+        """``rank`` was sent the cell and has not finished it (nor died running a cell it rejoins)."""
+        return rank in self.members and rank not in self.finished and rank not in self.left
 
     @property
     def all_done(self) -> bool:

@@ -64,7 +64,8 @@ def waiting_for(failed: dict[int, dict], running: dict[int, dict]) -> dict[int, 
 
 def failed_ranks(rec: CellRecord) -> list[int]:
     """Under the lock: the ranks that finished ``rec`` by raising (not interrupted, not dead)."""
-    return sorted(r for r in rec.finished if isinstance(e := rec.errors.get(r), RemoteError) and not e.interrupted)
+    return sorted(r for r, e in rec.errors.items()
+                  if isinstance(e, RemoteError) and not e.interrupted and r in rec.finished)
 
 
 class Releases:

@@ -147,7 +147,7 @@ class OutputRouter:
         cell is in; a last stderr line without a newline belongs to that cell."""
         with self.state.lock:
             rec = self.cells.get(cell_id)
-            if rec is None or info.rank not in rec.synced:
+            if rec is None or info.rank not in rec.members:
                 return
             for _, text in info.splitters["stderr"].end_line():  # the cell that wrote it ended
                 self.route_line(info, "stderr", str(text))

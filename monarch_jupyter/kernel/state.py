@@ -54,7 +54,7 @@ class RankInfo:
     """Live handle of one rank (mutable; guarded by the mesh lock)."""
 
     rank: int
-    state: RankState = RankState.STARTING
+    base_state: RankState = RankState.STARTING  # ``state`` as set (IDLE for a rank that runs cells: see ``state``)
     pid: int | None = None
     host: str = ""
     device: str = ""
@@ -68,13 +68,42 @@ class RankInfo:
     cuda_allocated: int = 0  # bytes
     cuda_reserved: int = 0  # bytes
     last_heard: float = 0.0  # time.monotonic() of its last message
-    cells: deque[CellRecord] = field(default_factory=deque)  # submitted to this rank, not yet finished on it
+    # The mesh's cells in flight (MeshState.pending, shared by every rank's handle): ``cells`` reads it
+    pending: dict[int, CellRecord] = field(default_factory=dict, repr=False)
+    # The mesh's dead ranks (MeshState.dead_ranks, shared): a superset (a rank's old handle may die after its restart)
+    dead: set[int] = field(default_factory=set, repr=False)
     last_lines: deque[str] = field(default_factory=lambda: deque(maxlen=LAST_LINES))
     last_line_cells: deque[int] = field(default_factory=lambda: deque(maxlen=LAST_LINES))  # each line's cell (-1)
     splitters: dict[str, StreamSplitter] = field(default_factory=dict)  # "stdout", "stderr" (MeshState.rank_info)
     progress: tuple | None = None
     progress_seq: int = 0  # Progress.seq of the newest report taken from this rank process
     record_parts: list[bytes] = field(default_factory=list)  # bodies of a record message not complete yet
+
+    @property
+    def cells(self) -> list[CellRecord]:
+        """The cells submitted to this rank that it has not finished, oldest first (read from the mesh's cells in
+        flight, so that a cell's dispatch and end touch no rank's handle)."""
+        r = self.rank
+        return [c for c in self.pending.values() if c.runs_on(r)]
+
+    @property
+    def state(self) -> RankState:
+        """Its lifecycle state: RUNNING while it has cells (``cells``), IDLE once they ended."""
+        s = self.base_state
+        if s is RankState.IDLE:
+            r = self.rank
+            for c in self.pending.values():
+                if c.runs_on(r):
+                    return RankState.RUNNING
+        return s
+
+    @state.setter
+    def state(self, value: RankState) -> None:
+        self.base_state = RankState.IDLE if value is RankState.RUNNING else value  # running: idle with cells
+        if value is RankState.DEAD:
+            self.dead.add(self.rank)
+        else:
+            self.dead.discard(self.rank)
 
     @property
     def alive(self) -> bool:
@@ -142,6 +171,9 @@ class MeshState:
         self.ids = itertools.count(1)  # cell, call and request ids: unique for the mesh's lifetime
         self.ranks: dict[int, RankInfo] = {}
         self.cells: dict[int, CellRecord] = {}  # cells some rank has not finished (and blocking ones not yet read)
+        # Cells some rank still runs, in the order they were sent (RankInfo.cells reads it; the cell table writes it)
+        self.pending: dict[int, CellRecord] = {}
+        self.dead_ranks: set[int] = set()  # ranks whose state is DEAD, and maybe some restarted since (RankInfo.state)
         self.last_cell: CellRecord | None = None  # output that belongs to no cell goes there
         self.recent_cells: dict[int, CellRecord] = {}  # the last cells submitted, ended or not (late displays)
         self.running = False
@@ -178,6 +210,8 @@ class MeshState:
         self.secret = secret
         self.generation += 1
         self.failures = {}
+        self.pending.clear()
+        self.dead_ranks.clear()
         self.ranks = {r: self.rank_info(r) for r in range(self.nproc)}
         self.store_port = None
         self.group_down = ""
@@ -197,6 +231,8 @@ class MeshState:
 
     def peers(self, ranks: list[int]) -> list[int]:
         """Every rank that shares a default process group with one of ``ranks`` (sorted)."""
+        if not self.partition:
+            return list(range(self.nproc)) if ranks else []
         return sorted({p for r in ranks for p in self.group_of(r)})
 
     def assert_locked(self) -> None:
@@ -212,7 +248,8 @@ class MeshState:
         """A fresh handle of ``rank``, its output splitters cutting lines at ``options.output_line_limit`` bytes
         (the whole line goes to a file: monarch_worker.streams)."""
         limit = self.options.output_line_limit
-        return RankInfo(rank, splitters={
+        self.dead_ranks.discard(rank)
+        return RankInfo(rank, pending=self.pending, dead=self.dead_ranks, splitters={
             stream: StreamSplitter(records=stream == "stdout", line_limit=limit,
                                    sink=temp_file_sink(f"monarch-rank{rank}-{stream}-"))
             for stream in ("stdout", "stderr")})

@@ -15,6 +15,7 @@ count against the cell's timeout.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import sys
 import threading
@@ -92,7 +93,7 @@ class Waiter:
         KeyboardInterrupt
             The caller was interrupted once the cell was on its way: the ranks were interrupted too.
         """
-        ranks = sorted(r for group in groups for r in group[0])
+        ranks = sorted(itertools.chain.from_iterable(g[0] for g in groups)) if len(groups) > 1 else sorted(groups[0][0])
         self._wait_healed(ranks, what)
         handle = self.cells.new(cell_id, ranks, what, order, self, tracks_failures=tracks_failures,
                                 rejoin=groups if rejoin else None)
@@ -116,8 +117,8 @@ class Waiter:
         try:
             while True:
                 with state.lock:
-                    healing = (sorted(set(ranks) & state.healing)
-                               if state.running and state.healer is not threading.current_thread() else [])
+                    healing = (sorted(state.healing.intersection(ranks)) if state.healing and state.running
+                               and state.healer is not threading.current_thread() else [])
                     if healing and noted:
                         state.cond.wait(0.05)
                 if not healing:
@@ -178,8 +179,8 @@ class Waiter:
                     behind = []
                     if note_at is not None and time.monotonic() >= note_at:  # once: does it wait behind a cell?
                         note_at = None
-                        behind = [r for r in rec.ranks if r not in rec.finished
-                                  and cells.queued_behind(rec, r, background=False)]
+                        behind = [r for r in rec.members.without(rec.finished)
+                                  if cells.queued_behind(rec, r, background=False)]
                 write_lines(lines)
                 if behind:  # an --async cell (block=False) still runs there: say why nothing happens
                     sys.stderr.write(f"note: {ranks_text(behind)} still {plural(behind, 'run', 'runs')} an earlier "
@@ -210,8 +211,10 @@ class Waiter:
         promptly when a rank died (deaths.py)."""
         self.state.assert_locked()
         now = time.monotonic()
-        for r in rec.results_in - rec.finished:  # results in, output markers not yet
-            if now - rec.result_seen_at[r] > MARKER_GRACE:
+        for r, seen in list(rec.unmarked.items()):  # results in, output markers not yet
+            if r in rec.finished:
+                del rec.unmarked[r]
+            elif now - seen > MARKER_GRACE:
                 log.debug("rank %d: output marker of cell %d late; finishing without it", r, rec.cell_id)
                 self.cells.finish_rank(rec, r)
         self.deaths.release_survivors(rec, now)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -91,6 +92,9 @@ class HostLinks:
         self._rank_agent: dict[int, Agent] = {}
         self._pseudo: dict[bytes, int] = {}
         self._by_fd: dict[int, Agent] = {}
+        # Agents whose ranks are numbers start..stop-1, by start (deliver_ranks routes a cell with them)
+        self._spans: list[tuple[int, int, Agent]] = []
+        self._unjoined: set[int] = set()  # agent ranks whose process has not said hello since it was started
         self._lock = threading.Lock()  # the tables above (other threads read them)
         self.use_env = False  # ranks use the launcher's store (env://)
         self.store: tuple[str, int] | None = None  # the c10d store of this generation, once rank 0 hosts it
@@ -105,6 +109,7 @@ class HostLinks:
         """A new generation on ``router`` (before it binds): empty tables, a monitor of its connections."""
         with self._lock:
             self.agents, self._rank_agent, self._pseudo, self._by_fd = {}, {}, {}, {}
+            self._spans, self._unjoined = [], set()
         self.use_env, self.store, self.bad_peers = False, None, {}
         self._monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
 
@@ -154,6 +159,9 @@ class HostLinks:
             for r in ranks:
                 self._rank_agent[r] = agent
                 self._pseudo[pseudo_identity(r)] = r
+            self._unjoined.update(ranks)
+            if ranks and ranks == list(range(ranks[0], ranks[0] + len(ranks))):
+                self._spans = sorted([*self._spans, (ranks[0], ranks[0] + len(ranks), agent)], key=lambda t: t[0])
             if srcfd >= 0:
                 self._by_fd[srcfd] = agent
         settings = self.state.rank_settings()  # the torchft Lighthouse's address among its env
@@ -314,6 +322,7 @@ class HostLinks:
             return True
         agent = self._rank_agent[rank]
         state = self.state
+        self._unjoined.discard(rank)
         with state.lock:
             info = state.ranks[rank]
             info.identity, info.host, info.pid = identity, agent.host, msg.pid
@@ -360,6 +369,38 @@ class HostLinks:
         """Sign ``msg`` and send it to one peer: a rank an agent holds gets it through its agent (I/O thread)."""
         self.deliver([identity], self.socket.pack(msg), msg)
 
+    def deliver_ranks(self, ranks: list[int], frames: list, msg: P.Message) -> None:
+        """``deliver`` to ``ranks`` (sorted), routed per agent by the ranges agents hold: a step per agent, none
+        per rank, while every agent rank has said hello; else (a rank being started) as ``deliver`` (I/O thread)."""
+        if self._unjoined or not ranks:
+            with self.state.lock:
+                infos = self.state.ranks
+                identities = [infos[r].identity for r in ranks if r in infos]
+            self.deliver(identities, frames, msg)
+            return
+        covered = 0
+        sends: list[tuple[bytes, list[int]]] = []
+        for start, stop, agent in self._spans:
+            lo, hi = bisect_left(ranks, start), bisect_left(ranks, stop)
+            if lo == hi:
+                continue
+            covered += hi - lo
+            if agent.alive:
+                sends.append((agent.identity, agent.ranks if hi - lo == stop - start else ranks[lo:hi]))
+        if covered != len(ranks):  # ranks that joined on their own (no agent), or agents with scattered ranks
+            spans = self._spans
+            with self.state.lock:
+                infos = self.state.ranks
+                rest = [infos[r].identity for r in ranks if r in infos
+                        and not any(a <= r < b for a, b, _ in spans)]
+            direct, via = self.route(rest)
+            for identity in direct:
+                self.socket.send_frames(identity, frames)
+            sends += via.items()
+        cell_id = getattr(msg, "cell_id", -1)
+        for identity, its in sends:
+            self.socket.send_frames(identity, self.socket.pack(P.Forward(its, msg.TYPE, cell_id), b"", frames))
+
     def deliver(self, identities: list[Any], frames: list, msg: P.Message) -> None:
         """Send signed ``frames`` to each peer; an agent gets them once for all its ranks among them (``Forward``,
         signed around them) (I/O thread)."""
@@ -384,6 +425,7 @@ class HostLinks:
 
     def spawn(self, ranks: list[int]) -> None:
         """Fresh processes for ``ranks`` (each agent forks its own)."""
+        self._unjoined.update(r for r in ranks if r in self._rank_agent)  # until the fresh process says hello
         for identity, its in self._by_agent(ranks).items():
             self._post(identity, P.Spawn(its))
 

@@ -1,0 +1,215 @@
+"""The controller's cost per cell as meshes grow, before and after in one run (issue 30, "O(hosts) controller").
+
+    python bench/bench_scale.py [--sizes 256,1024,4096] [--reference DIR] [--json PATH] [--no-local] [--no-sim]
+
+Rows, each printed with its goal:
+
+- simulated hosts (bench/simhosts.py: the real controller, agents whose ranks finish every cell at once, so what is
+  measured is the controller and the messages, not rank work) at 256, 1,024 and 4,096 ranks, flat (one agent of 64
+  ranks per host, each talking to the controller) and as a tree with one relay level (relays of 2, 4 or 8 agents):
+  the controller's CPU (this process, every thread) per trivial cell (``x = 1``), its latency, and the time to
+  ready. Goal: <= 1.5 ms at 1,024 and at 4,096 ranks (the better layout), and 4,096 within 1.5x of 256;
+- a local mesh (``Mesh(N)``) of 4 and 32 ranks: the controller's CPU per trivial cell. Goal: 32 within 1.5x of 4.
+
+Each row runs in a fresh interpreter; with ``--reference DIR`` (a checkout of the old code, e.g. /work/main) every
+row runs there too, alternating with this checkout, so that load from elsewhere hits both alike: "before" is DIR,
+"after" this checkout. The simulated agents and relays are this checkout's bench/simhosts.py for both (they only
+speak the wire protocol, which did not change). Rows stop after ``--cells`` cells or ``--row-seconds`` seconds,
+whichever comes first (the old controller takes about a second per cell at 4,096 ranks). On a shared 2-core
+machine every figure is noisy: compare the ratios of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SIM = os.path.join(ROOT, "bench", "simhosts.py")
+TRIVIAL = "x = 1"
+PER_AGENT = 64  # simulated ranks per host agent
+TREE = {256: 2, 1024: 4, 4096: 8}  # relays at each size (each with as many agents): one relay level
+GOAL_MS = 1.5  # controller CPU per trivial cell at 1,024 and 4,096 ranks
+GOAL_RATIO = 1.5  # 4,096 / 256 ranks; local 32 / 4 ranks
+
+
+def timed(mesh: object, cells: int, seconds: float) -> dict[str, float]:
+    """Trivial cells: warm-up (up to 20 cells or a fifth of the budget), then up to ``cells`` cells or ``seconds``;
+    median latency (s), the controller's CPU per cell (s, this process, every thread) and the cells timed."""
+    t_end = time.monotonic() + seconds / 5
+    for i in range(20):
+        mesh.run(TRIVIAL)  # type: ignore[attr-defined]
+        if i >= 2 and time.monotonic() > t_end:
+            break
+    lat = []
+    t_end = time.monotonic() + seconds
+    cpu0 = time.process_time()
+    while len(lat) < cells and (len(lat) < 5 or time.monotonic() < t_end):
+        t = time.perf_counter()
+        mesh.run(TRIVIAL)  # type: ignore[attr-defined]
+        lat.append(time.perf_counter() - t)
+    return {"cell_s": statistics.median(lat), "cpu_s": (time.process_time() - cpu0) / len(lat), "cells": len(lat)}
+
+
+def sim_row(world: int, relays: int, cells: int, seconds: float) -> dict[str, float]:
+    """``world`` simulated ranks, agents of PER_AGENT ranks: flat (``relays`` 0) or under ``relays`` relays."""
+    from monarch_jupyter import Mesh
+
+    m = Mesh.listen(world, timeout=300, heartbeat_timeout=0, show=False)
+    with open(m.join_commands().secret_file) as f:
+        secret = f.read().strip()
+    agents = world // PER_AGENT
+    if relays:
+        argv = [[sys.executable, SIM, "relay", m.address, secret, str(agents // relays), str(PER_AGENT)]
+                for _ in range(relays)]
+    else:
+        argv = [[sys.executable, SIM, "agent", m.address, secret, str(PER_AGENT)] for _ in range(agents)]
+    procs = [subprocess.Popen(a) for a in argv]
+    try:
+        t0 = time.perf_counter()
+        if not m.wait_ready(240):
+            raise RuntimeError("simulated hosts did not join")
+        return {"ready_s": time.perf_counter() - t0, **timed(m, cells, seconds)}
+    finally:
+        m.stop()
+        for p in procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def local_row(n: int, cells: int, seconds: float) -> dict[str, float]:
+    from monarch_jupyter import Mesh
+
+    m = Mesh(n, start_timeout=600)
+    try:
+        return timed(m, cells, seconds)
+    finally:
+        m.stop()
+
+
+def run_row(package: str | None, kind: str, *args: int | float) -> dict[str, float]:
+    """One row in a fresh interpreter that imports monarch_jupyter from ``package`` (None: this checkout)."""
+    env = dict(os.environ)
+    if package:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package, env.get("PYTHONPATH")) if p)
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--row", kind, *map(str, args)],
+                         capture_output=True, text=True, env=env, timeout=1800, cwd="/")
+    lines = [line for line in out.stdout.splitlines() if line.startswith("ROW")]
+    if out.returncode != 0 or not lines:
+        raise RuntimeError(f"row {kind} {args} failed ({out.returncode}): {out.stderr.strip()[-800:]}")
+    return json.loads(lines[-1][3:])
+
+
+def row_main(kind: str, args: list[str]) -> None:
+    import monarch_jupyter
+
+    if kind == "sim":
+        res = sim_row(int(args[0]), int(args[1]), int(args[2]), float(args[3]))
+    else:
+        res = local_row(int(args[0]), int(args[1]), float(args[2]))
+    res["package"] = os.path.dirname(os.path.dirname(monarch_jupyter.__file__))
+    print("ROW" + json.dumps(res), flush=True)
+
+
+def fmt(r: dict[str, float] | None) -> str:
+    if r is None:
+        return "-"
+    return f"CPU {r['cpu_s'] * 1e3:6.2f} ms, cell {r['cell_s'] * 1e3:6.2f} ms" + (
+        f", ready {r['ready_s']:5.1f} s" if "ready_s" in r else "") + f" ({r['cells']} cells)"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="256,1024,4096", help="simulated mesh sizes (ranks; multiples of 64)")
+    ap.add_argument("--cells", type=int, default=200, help="trivial cells timed per row, at most")
+    ap.add_argument("--row-seconds", type=float, default=20.0, help="seconds of cells per row, at most")
+    ap.add_argument("--reference", default=None, help="a checkout (folder) of monarch_jupyter: the 'before'")
+    ap.add_argument("--json", default=None, metavar="PATH", help="write every figure to PATH as JSON")
+    ap.add_argument("--no-local", action="store_true", help="skip the local 4- and 32-rank rows")
+    ap.add_argument("--no-sim", action="store_true", help="skip the simulated rows")
+    ap.add_argument("--no-flat", action="store_true", help="simulated rows: only the tree")
+    args = ap.parse_args()
+    ref = os.path.abspath(args.reference) if args.reference else None
+    versions = [("after", None)] + ([("before", ref)] if ref else [])
+    print(f"scale benchmark: {os.cpu_count()} CPUs, python {sys.version.split()[0]}, load average "
+          f"{os.getloadavg()[0]:.1f}; after = {ROOT}" + (f", before = {ref}" if ref else ""), flush=True)
+    figures: dict[str, dict] = {"rows": {}, "goals": {}}
+    rows = figures["rows"]
+
+    def measure(name: str, kind: str, *a: int | float) -> None:
+        rows[name] = {}
+        order = versions if len(rows) % 2 else versions[::-1]  # alternate who goes first
+        for label, package in order:
+            try:
+                rows[name][label] = run_row(package, kind, *a)
+            except RuntimeError as e:
+                rows[name][label] = None
+                print(f"  {name} ({label}): failed: {e}", flush=True)
+        line = f"  {name:34s} after: {fmt(rows[name].get('after'))}"
+        before = rows[name].get("before")
+        if ref:
+            line += f"\n  {'':34s} before: {fmt(before)}"
+            if before and rows[name].get("after"):
+                line += f"; after/before CPU {rows[name]['after']['cpu_s'] / before['cpu_s']:.3f}x"
+        print(line, flush=True)
+
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    if not args.no_sim:
+        print("simulated hosts (agents of 64 ranks that answer at once; the controller is real):", flush=True)
+        for world in sizes:
+            if not args.no_flat:
+                measure(f"{world} flat ({world // PER_AGENT} agents)", "sim", world, 0, args.cells,
+                        args.row_seconds)
+            relays = TREE.get(world, 4)
+            measure(f"{world} tree ({relays} relays x {world // PER_AGENT // relays} agents)", "sim", world, relays,
+                    args.cells, args.row_seconds)
+    if not args.no_local:
+        print("local meshes (Mesh(N): ranks on this host):", flush=True)
+        for n in (4, 32):
+            measure(f"local {n}", "local", n, args.cells, args.row_seconds)
+
+    print("goals:")
+    for label, _ in versions:
+        best: dict[int, float] = {}
+        for world in sizes:
+            cpus = [r[label]["cpu_s"] for name, r in rows.items() if name.startswith(f"{world} ") and r.get(label)]
+            if cpus:
+                best[world] = min(cpus)
+        goals: dict[str, object] = {"best_cpu_ms": {w: c * 1e3 for w, c in best.items()}}
+        parts = []
+        for w in (1024, 4096):
+            if w in best:
+                goals[f"cpu_{w}_ok"] = best[w] * 1e3 <= GOAL_MS
+                parts.append(f"{w}: {best[w] * 1e3:.2f} ms (goal <= {GOAL_MS} ms)")
+        if 256 in best and 4096 in best:
+            ratio = best[4096] / best[256]
+            goals["ratio_4096_256"] = ratio
+            parts.append(f"4,096 / 256: {ratio:.2f}x (goal <= {GOAL_RATIO}x)")
+        loc = rows.get("local 4", {}).get(label), rows.get("local 32", {}).get(label)
+        if loc[0] and loc[1]:
+            ratio = loc[1]["cpu_s"] / loc[0]["cpu_s"]
+            goals["local_32_4"] = ratio
+            parts.append(f"local 32 / 4: {ratio:.2f}x (goal <= {GOAL_RATIO}x)")
+        figures["goals"][label] = goals
+        print(f"  {label}: controller CPU per trivial cell, best layout: " + "; ".join(parts), flush=True)
+    if args.json:
+        figures["load_average"] = os.getloadavg()[0]
+        figures["reference"] = ref
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=1)
+        print(f"figures written to {args.json}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--row":
+        row_main(sys.argv[2], sys.argv[3:])
+    else:
+        main()
