@@ -128,6 +128,8 @@ def sweep(mesh: Any, objective: Callable[[Any, Any], float | None], study: Any, 
             _end(watch, "pruned")
             raise optuna.TrialPruned(f"pruned at step {watch.pruned_at} of {report}")
         if value is None and report is not None:
+            mesh.events.flush()
+            watch.stop()
             value = watch.last
         if value is None:
             _end(watch, "failed", error="the objective returned None and its ranks reported no "
@@ -176,6 +178,8 @@ def sweep(mesh: Any, objective: Callable[[Any, Any], float | None], study: Any, 
 
 
 def _end(watch: TrialWatch, state: str, *, value: float | None = None, error: str = "") -> None:
+    mesh = watch.sub.mesh if isinstance(watch.sub, SubMesh) else watch.sub
+    mesh.events.flush()  # the reports of the trial's last cell reach the watch before it ends
     watch.stop()
     trial = watch.trial
     watch.run.settings = dict(trial.params)

@@ -45,7 +45,9 @@ class TrialWatch:
         self._queue.put((step, metrics))
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Handle what is queued, then end the thread (waits up to ``timeout`` seconds)."""
+        """Handle what is queued, then end the thread (waits up to ``timeout`` seconds; again: at once)."""
+        if not self._thread.is_alive():
+            return
         self._queue.put(None)
         self._thread.join(timeout)
 
