@@ -173,7 +173,7 @@ class Experiments:
     def to_dataframe(self) -> Any:
         """The table as a ``pandas.DataFrame``, one row per run (a copy). Raises ImportError without pandas."""
         try:
-            import pandas as pd
+            import pandas as pd  # type: ignore[import-untyped]
         except ImportError:
             raise ImportError("to_dataframe needs pandas: pip install pandas (rows() gives the same as dicts)") \
                 from None

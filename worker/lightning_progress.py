@@ -11,7 +11,7 @@ rank 0's view unless ``sync_dist``): the notebook's live view charts them, and a
 report="val_loss")``) passes them to its Optuna trial (``trial.report``) and prunes on them. Reports are throttled
 as every ``progress()`` call is (``live.MIN_INTERVAL``); the last of a fit always goes.
 
-Lightning is imported by this module (``lightning``, else ``pytorch_lightning``): import it only where Lightning is.
+Lightning (the ``lightning`` package) is imported by this module: import it only where Lightning is.
 """
 
 from __future__ import annotations
@@ -20,10 +20,7 @@ from typing import Any
 
 from .live import as_number, progress
 
-try:
-    from lightning.pytorch import Callback
-except ImportError:  # the older package name
-    from pytorch_lightning import Callback
+from lightning.pytorch import Callback
 
 __all__ = ["ReportMetrics"]
 
