@@ -40,7 +40,7 @@ from .. import experiments
 from ..errors import MonarchError
 from ..ranks import format_ranks
 from .submesh import SubMesh
-from .trialwatch import MetricRouter, TrialWatch
+from .trialwatch import MetricRouter, TrialWatch, stop_cells
 
 __all__ = ["sweep"]
 
@@ -230,12 +230,12 @@ class _Pool:
         self.free.put(sub)
 
     def stop(self, subs: list[Any]) -> None:
-        """Interrupt what every sub-mesh runs (the sweep was interrupted)."""
-        for sub in subs:
-            try:
-                sub.interrupt()
-            except Exception:  # noqa: BLE001, S110 - a sub-mesh with a dead rank has nothing to interrupt
-                pass
+        """Stop what every sub-mesh runs (the sweep was interrupted), each in a thread of its own."""
+        threads = [threading.Thread(target=stop_cells, args=(sub,), daemon=True) for sub in subs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
 
     def _note(self) -> None:
         with self._lock:

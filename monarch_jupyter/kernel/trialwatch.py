@@ -22,8 +22,9 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MetricRouter", "TrialWatch"]
+__all__ = ["MetricRouter", "TrialWatch", "stop_cells", "STOP_GRACE"]
 
+STOP_GRACE = 1.0  # seconds a trial's ranks get to stop at an interrupt before their group is torn down
 STEP_METRIC = "global_step"  # a reported metric of this name is the step (as the live view's charts take it)
 
 
@@ -70,10 +71,20 @@ class TrialWatch:
         self.trial.report(value, at)
         if self.trial.should_prune():
             self.pruned_at = at
-            try:
-                self.sub.interrupt()
-            except Exception:  # noqa: BLE001 - the sub-mesh ended (a dead rank): the objective sees that itself
-                log.info("trial %d: interrupting its sub-mesh failed", self.trial.number, exc_info=True)
+            stop_cells(self.sub)
+
+
+def stop_cells(sub: Any, grace: float = STOP_GRACE) -> None:
+    """Stop what ``sub`` (a sub-mesh, or the mesh) runs: KeyboardInterrupt on its ranks; ranks that still run after
+    ``grace`` seconds (blocked in a collective whose peer left it) are released by tearing the sub-mesh's process
+    group down and making a new one (``interrupt(force=True)``; a rank that still does not stop is killed). Errors
+    (a dead rank, a sub-mesh merged meanwhile) are logged: the trial's own cell reports them."""
+    try:
+        report = sub.interrupt(grace=grace)
+        if report.stuck:
+            sub.interrupt(force=True, grace=grace)
+    except Exception:  # noqa: BLE001 - see the docstring
+        log.info("stopping the cells of %r failed", sub, exc_info=True)
 
 
 class MetricRouter:

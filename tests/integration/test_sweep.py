@@ -58,13 +58,18 @@ def test_bad_sweeps_are_refused_and_leave_the_mesh_usable() -> None:
         assert m.run("world_size") == dict.fromkeys(range(4), 4)
 
 
-# A loop that reports `loss` every 20 ms for about 10 minutes: it ends in time only when the pruner interrupts it.
+# A loop that reports `loss` every 50 ms for about 25 minutes: it ends in time only when the pruner interrupts it.
+# Rank 1 waits in an all_reduce most of the time, for rank 0 that sleeps: an interrupt finds rank 1 blocked in the
+# collective whose peer left it, which only tearing the sub-mesh's group down releases.
 LONG_LOOP = """
 from monarch_worker import progress
 import time
 for step in range(1, 30000):
     progress(step, 30000, loss={loss})
-    time.sleep(0.02)
+    if rank == 0:
+        time.sleep(0.05)
+    t = torch.ones(1)
+    dist.all_reduce(t)
 """
 
 # A small Lightning fit, logging `loss` with self.log, run as a cell on a sub-mesh's ranks with a plain
@@ -177,11 +182,13 @@ def test_an_interrupt_mid_sweep_stops_every_trial_and_keeps_the_study(mesh: Mesh
                 return
             time.sleep(0.05)
 
+    # No collective in this loop: ranks interrupted inside one and then merged are not covered yet (see the docs).
+    loop = LONG_LOOP.format(loss=1.0).replace("dist.all_reduce(t)", "t += 1")
     study = optuna.create_study()
     threading.Thread(target=interrupt_when_both_run, daemon=True).start()
     try:
         with pytest.raises(KeyboardInterrupt, match="interrupted"):
-            sweep(mesh, lambda trial, sub: sub.run(LONG_LOOP.format(loss=1.0)), study, n_trials=6,
+            sweep(mesh, lambda trial, sub: sub.run(loop), study, n_trials=6,
                   ranks_per_trial=2, report="loss", table=table)
     finally:
         if mesh.subs:
