@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .live import as_number, progress
-
 from lightning.pytorch import Callback
+
+from .live import as_number, progress
 
 __all__ = ["ReportMetrics"]
 
