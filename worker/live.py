@@ -93,8 +93,9 @@ def progress(n: float, total: float | None = None, *, desc: str = "", **metrics:
     if total is not None and (not isinstance(total, (int, float)) or isinstance(total, bool)):
         raise TypeError(f"progress(n, total): total must be a number of steps or None, got {type(total).__name__}")
     postfix = ", ".join(f"{k}={_fmt(v)}" for k, v in metrics.items())
+    numbers = tuple((str(k), x) for k, v in metrics.items() if (x := as_number(v)) is not None)
     _report(float(n), None if total is None else float(total), str(desc), postfix,
-            final=total is not None and n >= total)
+            final=total is not None and n >= total, metrics=numbers)
 
 
 def flush() -> None:
@@ -119,15 +120,28 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def as_number(value: Any) -> float | None:
+    """``value`` as a float when it is a number (a 0-d tensor's ``.item()``), else None."""
+    if hasattr(value, "item") and callable(value.item):
+        try:
+            value = value.item()
+        except (TypeError, ValueError, RuntimeError):
+            return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
 def _report(n: float, total: float | None, desc: str, postfix: str, *, final: bool = False,
-            first: bool = False) -> None:
+            first: bool = False, metrics: tuple = ()) -> None:
     global _pending, _last_sent, _seq, _timer
     if _send is None:
         return
     now = time.monotonic()
     with _lock:
         _seq += 1
-        msg = P.Progress(cell_id=_current_cell(), n=n, total=total, desc=desc, postfix=postfix, seq=_seq)
+        msg = P.Progress(cell_id=_current_cell(), n=n, total=total, desc=desc, postfix=postfix, seq=_seq,
+                         metrics=metrics)
         if not (final or first) and now - _last_sent < MIN_INTERVAL:
             _pending = msg
             if _timer is None:

@@ -21,7 +21,7 @@ __all__ = [
 #: a cell it rejoins (kernel/healing.py); a Regroup makes the group once that cell has ended.
 NO_GROUP = -2
 
-PROTOCOL_VERSION = 5  # checked at the handshake (Hello, AgentHello); raise it when a message changes
+PROTOCOL_VERSION = 6  # checked at the handshake (Hello, AgentHello); raise it when a message changes
 
 # ``payload`` fields carry user values and travel pickled outside the header.
 
@@ -300,7 +300,9 @@ class Progress(Message):
 
     ``n`` of ``total`` steps (``total`` None: unknown); ``postfix`` is shown after the count ("loss=0.25").
     ``seq`` numbers the reports of one rank process from 1 (0: not numbered); a report may travel as a record in
-    the rank's output or on its socket, and the controller drops one older than the newest it has.
+    the rank's output or on its socket, and the controller drops one older than the newest it has. ``metrics``:
+    the numbers among ``progress()``'s keyword metrics, as (name, float) pairs, unrounded (sweeps report them to
+    Optuna; the postfix shows them rounded).
     """
 
     TYPE: ClassVar[str] = "progress"
@@ -312,6 +314,7 @@ class Progress(Message):
     desc: str = ""
     postfix: str = ""
     seq: int = 0
+    metrics: tuple = ()
 
 
 @_register

@@ -14,9 +14,10 @@ Events and their data: ``started`` (ready_seconds), ``stopped``, ``cell_started`
 ``rank_state`` (rank, state: idle/dead/stopped, or breakpoint/running from the debugger; returncode, host, device,
 pid where known), ``rank_joined`` (host, pid, rank, joined, world_size), ``rank_died`` (rank, returncode, reason),
 ``regrouped`` (fresh), ``output`` (rank, stream, cell_id, lines: the lines, without newlines, that came together,
-in order; text: the same joined by newlines), ``progress`` (rank, cell_id, n, total, desc, postfix), ``heartbeat``
-(rank, rss, cuda_allocated, cuda_reserved; bytes), ``display`` (rank, cell_id, display_kind: display/update/clear,
-display_id, data: the MIME bundle as published, metadata; kernel/rich.py).
+in order; text: the same joined by newlines), ``progress`` (rank, cell_id, n, total, desc, postfix; metrics:
+name -> float, the numbers among the report's metrics), ``heartbeat`` (rank, rss, cuda_allocated,
+cuda_reserved; bytes), ``display`` (rank, cell_id, display_kind: display/update/clear, display_id, data: the MIME
+bundle as published, metadata; kernel/rich.py).
 """
 
 from __future__ import annotations

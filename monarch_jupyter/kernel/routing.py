@@ -118,7 +118,7 @@ class OutputRouter:
                 return
             info.progress, info.progress_seq = (msg.n, msg.total, msg.desc), msg.seq
             self.state.events.emit("progress", rank=rank, n=msg.n, total=msg.total, desc=msg.desc,  # in seq order
-                                   cell_id=msg.cell_id, postfix=msg.postfix)
+                                   cell_id=msg.cell_id, postfix=msg.postfix, metrics=dict(msg.metrics))
 
     def _take_record(self, info: RankInfo, flags: int, body: bytes) -> tuple[Any, bytes, list] | None:
         """The verified message of a record once all of its parts are in, else None (the reading thread; no

@@ -3,41 +3,70 @@ ranks_per_trial)`` (``monarch_jupyter.sweep``; the optional extra ``sweep`` inst
 
 The mesh is split into ``nproc // ranks_per_trial`` sub-meshes (submesh.py), which form a pool; Optuna's own
 ``study.optimize(..., n_jobs=k)`` runs up to k trials at once, each in a thread of its own that leases a free
-sub-mesh from the pool (waiting for one when all are leased), calls ``objective(trial, sub)`` and gives the
-sub-mesh back, whatever the trial's outcome. The objective runs its cells with ``sub.run`` / ``sub.call`` and
-may report intermediate values and prune as with any Optuna objective (``trial.report``, ``trial.should_prune``,
-``raise optuna.TrialPruned``). Each trial records the mesh ranks it used (``trial.user_attrs["ranks"]``) and its
-sub-mesh's name (``"sub_mesh"``). A trial whose objective raises (a MeshError from a rank, a dead rank) is recorded
-as failed by Optuna (``catch``) and the sweep goes on. When the sweep ends (or is interrupted), the mesh is merged
-back into one process group; the study keeps every trial that finished.
+sub-mesh from the pool (waiting for one when all are leased: the experiment table's note shows the queue), calls
+``objective(trial, sub)`` and gives the sub-mesh back, whatever the trial's outcome. The objective runs its cells
+with ``sub.run`` / ``sub.call`` and may report and prune as with any Optuna objective (``trial.report``,
+``trial.should_prune``, ``raise optuna.TrialPruned``).
+
+With ``report="val_loss"`` the ranks report for the trial: every value of that metric that the sub-mesh's rank 0
+reports (``monarch_worker.progress(step, total, val_loss=...)``; Lightning's ``self.log`` with the callback
+``monarch_worker.lightning_progress.ReportMetrics``) becomes ``trial.report(value, step)`` while the cell runs, and
+when the study's pruner prunes, the sub-mesh's running cell is interrupted (KeyboardInterrupt on its ranks, which
+keep their state) and the trial ends PRUNED (trialwatch.py). An objective that returns None then takes the last
+value reported as the trial's value.
+
+Every trial is a row of the experiment table (``monarch_jupyter.experiments``): its parameters, the mesh ranks it
+used (also ``trial.user_attrs["ranks"]``, and ``"sub_mesh"``), every metric its rank 0 reported, the final and best
+values, wall time, and ``trial.user_attrs["checkpoint"]`` when the objective sets it. A trial whose objective raises
+(a MeshError from a rank, a dead rank) is recorded as failed by Optuna (``catch``) and the sweep goes on; a
+sub-mesh with a dead rank leaves the pool (the others go on), and the mesh stays split then (restart the rank:
+``%mesh restart --rank R`` ends the split).
+
+An interrupt (the notebook's stop button, KeyboardInterrupt) stops every running trial: their cells are
+interrupted, they are recorded as failed, no trial starts after, the mesh is merged back and KeyboardInterrupt is
+raised again; the study keeps every trial. Storage errors end the sweep the same way, a locked SQLite file with a
+MonarchError saying so (Optuna's RDBStorage waits for SQLite's lock timeout first; give it a longer one with
+``RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 60}})``).
 """
 
 from __future__ import annotations
 
 import queue
+import threading
 from collections.abc import Callable
 from typing import Any
 
+from .. import experiments
 from ..errors import MonarchError
+from ..ranks import format_ranks
 from .submesh import SubMesh
+from .trialwatch import MetricRouter, TrialWatch, stop_cells
 
 __all__ = ["sweep"]
 
+LEASE_POLL = 0.2  # seconds between two looks at the pool by a waiting trial
 
-def sweep(mesh: Any, objective: Callable[[Any, Any], float], study: Any, n_trials: int, ranks_per_trial: int, *,
-          timeout: float | None = None, catch: tuple[type[BaseException], ...] = (Exception,)) -> Any:
+
+def sweep(mesh: Any, objective: Callable[[Any, Any], float | None], study: Any, n_trials: int,
+          ranks_per_trial: int, *, report: str | None = None, timeout: float | None = None,
+          catch: tuple[type[BaseException], ...] = (Exception,), table: experiments.Experiments | None = None) -> Any:
     """Run ``n_trials`` trials of ``study`` (an ``optuna.Study``), each on a sub-mesh of ``ranks_per_trial`` ranks
     of ``mesh``, as many at once as the mesh holds (see the module docstring). Returns ``study``.
 
     Parameters
     ----------
     objective:
-        ``objective(trial, sub) -> float``: ``sub`` is the leased sub-mesh (the mesh itself when
+        ``objective(trial, sub) -> float | None``: ``sub`` is the leased sub-mesh (the mesh itself when
         ``ranks_per_trial`` is the mesh's size), ranks numbered 0..ranks_per_trial-1 inside it.
+    report:
+        The name of a metric the ranks report (``progress(..., name=value)``): its values go to ``trial.report``
+        and prune the trial (None: the objective reports itself).
     timeout:
         Seconds after which Optuna starts no new trial (None: no limit), as ``study.optimize``'s.
     catch:
         Exceptions of an objective that mark its trial failed instead of ending the sweep (Optuna's ``catch``).
+    table:
+        The experiment table that gets a row per trial (default: the notebook's, ``experiments.table()``).
 
     Raises
     ------
@@ -46,10 +75,12 @@ def sweep(mesh: Any, objective: Callable[[Any, Any], float], study: Any, n_trial
     ValueError
         ``ranks_per_trial`` does not divide the mesh's ranks, or ``n_trials`` is not positive.
     MonarchError
-        The mesh is split already, or cannot be split now (submesh.py).
+        The mesh is split already or cannot be split now (submesh.py); the study's SQLite file stayed locked.
+    KeyboardInterrupt
+        The sweep was interrupted (after every trial stopped and the mesh was merged back).
     """
     try:
-        import optuna  # noqa: F401 - the engine; checked before anything changes
+        import optuna
     except ImportError:
         raise ImportError("sweep needs Optuna: pip install 'monarch_jupyter[sweep]' (or pip install optuna)") from None
     nproc = mesh.nproc
@@ -60,24 +91,187 @@ def sweep(mesh: Any, objective: Callable[[Any, Any], float], study: Any, n_trial
     if mesh.subs:
         raise MonarchError("the mesh is split already: merge it first (m.merge(), %mesh merge); a sweep splits it "
                            "into its own sub-meshes")
+    table = table if table is not None else experiments.table()
+    if report is not None and list(study.directions) == [optuna.study.StudyDirection.MAXIMIZE]:
+        table.maximize.add(report)
     k = nproc // ranks_per_trial
     subs: list[Any] = mesh.split(k, [f"trial{i}" for i in range(k)]) if k > 1 else [mesh]
-    pool: queue.Queue[Any] = queue.Queue()
-    for sub in subs:
-        pool.put(sub)
+    pool = _Pool(subs, table, n_trials)
+    router = MetricRouter()
+    stopping = threading.Event()
 
-    def leased(trial: Any) -> float:
-        sub = pool.get()  # waits while every sub-mesh runs a trial
+    def leased(trial: Any) -> float | None:
+        if stopping.is_set():
+            study.stop()
+            raise MonarchError("the sweep was interrupted before this trial started")
+        sub = pool.lease(trial.number)
+        ranks = list(sub.ranks) if isinstance(sub, SubMesh) else list(range(nproc))
+        trial.set_user_attr("ranks", ranks)
+        trial.set_user_attr("sub_mesh", sub.name if isinstance(sub, SubMesh) else "mesh")
+        run = table.start(f"trial {trial.number}", kind="trial", ranks=ranks)
+        watch = TrialWatch(trial, sub, run, table, report)
+        router.attach(ranks[0], watch)
         try:
-            trial.set_user_attr("ranks", list(sub.ranks) if isinstance(sub, SubMesh) else list(range(nproc)))
-            trial.set_user_attr("sub_mesh", sub.name if isinstance(sub, SubMesh) else "mesh")
-            return objective(trial, sub)
+            value = objective(trial, sub)
+        except BaseException as e:
+            if watch.pruned_at is None and not isinstance(e, optuna.TrialPruned):
+                _end(watch, "failed", error=f"{type(e).__name__}: {e}")
+                raise
+            _end(watch, "pruned")
+            if isinstance(e, optuna.TrialPruned):
+                raise
+            raise optuna.TrialPruned(f"pruned at step {watch.pruned_at} of {report}") from None
         finally:
-            pool.put(sub)
+            router.detach(ranks[0])
+            pool.give_back(sub)
+        if watch.pruned_at is not None:
+            _end(watch, "pruned")
+            raise optuna.TrialPruned(f"pruned at step {watch.pruned_at} of {report}")
+        if value is None and report is not None:
+            mesh.events.flush()
+            watch.stop()
+            value = watch.last
+        if value is None:
+            _end(watch, "failed", error="the objective returned None and its ranks reported no "
+                                        f"{report or 'metric to report'}")
+            raise MonarchError(f"the objective of trial {trial.number} returned None: return the trial's value, or "
+                               "give sweep(..., report=NAME) with a metric its ranks report (progress(step, total, "
+                               "NAME=value))")
+        _end(watch, "complete", value=float(value))
+        return value
 
+    def stop_when_asked(study_: Any, trial: Any) -> None:
+        if stopping.is_set():
+            study_.stop()
+
+    outcome: dict[str, BaseException] = {}
+
+    def drive() -> None:
+        try:
+            study.optimize(leased, n_trials=n_trials, n_jobs=k, timeout=timeout, catch=catch,
+                           callbacks=[stop_when_asked])
+        except BaseException as e:  # noqa: BLE001 - raised again in the notebook's thread
+            outcome["error"] = e
+
+    mesh.add_listener(router)
+    driver = threading.Thread(target=drive, name="monarch-sweep", daemon=True)
+    interrupted = False
     try:
-        study.optimize(leased, n_trials=n_trials, n_jobs=k, timeout=timeout, catch=catch)
+        driver.start()
+        while driver.is_alive():
+            try:
+                driver.join(0.1)
+            except KeyboardInterrupt:
+                interrupted = True
+                stopping.set()
+                pool.stop(subs)
     finally:
-        if k > 1 and mesh.subs:
-            mesh.merge()
+        mesh.remove_listener(router)
+        table.set_note("")
+        _merge(mesh, k, pool)
+    if interrupted:
+        raise KeyboardInterrupt("the sweep was interrupted: every running trial was stopped; the study keeps the "
+                                "trials so far")
+    if "error" in outcome:
+        _raise_storage(outcome["error"])
     return study
+
+
+def _end(watch: TrialWatch, state: str, *, value: float | None = None, error: str = "") -> None:
+    mesh = watch.sub.mesh if isinstance(watch.sub, SubMesh) else watch.sub
+    mesh.events.flush()  # the reports of the trial's last cell reach the watch before it ends
+    watch.stop()
+    trial = watch.trial
+    watch.run.settings = dict(trial.params)
+    watch.table.finish(watch.run, state, value=value, error=error, checkpoint=trial.user_attrs.get("checkpoint"))
+
+
+class _Pool:
+    """The free sub-meshes; a sub-mesh with a dead rank leaves it. The table's note shows the trials that wait."""
+
+    def __init__(self, subs: list[Any], table: experiments.Experiments, n_trials: int) -> None:
+        self.free: queue.Queue[Any] = queue.Queue()
+        for sub in subs:
+            self.free.put(sub)
+        self.live = len(subs)
+        self.table = table
+        self.waiting: list[int] = []
+        self.retired: list[Any] = []
+        self._lock = threading.Lock()
+
+    def lease(self, number: int) -> Any:
+        """A free sub-mesh for trial ``number`` (waits for one). Raises MonarchError when none is left."""
+        with self._lock:
+            self.waiting.append(number)
+        self._note()
+        try:
+            while True:
+                try:
+                    return self.free.get(timeout=LEASE_POLL)
+                except queue.Empty:
+                    if not self.live:
+                        raise MonarchError("no sub-mesh is left for this trial: a rank of each died; restart them "
+                                           "(%mesh restart --rank R) and run the sweep again") from None
+        finally:
+            with self._lock:
+                self.waiting.remove(number)
+            self._note()
+
+    def give_back(self, sub: Any) -> None:
+        dead = [r for r, s in sub.mesh.status().items() if s["state"] == "dead"] if isinstance(sub, SubMesh) else \
+            [r for r, s in sub.status().items() if s["state"] == "dead"]
+        ranks = sub.ranks if isinstance(sub, SubMesh) else list(range(sub.nproc))
+        if any(r in dead for r in ranks):
+            with self._lock:
+                self.live -= 1
+                self.retired.append(sub)
+            self._note()
+            return
+        self.free.put(sub)
+
+    def stop(self, subs: list[Any]) -> None:
+        """Stop what every sub-mesh runs (the sweep was interrupted), each in a thread of its own."""
+        threads = [threading.Thread(target=stop_cells, args=(sub,), daemon=True) for sub in subs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    def _note(self) -> None:
+        with self._lock:
+            waiting, retired = list(self.waiting), list(self.retired)
+        parts = []
+        if waiting:
+            parts.append(f"trials {', '.join(map(str, waiting))} wait for a free sub-mesh")
+        if retired:
+            parts.append("out of the pool (a rank died): " + ", ".join(
+                f"mesh ranks {format_ranks(s.ranks)}" for s in retired if isinstance(s, SubMesh)))
+        self.table.set_note("sweep: " + "; ".join(parts) if parts else "")
+
+
+def _merge(mesh: Any, k: int, pool: _Pool) -> None:
+    """Merge the sweep's sub-meshes back, unless a rank died (then the mesh stays split: say so)."""
+    if k == 1 or not mesh.subs:
+        return
+    if pool.retired:
+        import warnings
+
+        dead = sorted(r for r, s in mesh.status().items() if s["state"] == "dead")
+        warnings.warn(f"the sweep left the mesh split: rank {format_ranks(dead)} died; restart it with  %mesh "
+                      f"restart --rank {format_ranks(dead)}  (m.restart(ranks=[...])), which merges the mesh back",
+                      stacklevel=3)
+        return
+    mesh.merge()
+
+
+def _raise_storage(error: BaseException) -> None:
+    """Raise ``error``, as a MonarchError when it is SQLite's lock held by another process."""
+    text, cause = str(error), error.__cause__ or error.__context__
+    while cause is not None and "database is locked" not in text:
+        text, cause = str(cause), cause.__cause__ or cause.__context__
+    if "database is locked" in text:
+        raise MonarchError("the study's SQLite file is locked by another process (database is locked): the sweep "
+                           "stopped; the study keeps the trials so far. Let the other process finish, or give "
+                           "SQLite a longer wait: optuna.storages.RDBStorage(url, engine_kwargs={'connect_args': "
+                           "{'timeout': 60}})") from error
+    raise error

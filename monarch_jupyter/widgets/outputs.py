@@ -11,6 +11,7 @@ from __future__ import annotations
 import html
 import math
 import re
+from collections.abc import Callable
 from typing import Any
 
 from ..ranks import format_ranks
@@ -154,7 +155,8 @@ def _y_range(series: list[list[tuple[float, float]]]) -> tuple[float, float, boo
     return min(everything), max(everything), False
 
 
-def _chart(name: str, per_rank: dict[int, list[tuple[float, float]]], uid: str) -> str:
+def _chart(name: str, per_rank: dict[int, list[tuple[float, float]]], uid: str,
+           label: Callable[[list[int]], str] = who) -> str:
     ranks = sorted(per_rank)[:CHART_RANKS]
     left = len(per_rank) - len(ranks)
     groups = _groups({r: [p for p in per_rank[r] if math.isfinite(p[1])] for r in ranks})
@@ -203,7 +205,7 @@ def _chart(name: str, per_rank: dict[int, list[tuple[float, float]]], uid: str) 
         width = max(1.25, 3.5 - 0.75 * i) if len(groups) > 1 else 1.75
         parts.append(f'<polyline data-ranks="{" ".join(map(str, ranks_))}" fill="none" stroke="{color}" '
                      f'stroke-width="{width}" clip-path="url(#{clip})" points="{coords}">'
-                     f"<title>{_e(who(ranks_))}: last {_fmt(pts[-1][1], 4)}</title></polyline>")
+                     f"<title>{_e(label(ranks_))}: last {_fmt(pts[-1][1], 4)}</title></polyline>")
         if len(pts) == 1:
             parts.append(f'<circle cx="{px(pts[0][0]):.1f}" cy="{py(pts[0][1]):.1f}" r="2" fill="{color}"/>')
         legend.append((ranks_, color))
@@ -212,9 +214,9 @@ def _chart(name: str, per_rank: dict[int, list[tuple[float, float]]], uid: str) 
         note = '<span class="mj-note" title="a first value far outside the rest is left off the scale">first ' \
                "value off scale</span>"
     if len(legend) > LEGEND_GROUPS:
-        entries = f'<span>{_e(who(ranks))} ({len(legend)} lines)</span>'
+        entries = f'<span>{_e(label(ranks))} ({len(legend)} lines)</span>'
     else:
-        entries = "".join(f'<span><i style="background:{c}"></i>{_e(who(rs))}</span>' for rs, c in legend)
+        entries = "".join(f'<span><i style="background:{c}"></i>{_e(label(rs))}</span>' for rs, c in legend)
     more = f'<span class="mj-note">+{left} ranks not drawn</span>' if left > 0 else ""
     points = sum(len(p) for _, p in groups)
     return (f'<figure class="mj-chart-box"><svg class="mj-chart" data-metric="{_e(name)}" data-points="{points}" '
@@ -223,12 +225,14 @@ def _chart(name: str, per_rank: dict[int, list[tuple[float, float]]], uid: str) 
             f'<figcaption class="mj-legend">{entries}{more}{note}</figcaption></figure>')
 
 
-def render_charts(metrics: dict[str, dict[int, list[tuple[float, float]]]], uid: str = "0") -> str:
+def render_charts(metrics: dict[str, dict[int, list[tuple[float, float]]]], uid: str = "0",
+                  label: Callable[[list[int]], str] = who) -> str:
     """One small line chart per metric (inline SVG), one line per rank, x the global step; '' without metrics.
 
-    ``uid`` keeps the SVG ids of this chart set apart from other dashboards on the page.
+    ``uid`` keeps the SVG ids of this chart set apart from other dashboards on the page. ``label`` names the keys of
+    a line in its legend (``who``: "rank 3"; the experiment table's chart keys lines by run).
     """
-    charts = [_chart(name, per_rank, f"{uid}-{i}") for i, (name, per_rank) in enumerate(metrics.items())]
+    charts = [_chart(name, per_rank, f"{uid}-{i}", label) for i, (name, per_rank) in enumerate(metrics.items())]
     charts = [c for c in charts if c]
     return f'<div class="mj-charts">{"".join(charts)}</div>' if charts else ""
 

@@ -56,3 +56,170 @@ def test_bad_sweeps_are_refused_and_leave_the_mesh_usable() -> None:
         with pytest.raises(ValueError, match="n_trials"):
             sweep(m, lambda t, s: 0.0, study, n_trials=0, ranks_per_trial=2)
         assert m.run("world_size") == dict.fromkeys(range(4), 4)
+
+
+# A loop that reports `loss` every 50 ms for about 25 minutes: it ends in time only when the pruner interrupts it.
+# Rank 1 waits in an all_reduce most of the time, for rank 0 that sleeps: an interrupt finds rank 1 blocked in the
+# collective whose peer left it, which only tearing the sub-mesh's group down releases.
+LONG_LOOP = """
+from monarch_worker import progress
+import time
+for step in range(1, 30000):
+    progress(step, 30000, loss={loss})
+    if rank == 0:
+        time.sleep(0.05)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+"""
+
+# A small Lightning fit, logging `loss` with self.log, run as a cell on a sub-mesh's ranks with a plain
+# Trainer(strategy="ddp"): the ranks' process group and torchrun variables are the sub-mesh's. 1000 epochs: it
+# ends in time only when the pruner interrupts it.
+LIGHTNING_FIT = """
+import lightning as L, torch, torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset
+from monarch_worker.lightning_progress import ReportMetrics
+
+class Tiny(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(8, 1)
+    def training_step(self, batch, i):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.layer(x), y) + 100.0
+        self.log("loss", loss)
+        return loss
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy="ddp", max_epochs=1000, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                    callbacks=[ReportMetrics()])
+trainer.fit(Tiny(), DataLoader(TensorDataset(torch.randn(256, 8), torch.randn(256, 1)), batch_size=8))
+"""
+
+
+def _in_thread(fn: Any) -> tuple[Any, dict]:
+    import threading
+
+    out: dict = {}
+
+    def body() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - the test looks at it
+            out["error"] = e
+
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    return t, out
+
+
+def test_rank_metrics_prune_trials_whose_ranks_stop_and_the_table_has_every_trial(mesh: Mesh) -> None:
+    from monarch_jupyter.experiments import Experiments
+
+    def objective(trial: Any, sub: Any) -> None:
+        trial.suggest_int("width", 1, 4)
+        trial.set_user_attr("checkpoint", f"ckpt/trial{trial.number}.pt")
+        if trial.number == 0:  # Lightning's self.log: 100 + mse, above the pruner's threshold
+            sub.run(LIGHTNING_FIT)
+        elif trial.number == 1:  # progress(): above the threshold
+            sub.run(LONG_LOOP.format(loss=50.0))
+        elif trial.number == 2:
+            sub.run("raise ValueError('a bad trial')")
+        else:  # below the threshold: runs to its end; its value is the last loss reported
+            sub.run("from monarch_worker import progress\nfor s in range(1, 6): progress(s, 5, loss=1.0 / s)")
+        return None
+
+    table = Experiments()
+    study = optuna.create_study(pruner=optuna.pruners.ThresholdPruner(upper=10.0))
+    try:
+        thread, out = _in_thread(lambda: sweep(mesh, objective, study, n_trials=4, ranks_per_trial=2,
+                                               report="loss", table=table))
+        thread.join(WAIT)
+        assert not thread.is_alive(), "pruned trials' cells were not interrupted"
+        assert out == {"value": study}, out
+        T = optuna.trial.TrialState
+        states = {t.number: t.state for t in study.trials}
+        assert states == {0: T.PRUNED, 1: T.PRUNED, 2: T.FAIL, 3: T.COMPLETE}, states
+        assert all(v > 100.0 for v in study.trials[0].intermediate_values.values())  # self.log reached the trial
+        assert 50.0 in study.trials[1].intermediate_values.values()
+        assert study.trials[3].value == 0.2 and study.trials[3].intermediate_values[5] == 0.2
+        # The table: a row per trial, its settings, ranks, final and best metrics, wall time and checkpoint.
+        rows = {r["run"]: r for r in table.rows()}
+        assert [rows[f"trial {i}"]["state"] for i in range(4)] == ["pruned", "pruned", "failed", "complete"]
+        done = rows["trial 3"]
+        assert done["value"] == 0.2 and done["final_loss"] == 0.2 and done["best_loss"] == 0.2
+        assert done["params_width"] == study.trials[3].params["width"] and done["ranks"] in ([0, 1], [2, 3])
+        assert done["checkpoint"] == "ckpt/trial3.pt" and done["wall_time_s"] > 0
+        assert "ValueError: a bad trial" in table.runs[2].error
+        df = table.to_dataframe()
+        assert list(df["state"]) == ["pruned", "pruned", "failed", "complete"] and df["final_loss"].iloc[3] == 0.2
+        text = table.chart("loss", mode="text").text()
+        assert "trial 3" in text and "step 5: 0.2" in text
+    finally:
+        if mesh.subs:
+            mesh.merge()
+    # Every sub-mesh went back clean: the whole mesh is one group again, no cell left running.
+    got = mesh.run("t = torch.ones(1)\ndist.all_reduce(t)\n(world_size, t.item())")
+    assert got == dict.fromkeys(range(4), (4, 4.0))
+
+
+def test_an_interrupt_mid_sweep_stops_every_trial_and_keeps_the_study(mesh: Mesh) -> None:
+    import signal
+    import threading
+    import time
+
+    from monarch_jupyter.experiments import Experiments
+
+    table = Experiments()
+
+    def interrupt_when_both_run() -> None:
+        deadline = time.monotonic() + WAIT
+        while time.monotonic() < deadline:
+            if sum(r["state"] == "running" and "final_loss" in r for r in table.rows()) == 2:
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+                return
+            time.sleep(0.05)
+
+    # No collective in this loop: ranks interrupted inside one and then merged are not covered yet (see the docs).
+    loop = LONG_LOOP.format(loss=1.0).replace("dist.all_reduce(t)", "t += 1")
+    study = optuna.create_study()
+    threading.Thread(target=interrupt_when_both_run, daemon=True).start()
+    try:
+        with pytest.raises(KeyboardInterrupt, match="interrupted"):
+            sweep(mesh, lambda trial, sub: sub.run(loop), study, n_trials=6,
+                  ranks_per_trial=2, report="loss", table=table)
+    finally:
+        if mesh.subs:
+            mesh.merge()
+    states = [t.state for t in study.trials]
+    assert states[:2] == [optuna.trial.TrialState.FAIL] * 2, states  # both stopped, recorded
+    assert len([s for s in states if s == optuna.trial.TrialState.COMPLETE]) == 0
+    assert all(r["state"] == "failed" for r in table.rows()[:2])
+    assert mesh.subs == {} and mesh.run("world_size") == dict.fromkeys(range(4), 4)
+
+
+def test_a_study_whose_sqlite_file_another_process_locks_ends_with_a_clear_error(mesh: Mesh, tmp_path: Any) -> None:
+    import subprocess
+    import sys
+
+    from monarch_jupyter.errors import MonarchError
+
+    db = tmp_path / "study.db"
+    storage = optuna.storages.RDBStorage(f"sqlite:///{db}", engine_kwargs={"connect_args": {"timeout": 1}})
+    study = optuna.create_study(storage=storage, study_name="locked")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sqlite3, sys, time\nc = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
+         "c.execute('BEGIN EXCLUSIVE')\nprint('locked', flush=True)\ntime.sleep(600)", str(db)],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        with pytest.raises(MonarchError, match="locked by another process"):
+            sweep(mesh, lambda trial, sub: 1.0, study, n_trials=2, ranks_per_trial=2)
+    finally:
+        holder.kill()
+        holder.wait(30)
+        if mesh.subs:
+            mesh.merge()
+    assert mesh.subs == {} and mesh.run("world_size") == dict.fromkeys(range(4), 4)
