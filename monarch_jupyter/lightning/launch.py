@@ -37,6 +37,7 @@ from .predictions import assemble_predictions
 from .reports import FoldedRemoteError, cell_names, name_cells
 from .shipping import KeptObjects, pickle_job
 from .target import Target, resolve
+from .tracking import record_fit
 
 log = logging.getLogger(__name__)
 
@@ -361,23 +362,31 @@ def launch_trainer(strategy: Any, family: str, function: Any, args: tuple, kwarg
     job = rank_side.Job(fn=function, args=tuple(args), kwargs=dict(kwargs), trainer=trainer,
                         global_state=_global_state(family), progress=bool(getattr(strategy, "progress", True)),
                         **_base_job(strategy, family, "trainer"))
+    fitting = getattr(function, "__name__", "") == "_fit_impl" and trainer is not None
+    started = time.monotonic()
     # A KeyboardInterrupt must never leave this launcher: Lightning would answer it with SIG_IGN and sys.exit(1).
     try:
         try:
             results = _run(target, strategy, job)
         except _Interrupted as e:
             _recover_partial(target, trainer)
+            if fitting:
+                record_fit(trainer, target.ranks, started, e)
             raise TrainingInterrupted(
                 f"{e} ; trainer.interrupted is True and the ranks keep running: the next fit works as usual",
                 e.ranks) from None
         except MeshError as e:
             if not isinstance(e, MeshTimeoutError):  # after a timeout, ranks may still run the job
                 _recover_partial(target, trainer)
+            if fitting:
+                record_fit(trainer, target.ranks, started, e)
             raise
         output = results.get(0)
         if trainer is None or not isinstance(output, rank_side.WorkerOutput):
             return output
         _recover(trainer, output)
+        if fitting:
+            record_fit(trainer, target.ranks, started)
         if output.predictions is not None:
             per_rank = [output.predictions] + [results[r] for r in sorted(results) if r != 0]
             return assemble_predictions([p for p in per_rank if isinstance(p, rank_side.PredictOutput)])

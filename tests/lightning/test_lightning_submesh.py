@@ -202,6 +202,16 @@ def test_lightnings_loggers_and_checkpoints_are_read_back_from_the_notebook(
     restored = Net.load_from_checkpoint(checkpoints.last_model_path)
     assert restored.hparams.lr == 0.1
 
+    # The fit is a row of the notebook's experiment table (issue 29): its settings, sub-mesh ranks, final loss and
+    # checkpoint, as the Trainer has them.
+    from monarch_jupyter import experiments
+
+    row = experiments.table().rows()[-1]
+    assert row["kind"] == "fit" and row["state"] == "complete", row
+    assert row["params_lr"] == 0.1 and row["ranks"] == [2, 3], row
+    assert row["final_train_loss"] == pytest.approx(float(t.callback_metrics["train_loss"]))
+    assert row["checkpoint"] == checkpoints.best_model_path and row["wall_time_s"] > 0
+
 
 ON_THE_RANKS = """
 import os, time
