@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -108,6 +109,9 @@ class Restarts:
         self.interrupter = interrupter
         self.stacks = stacks
         self.lifecycle = lifecycle
+        # One regroup at a time: a regroup owns MeshState.regrouping, store_port and group_down until it ends, so two
+        # sub-meshes released at once (a sweep's trials, interrupted together) regroup one after the other.
+        self._regroup_lock = threading.Lock()
 
     def stuck_message(self, stuck: list[int], grace: float) -> str:
         """What to tell the user about ranks that did not stop after an interrupt (their stacks asked now)."""
@@ -235,8 +239,13 @@ class Restarts:
         ranks regroup (whole sub-meshes of a split mesh; the others keep their groups and may run cells meanwhile).
 
         Raises MonarchError when a rank that is not in ``fresh`` is dead (it would never join); MeshStartError when
-        a rank fails to join before ``deadline`` (then  %mesh restart  is the way).
+        a rank fails to join before ``deadline`` (then  %mesh restart  is the way). Regroups run one at a time
+        (another thread's waits for this one to end).
         """
+        with self._regroup_lock:
+            self._regroup(fresh, deadline, only)
+
+    def _regroup(self, fresh: list[int], deadline: float, only: list[int] | None) -> None:
         state = self.state
         survivors = [r for r in (range(state.nproc) if only is None else only) if r not in fresh]
         dead = [r for r in state.dead() if r in survivors]

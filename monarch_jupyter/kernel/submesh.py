@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextvars
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -94,6 +95,10 @@ def partition(spec: int | Sequence[Sequence[int]], nproc: int) -> list[list[int]
                          "into exactly one sub-mesh (e.g. [[0, 1], [2, 3]] for 4 ranks).")
     return [sorted(g) for g in groups]
 
+
+BACKGROUND_WAIT = 120.0
+"""Seconds a split or merge waits for the package's own background work on the ranks (Lightning's warm-up import)
+before it refuses as for any running cell."""
 
 class SubHandle:
     """A cell submitted to a sub-mesh (``SubMesh.run(..., block=False)``, ``%%mesh --mesh NAME --async``): the
@@ -304,6 +309,7 @@ class Splitter:
         """Under ``_lock``: refuse while a cell runs, a rank is dead or being restarted, or a scale runs; else mark
         the mesh as regrouping (``state.resizing``: scales wait), so nothing else re-forms its groups meanwhile."""
         state = self.state
+        self._wait_background()
         with state.lock:
             busy = sorted(r for r, i in state.ranks.items() if i.cells)
             dead = sorted(r for r, i in state.ranks.items() if i.state is RankState.DEAD)
@@ -325,6 +331,17 @@ class Splitter:
             raise MonarchError(f"{ranks_text(healing)} {'are' if len(healing) > 1 else 'is'} being restarted; "
                                f"{what} once that is done")
         raise MonarchError(f"a %mesh scale runs on this mesh; {what} once it is done")
+
+    def _wait_background(self) -> None:
+        """Wait, up to ``BACKGROUND_WAIT`` seconds, for the package's own background work on the ranks (Lightning's
+        warm-up import after ``import lightning`` in the notebook): it is no cell of the user's, so a split or merge
+        is not refused for it. Work still running after that is refused as any cell is."""
+        state = self.state
+        with state.lock:
+            background = [c.handle for c in state.pending.values() if c.background and c.handle is not None]
+        deadline = time.monotonic() + BACKGROUND_WAIT
+        for handle in background:
+            handle.wait(max(0.0, deadline - time.monotonic()))
 
     def _release(self) -> None:
         with self.state.lock:

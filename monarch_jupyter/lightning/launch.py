@@ -87,11 +87,18 @@ def configure(strategy: Any, who: str) -> Target:
     if num_nodes == 1 and n_hosts > 1:
         num_nodes = n_hosts  # a multi-node mesh: one node per host
     if devices * num_nodes != world and target.sub is not None:
+        wanted, total = devices * num_nodes, int(target.mesh.world_size)
+        if wanted == total:
+            other = f"or merge the mesh ( %mesh merge ) to train on its {total} ranks"
+        elif wanted < total and total % wanted == 0:
+            other = (f"or split the mesh into sub-meshes of {wanted} ranks ( %mesh merge  then  %mesh split "
+                     f"{total // wanted} )")
+        else:
+            other = f"or choose devices that fit: the mesh has {total} ranks"
         raise MeshLightningError(
-            f"{who}(strategy='mesh', devices={devices}, num_nodes={num_nodes}) wants {devices * num_nodes} ranks, but "
+            f"{who}(strategy='mesh', devices={devices}, num_nodes={num_nodes}) wants {wanted} ranks, but "
             f"{target.label} has {world}{target.where()}. devices x num_nodes must equal the sub-mesh's world size: "
-            f"use {who}(strategy='mesh', devices={world}) on it, or split the mesh into sub-meshes of "
-            f"{devices * num_nodes} ranks ( %mesh merge  then  %mesh split ... )")
+            f"use {who}(strategy='mesh', devices={world}) on it, {other}")
     if devices * num_nodes != world:
         per_node = world // num_nodes if world % num_nodes == 0 else None
         nodes = f", num_nodes={num_nodes}" if num_nodes > 1 else ""

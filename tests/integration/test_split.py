@@ -123,6 +123,65 @@ def test_a_stuck_sub_mesh_never_blocks_another() -> None:
         assert m.run(SUM) == dict.fromkeys(range(4), 6.0)
 
 
+def test_split_waits_for_the_packages_background_work_instead_of_refusing(tmp_path: Path) -> None:
+    """Lightning's warm-up import (sent when the notebook imports lightning) is no cell of the user's: a split
+    waits for it (a fresh user's ``import lightning`` then ``m.split(2)`` was refused with "a cell runs")."""
+    import threading
+
+    gate = tmp_path / "gate"
+    with Mesh(2, start_timeout=WAIT) as m:
+        handle = m.run(f"import os, time\nwhile not os.path.exists({str(gate)!r}):\n    time.sleep(0.02)", block=False)
+        m.parts.cells.mark_background(handle)  # as lightning.launch.warm_up marks its import
+        outcome: dict[str, Any] = {}
+
+        def split() -> None:
+            try:
+                outcome["subs"] = m.split(2)
+            except BaseException as e:  # noqa: BLE001 - asserted below
+                outcome["error"] = e
+
+        t = threading.Thread(target=split)
+        t.start()
+        t.join(1.0)
+        gate.touch()
+        t.join(WAIT)
+        assert not t.is_alive() and "error" not in outcome, outcome
+        a, b = outcome["subs"]
+        assert a.run("dist.get_world_size()") == {0: 1} and b.run("dist.get_world_size()") == {0: 1}
+        m.merge()
+
+
+def test_two_stuck_sub_meshes_released_at_once_both_regroup() -> None:
+    """Two sub-meshes stuck in collectives, force-interrupted from two threads at once (a sweep's interrupt stops
+    every trial so): both regroup and run on, and the mesh merges (two regroups at once shared the mesh's regroup
+    state, and a fresh user's kernel hung with its ranks "starting")."""
+    import threading
+
+    with Mesh(4, start_timeout=WAIT, interrupt_grace=2.0) as m:
+        m.run("x = rank")
+        subs = m.split(2)
+        for sub in subs:  # each sub-mesh's rank 0 waits in a barrier its peer never joins
+            with pytest.raises(MeshTimeoutError):
+                sub.run("if rank == 0:\n    dist.barrier()", timeout=3.0)
+        errors: list[BaseException] = []
+
+        def release(sub: Any) -> None:
+            try:
+                sub.interrupt(force=True)
+            except BaseException as e:  # noqa: BLE001 - asserted below
+                errors.append(e)
+
+        threads = [threading.Thread(target=release, args=(sub,)) for sub in subs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(WAIT)
+        assert not any(t.is_alive() for t in threads) and not errors, errors
+        assert [sub.run(SUM, timeout=WAIT) for sub in subs] == [{0: 1.0, 1: 1.0}, {0: 5.0, 1: 5.0}]
+        m.merge()
+        assert m.run(SUM, timeout=WAIT) == dict.fromkeys(range(4), 6.0)
+
+
 def test_split_in_the_notebook(kernel: tuple[KernelManager, Any]) -> None:
     _, kc = kernel
     r = execute(kc, "%load_ext monarch_jupyter\nm = %mesh start -n 4\n%config MeshMagics.live_view = 'off'")
