@@ -250,6 +250,7 @@ class MeshMonitor:
             cell.duration = data.get("duration")
             if data.get("status") == "ok":
                 cell.state = "done"
+                cell.error = ""  # a debugger's note ("stopped at a breakpoint ...") ends with the cell
             else:
                 cell.state = "error"
                 ename, evalue = data.get("ename", ""), data.get("evalue", "")
@@ -281,12 +282,12 @@ class MeshMonitor:
                     c.state, c.ended, c.error = state, now, why
             info.state = state
         elif state in ("breakpoint", "running"):  # the debugger stopped or resumed the rank's current cell
-            for c in info.cells.values():
+            for c in info.cells.values():  # none when the resume came after the cell's result: nothing to change
                 if c.state in ("running", "breakpoint"):
                     c.state = state
                     c.error = data.get("note", "") if state == "breakpoint" else ""  # which debugger, if said
+                    info.state = state
                     break
-            info.state = state
         else:
             if not (state == "idle" and any(c.state not in FINAL_STATES for c in info.cells.values())):
                 info.state = state

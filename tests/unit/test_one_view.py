@@ -126,3 +126,34 @@ def test_a_cell_view_follows_the_next_cell_on_its_own_ranks_only() -> None:
     every = LiveView(monitor=None, ranks=None, follow_cell=True)  # type: ignore[arg-type]
     every._on_mesh_event("cell_started", {"cell_id": 9, "ranks": [3], "handle": other})
     assert every.handle is other
+
+
+def test_a_debugger_note_ends_with_the_cell_even_with_no_running_event_between() -> None:
+    """The visual debugger's note ("stopped at a breakpoint in the visual debugger ...") is the cell's until it
+    resumes; a cell that ends ok shows no note, whether or not the resume reached the view before its result (the
+    browser test saw the note left on a finished rank)."""
+
+    class Mesh:
+        nproc = 2
+
+        def status(self):
+            return {0: {"state": "idle"}, 1: {"state": "idle"}}
+
+        def add_listener(self, fn):
+            pass
+
+    mon = model.MeshMonitor(Mesh())
+    mon.on_event("cell_started", {"cell_id": 1, "ranks": [0, 1]})
+    for rank in (0, 1):
+        mon.on_event("rank_state", {"rank": rank, "state": "breakpoint", "note": "stopped at a breakpoint in the "
+                                                                                 "visual debugger"})
+    rows, _ = mon.snapshot(cell_id=1)
+    assert [r.state for r in rows] == ["breakpoint", "breakpoint"] and "stopped at a breakpoint" in rows[0].error
+    mon.on_event("rank_state", {"rank": 1, "state": "running"})
+    for rank in (0, 1):  # rank 0's resume never reached the view: its result did
+        mon.on_event("rank_result", {"rank": rank, "cell_id": 1, "status": "ok", "duration": 0.1})
+    mon.on_event("rank_state", {"rank": 0, "state": "running"})  # the resume, after the result
+    rows, _ = mon.snapshot(cell_id=1)
+    assert [(r.state, r.error) for r in rows] == [("done", ""), ("done", "")]
+    rows, _ = mon.snapshot()  # the mesh-level rows: both ranks idle, none left "running"
+    assert [r.state for r in rows] == ["idle", "idle"]
