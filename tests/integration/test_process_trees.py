@@ -125,6 +125,18 @@ def tagged(tag: str) -> dict[int, bool]:
     return found
 
 
+def wait_tagged(tag: str, expected: dict[int, bool], timeout: float = 15.0) -> dict[int, bool]:
+    """Wait until the processes carrying ``tag`` are ``expected``; returns what carries it then. A process that
+    ``Popen`` just returned shows an empty /proc/PID/environ for a moment: the kernel sets the new environment's
+    bounds after the exec has closed the pipe ``Popen`` waits on."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = tagged(tag)
+        if found == expected or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)
+
+
 def wait_untagged(tag: str, timeout: float = 15.0) -> dict[int, bool]:
     """Wait until no process but kept ones carries ``tag``; returns what carries it then."""
     deadline = time.monotonic() + timeout
@@ -162,7 +174,8 @@ def test_kernel_end_leaves_only_kept_processes(kernel: tuple[KernelManager, Any]
     value = ast.literal_eval(r.results[0])
     tag, kept, plain = value[0] if isinstance(value, dict) else value
     started.update([kept, *plain])
-    assert tagged(tag) == {kept: True, **dict.fromkeys(plain, False)}
+    expected = {kept: True, **dict.fromkeys(plain, False)}
+    assert wait_tagged(tag, expected) == expected
     ranks = worker_pids(kc)
     if end == "shutdown":
         km.shutdown_kernel()
