@@ -1,6 +1,7 @@
 """Cost of the live per-rank dashboard, measured through a real Jupyter kernel (what a notebook user feels).
 
     python bench/bench_widget.py [--n 4] [--cells 60] [--lines 10000] [--no-peers] [--reference DIR] [--trivial-only]
+                                 [--json PATH]
 
 For a mesh of N ranks in one ipykernel, driven by jupyter_client:
 - trivial cell (`x = 1`) round trip, execute request to idle, median of interleaved runs:
@@ -14,12 +15,14 @@ For a mesh of N ranks in one ipykernel, driven by jupyter_client:
 - reference (``--reference DIR``, e.g. a checkout of main): the trivial-cell measurements again, in the same run,
   in a second kernel that imports monarch_jupyter from DIR; cells alternate between the two kernels so that load
   from elsewhere hits both alike. Prints before (DIR) and after (this checkout) and their ratio.
+The issue's 400k-line flood is ``--n 4 --lines 100000``. ``--json PATH`` also writes every figure (seconds) as JSON.
 Wall-clock numbers on a shared 2-core machine are noisy; compare ratios measured in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import queue
 import re
@@ -205,6 +208,7 @@ def main() -> None:
     ap.add_argument("--no-peers", action="store_true", help="skip ipyparallel")
     ap.add_argument("--reference", default=None, help="a checkout (folder) of monarch_jupyter to compare with")
     ap.add_argument("--trivial-only", action="store_true", help="only the trivial-cell measurements")
+    ap.add_argument("--json", default=None, metavar="PATH", help="also write every figure (seconds) to PATH as JSON")
     args = ap.parse_args()
     n, lines = args.n, args.lines
 
@@ -278,6 +282,12 @@ def main() -> None:
         print(f"  trivial cell, ipyparallel %%px           {lat['ipyparallel'] * 1e3:8.2f} ms   "
               f"ours (on) / ipyparallel = {lat['on'] / lat['ipyparallel']:.2f}x")
     want = n * lines
+    if args.json:
+        figures = {"ranks": n, "lines_per_rank": lines, "trivial_s": lat, "trivial_in_magic_s": inner,
+                   "reference_trivial_in_magic_s": ref_inner, "flood": floods, "paced_flood": paced}
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=1)
+        print(f"  figures written to {args.json}")
     if args.trivial_only:
         return
     for title, runs in ((f"flood: {lines} lines per rank ({want} lines) as fast as they come", floods),

@@ -285,7 +285,7 @@ CONFIG_LABELS = {
     "zh": {"mesh": ["`Mesh` 关键字参数", "`MeshMagics` traitlet", "默认值", "单位", "发送给 rank", "说明"],
            "magics": ["`MeshMagics` traitlet", "默认值", "单位", "说明"],
            "yes": "是", "one_of": "可选值：{}。", "sep": "、", "traitlet": "（traitlet：`{}`）",
-           "units": {"s": "秒", "ranks": "rank"}},
+           "units": {"s": "秒", "ranks": "rank", "lines": "行"}},
 }
 
 

@@ -127,6 +127,10 @@ class NotebookOptions:
     dashboard_fold: int = _option(16, "Past this many ranks the dashboard folds into a per-state summary plus "
                                   "stragglers and failed ranks (the full table opens on demand).", unit="ranks",
                                   trait="dashboard_fold")
+    output_lines: int = _option(1_000_000, "Lines of output a %%mesh cell's view keeps (every rank's together; past "
+                                "them the oldest go, and the view says how many): memory bounded by a flood. "
+                                "`%%mesh --no-widget` streams every line and keeps none.", unit="lines",
+                                trait="output_lines")
     listen_timeout: float = _option(300.0, "Seconds `%mesh listen` waits for every rank to join before it reports "
                                     "who is missing.", unit="s", trait="listen_timeout")
     completion_timeout: float = _option(0.5, "Seconds Tab completion and Shift-Tab inspection in a %%mesh cell (or "

@@ -388,7 +388,8 @@ class MeshMagics(Magics):
             title = "mesh cell (auto mode)" if self.auto.on else "mesh cell"
             view = cell_view(m, chosen, mode=self.setting("live_view"), fold_threshold=self.setting("dashboard_fold"),
                              title=title if sub is None else f"{title} on {args.sub}",
-                             defer=0.0 if args.async_ else None)  # an --async cell returns at once: show it now
+                             defer=0.0 if args.async_ else None,  # an --async cell returns at once: show it now
+                             lines_kept=self.setting("output_lines"))
         capture = view.capture() if view is not None else contextlib.nullcontext()
         try:
             with capture, m.debugger.options(args.pdb_commands,

@@ -130,7 +130,8 @@ def _publish_unflushed(bundle: dict, display_id: str = "", update: bool = False)
 
 
 def cell_view(mesh: Any, ranks: list[int] | None = None, *, mode: str = "auto", fold_threshold: int = 16,
-              title: str = "mesh cell", defer: float | None = None, watched: bool | None = None) -> LiveView | None:
+              title: str = "mesh cell", defer: float | None = None, watched: bool | None = None,
+              lines_kept: int | None = None) -> LiveView | None:
     """Show a live view of the next cell submitted to ``mesh`` (call it just before ``Mesh.run``).
 
     In a widget frontend the view is one display: the per-rank table, charts and, for a cell submitted inside
@@ -153,6 +154,9 @@ def cell_view(mesh: Any, ranks: list[int] | None = None, *, mode: str = "auto", 
         A person watches the frontend (None: ``frontend_watches()``): a placeholder shows at once and the live widget
         after ``defer`` seconds. False (nbval, nbconvert): one display of the final state at the cell's end, or,
         with ``defer`` 0 (an ``--async`` cell), a placeholder at once that the final state replaces.
+    lines_kept:
+        Lines of output the view keeps (None: ``record.LINES_KEPT``, the option ``output_lines``'s default); past
+        them the oldest go and the view says how many.
 
     Returns
     -------
@@ -174,6 +178,7 @@ def cell_view(mesh: Any, ranks: list[int] | None = None, *, mode: str = "auto", 
     import contextvars
 
     from .celldash import DEFER, CellDashboardView, plain_header
+    from .record import LINES_KEPT
 
     ctx = contextvars.copy_context()  # the cell's: later updates come from other threads
 
@@ -184,7 +189,8 @@ def cell_view(mesh: Any, ranks: list[int] | None = None, *, mode: str = "auto", 
     defer = DEFER if defer is None else defer
     view = CellDashboardView(monitor, chosen, title=title, fold_threshold=fold_threshold,
                              plain=plain_header(title, chosen), publish=publish, defer=defer, live=watched,
-                             placeholder=watched or defer <= 0)
+                             placeholder=watched or defer <= 0,
+                             lines_kept=LINES_KEPT if lines_kept is None else lines_kept)
     view.show()
     view.start()
     return view

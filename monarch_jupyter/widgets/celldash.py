@@ -44,7 +44,7 @@ from ..ranks import format_ranks, ranks_text
 from .dashboard import HEAD_STYLE, STYLE, DashboardView, html_page, render_body, render_header, shared
 from .model import ATTENTION_STATES, FAILED_STATES, MeshMonitor, RowView, Summary, stragglers
 from .outputs import render_charts, render_failure, render_item, render_items
-from .record import CellOutput, Item, last_lines
+from .record import LINES_KEPT, CellOutput, Item, last_lines
 
 __all__ = ["CellDashboardView", "DEFER", "OUTPUT_TICK", "TABS_FOLDED", "SEGMENT_ITEMS"]
 
@@ -70,13 +70,16 @@ class CellDashboardView(DashboardView):
     placeholder:
         Show the placeholder when the view is shown (``show``), not only at the end; with ``live``, only when the
         kernel is about to print into the cell before the view showed anything (``hold_place``).
+    lines_kept:
+        Lines of output the cell's record keeps (``record.CellOutput``; the option ``output_lines``).
     """
 
     def __init__(self, monitor: MeshMonitor, ranks: list[int], *, title: str, fold_threshold: int, plain: str,
-                 publish: Any, defer: float = DEFER, live: bool = True, placeholder: bool = True) -> None:
+                 publish: Any, defer: float = DEFER, live: bool = True, placeholder: bool = True,
+                 lines_kept: int = LINES_KEPT) -> None:
         self.uid = uuid.uuid4().hex
         self.display_id = f"mj-dash-{self.uid}"
-        self.output = CellOutput()
+        self.output = CellOutput(lines_kept)
         self._publish = publish
         self._born = time.monotonic()
         self.defer = defer
@@ -407,7 +410,7 @@ class CellDashboardView(DashboardView):
 
 
 def _hidden_note(lines: int) -> str:
-    """A note for the lines before those shown (the text/plain of the view has them, up to record.LINES_KEPT)."""
+    """A note for the lines before those shown (the text/plain of the view has them, up to its lines_kept)."""
     return f'<div class="mj-note">{lines} earlier lines not shown here</div>' if lines else ""
 
 

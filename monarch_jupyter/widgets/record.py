@@ -23,11 +23,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from monarch_worker.options import NotebookOptions
+
 from ..kernel.output import label
 
 __all__ = ["CellOutput", "Item", "LINES_KEPT", "last_lines"]
 
-LINES_KEPT = 100_000  # lines a cell's record keeps (the oldest go first; the flat text says how many went)
+LINES_KEPT = NotebookOptions.output_lines  # lines a cell's record keeps by default (the oldest go first)
 
 _SEQ = itertools.count(1)  # item ids, unique in the process (a view keys what it rendered by them)
 
@@ -147,7 +149,8 @@ class CellOutput:
         """The flat text: each line ``[rankN]: line`` (torchrun's prefix; ``[rank0-3]:`` for a folded line) and each
         display's labelled ``text/plain``, in order; '' when nothing was recorded."""
         with self._lock:
-            out = [f"({self.dropped} earlier lines not kept)"] if self.dropped else []
+            out = [f"({self.dropped} earlier lines not kept: `%config MeshMagics.output_lines = N` keeps more, "
+                   "`%%mesh --no-widget` streams every line)"] if self.dropped else []
             for item in self._items:
                 if item.kind == "display":
                     out.append(str(item.data.get("text/plain", "")))

@@ -175,6 +175,18 @@ def test_no_output_line_lost_with_the_dashboard_on(kernel):
         assert got == [str(i) for i in range(3000)]
 
 
+def test_the_lines_a_view_keeps_are_an_option_and_the_view_says_what_went(kernel):
+    execute(kernel, "%config MeshMagics.output_lines = 50")
+    try:
+        text = last_view(execute(kernel, "%%mesh --order rank\nfor i in range(40):\n    print(f'n {i}')\n"))
+    finally:
+        execute(kernel, "%config MeshMagics.output_lines = 1000000")
+    head, note, *flat = text["text/plain"].splitlines()
+    assert note.startswith("(30 earlier lines not kept: `%config MeshMagics.output_lines = N` keeps more"), note
+    assert len(flat) == 50 and flat[-1] == "[rank1]: n 39", flat
+    text = last_view(execute(kernel, "%%mesh --order rank\nfor i in range(40):\n    print(f'n {i}')\n"))
+    assert "not kept" not in text["text/plain"] and len(text["text/plain"].splitlines()) == 81
+
 def test_a_cell_that_never_starts_shows_only_its_error(kernel):
     msgs = execute(kernel, "%%mesh\ndef (:", errors=False)
     assert kinds(msgs) == ["error"]  # nothing was shown, so nothing to take away
