@@ -21,7 +21,8 @@ The dispatcher refuses code while a rank is stuck in an abandoned cell only with
 What is refused (ValueError for the shape of the split, MonarchError for the mesh's state; the mesh unchanged):
 groups that do not cover the ranks, overlap, are empty, or name a rank outside the mesh; a split of a split mesh;
 a cell running on any rank, a dead rank, a rank being restarted, a scale running; ranks started elsewhere (joined,
-host agents); nccl (a sub-mesh's LOCAL_RANK would name another rank's GPU); ``on_rank_death="restart"``.
+host agents); nccl (a sub-mesh's LOCAL_RANK would name another rank's GPU). With ``on_rank_death="restart"`` a
+rank that dies is replaced inside its sub-mesh (healing.py): only that sub-mesh regroups, the split stays.
 ``merge`` is refused while a sub-mesh runs a cell or a rank is dead. A sub-mesh used after a merge (or after a
 restart, which ends the split) raises MonarchError. ``%mesh restart --rank R`` on a split mesh ends the split: the
 whole mesh regroups with the fresh ranks.
@@ -242,7 +243,7 @@ class Splitter:
             ``spec`` does not partition the ranks, or ``names`` are not distinct Python names, one per group.
         MonarchError
             The mesh's state does not allow it (already split, a cell runs, a dead rank, ranks started elsewhere,
-            nccl, ``on_rank_death="restart"``).
+            nccl).
         MeshStartError
             A rank did not join its new group within ``start_timeout`` (then ``%mesh restart``).
         """
@@ -259,9 +260,6 @@ class Splitter:
         if state.options.backend == "nccl" or any(i.backend == "nccl" for i in state.ranks.values()):
             raise MonarchError("sub-meshes of nccl ranks are not supported yet: a sub-mesh's LOCAL_RANK would name "
                                "another rank's GPU. Use a gloo mesh (%mesh start --backend gloo) to split.")
-        if state.options.on_rank_death == "restart":
-            raise MonarchError("sub-meshes are not supported yet with on_rank_death='restart' (a replacement joins "
-                               "the whole mesh's group); start the mesh with the default on_rank_death='report'")
         with self._lock:
             if state.partition is not None:
                 raise MonarchError(f"the mesh is split already ({', '.join(self.subs)}); merge it first with  "

@@ -18,9 +18,11 @@ value reported as the trial's value.
 Every trial is a row of the experiment table (``monarch_jupyter.experiments``): its parameters, the mesh ranks it
 used (also ``trial.user_attrs["ranks"]``, and ``"sub_mesh"``), every metric its rank 0 reported, the final and best
 values, wall time, and ``trial.user_attrs["checkpoint"]`` when the objective sets it. A trial whose objective raises
-(a MeshError from a rank, a dead rank) is recorded as failed by Optuna (``catch``) and the sweep goes on; a
-sub-mesh with a dead rank leaves the pool (the others go on), and the mesh stays split then, as a warning and the
-table's note say (restart the rank: ``%mesh restart --rank R`` ends the split).
+(a MeshError from a rank, a dead rank) is recorded as failed by Optuna (``catch``) and the sweep goes on. With
+self-healing on (``on_rank_death="restart"``) the sub-mesh of a rank that died waits for the rank's replacement,
+which joins that sub-mesh's group, then goes back to the pool. Without, or when the healing gave up, it leaves the
+pool (the others go on), and the mesh stays split then, as a warning and the table's note say (restart the rank:
+``%mesh restart --rank R`` ends the split).
 
 An interrupt (the notebook's stop button, KeyboardInterrupt) stops every running trial: their cells are
 interrupted, they are recorded as failed, no trial starts after, the mesh is merged back and KeyboardInterrupt is
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -45,6 +48,7 @@ from .trialwatch import STEP_METRIC, MetricRouter, TrialWatch, stop_cells
 __all__ = ["sweep"]
 
 LEASE_POLL = 0.2  # seconds between two looks at the pool by a waiting trial
+HEAL_SLACK = 30.0  # seconds a returned sub-mesh waits for its rank's healing beyond start_timeout + interrupt_grace
 
 
 def sweep(mesh: Any, objective: Callable[[Any, Any], float | None], study: Any, n_trials: int,
@@ -257,6 +261,8 @@ class _Pool:
             self._note()
 
     def give_back(self, sub: Any) -> None:
+        """Put ``sub`` back in the pool; one with a dead rank leaves it, once its self-healing (when on) ended."""
+        _wait_healed(sub)
         dead = [r for r, s in sub.mesh.status().items() if s["state"] == "dead"] if isinstance(sub, SubMesh) else \
             [r for r, s in sub.status().items() if s["state"] == "dead"]
         ranks = sub.ranks if isinstance(sub, SubMesh) else list(range(sub.nproc))
@@ -295,6 +301,18 @@ class _Pool:
             parts.append("out of the pool (a rank died): " + ", ".join(
                 f"mesh ranks {format_ranks(s.ranks)}" for s in retired if isinstance(s, SubMesh)))
         self.table.set_note("sweep: " + "; ".join(parts) if parts else "")
+
+
+def _wait_healed(sub: Any) -> None:
+    """Wait while a rank of ``sub`` is being replaced (``on_rank_death="restart"``, healing.py), at most as long
+    as a healing may take."""
+    mesh = sub.mesh if isinstance(sub, SubMesh) else sub
+    state = mesh.state
+    ranks = set(sub.ranks if isinstance(sub, SubMesh) else range(sub.nproc))
+    deadline = time.monotonic() + state.options.start_timeout + state.options.interrupt_grace + HEAL_SLACK
+    with state.lock:
+        while state.running and state.healing & ranks and time.monotonic() < deadline:
+            state.cond.wait(LEASE_POLL)
 
 
 def _merge(mesh: Any, k: int, pool: _Pool) -> str:

@@ -5,6 +5,7 @@ is one group of every rank afterwards, its namespaces kept."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -238,10 +239,17 @@ dist.all_reduce(t)
 
 def _dying_objective(trial: Any, sub: Any) -> float:
     trial.suggest_int("x", 0, 7)
+    if trial.number == 0:  # holds its sub-mesh until trial 1 ended: trial 2 gets trial 1's (healed) sub-mesh
+        study, deadline = trial.study, time.monotonic() + WAIT
+        while time.monotonic() < deadline and (len(trials := study.trials) < 2
+                                               or trials[1].state == optuna.trial.TrialState.RUNNING):
+            time.sleep(0.05)
     if trial.number == 1:
         sub.run(DIE_IN_CELL)
-    got = sub.run("t = torch.ones(1)\ndist.all_reduce(t)\n(world_size, t.item())")
-    assert got == {0: (2, 2.0), 1: (2, 2.0)}, got
+    # The sub-mesh's own group and numbering, also on a replacement: rank, world size, RANK and WORLD_SIZE.
+    got = sub.run("t = torch.ones(1)\ndist.all_reduce(t)\n"
+                  "env = __import__('os').environ\n(world_size, rank, t.item(), env['RANK'], env['WORLD_SIZE'])")
+    assert got == {0: (2, 0, 2.0, "0", "2"), 1: (2, 1, 2.0, "1", "2")}, got
     return float(trial.number)
 
 
@@ -316,3 +324,28 @@ def test_a_report_name_the_ranks_never_report_fails_the_trial_and_names_what_the
     assert sweep(mesh, lambda t, s: s.run("from monarch_worker import progress\nprogress(1, 1, loss=0.5)") and None,
                  good, n_trials=2, ranks_per_trial=2, report="loss", table=Experiments()) is good
     assert [t.value for t in good.trials] == [0.5, 0.5]
+
+
+def test_with_self_healing_a_trial_whose_rank_dies_fails_and_the_replaced_rank_takes_later_trials() -> None:
+    """on_rank_death="restart": the trial is FAIL, the rank is replaced inside its sub-mesh (numbered there), the
+    sub-mesh goes back to the pool and takes the next trial; the sweep merges the mesh back at its end."""
+    from monarch_jupyter.experiments import Experiments
+
+    table = Experiments()
+    with Mesh(4, start_timeout=WAIT, on_rank_death="restart") as m:
+        m.run("kept = rank")
+        study = optuna.create_study()
+        thread, out = _in_thread(lambda: sweep(m, _dying_objective, study, n_trials=5, ranks_per_trial=2,
+                                               table=table))
+        thread.join(WAIT * 2)
+        assert not thread.is_alive(), "the sweep hung after a rank died"
+        assert out == {"value": study}, out
+        T = optuna.trial.TrialState
+        states = {t.number: t.state for t in study.trials}
+        assert states == {0: T.COMPLETE, 1: T.FAIL, 2: T.COMPLETE, 3: T.COMPLETE, 4: T.COMPLETE}, states
+        healed_sub = study.trials[1].user_attrs["sub_mesh"]
+        assert study.trials[2].user_attrs["sub_mesh"] == healed_sub  # the replaced rank took a later trial
+        assert table.rows()[1]["state"] == "failed" and "died" in table.runs[1].error, table.runs[1].error
+        assert m.subs == {} and all(s["state"] == "idle" for s in m.status().values())
+        got = m.run("t = torch.ones(1)\ndist.all_reduce(t)\n(world_size, rank, t.item())")
+        assert got == {r: (4, r, 4.0) for r in range(4)}
