@@ -12,6 +12,7 @@ import signal
 import textwrap
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -140,3 +141,45 @@ def test_rank_death_reported_with_its_signal_then_restart_on_its_host(agents: Me
     assert status[3]["state"] == "idle" and status[3]["pid"] != old and status[3]["host"] == fake_hosts.name(2)
     assert agents.run("globals().get('kept')") == {0: 0, 1: 100, 2: 200, 3: None}  # the others kept theirs
     assert agents.run("t = torch.ones(1); dist.all_reduce(t); t.item()") == dict.fromkeys(range(4), 4.0)
+
+
+# Each sub-mesh's rank 0 marks that its cell runs, then waits for the other sub-mesh's mark: the cells end only when
+# both sub-meshes run at once. Then a collective in the sub-mesh's own group, and its numbering.
+CROSS_HOST_CELL = """
+import os, socket, time
+from pathlib import Path
+if rank == 0:
+    Path(MARKS, NAME).touch()
+    deadline = time.monotonic() + 60
+    while not Path(MARKS, OTHER).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+t = torch.ones(1) * (split_kept + 1)
+dist.all_reduce(t)
+keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+(rank, world_size, t.item(), tuple(os.environ[k] for k in keys), socket.gethostname(), Path(MARKS, OTHER).exists())
+"""
+
+
+def test_split_across_hosts_runs_both_sub_meshes_at_once_then_merges(agents: Mesh, fake_hosts: FakeHosts,
+                                                                     tmp_path: Path) -> None:
+    h1, h2 = fake_hosts.name(1), fake_hosts.name(2)
+    assert agents.hosts() == {h1: [0, 1], h2: [2, 3]}
+    agents.run("split_kept = rank")
+    agents.push(MARKS=str(tmp_path))
+    a, b = agents.split([[0, 2], [1, 3]], names=["across0", "across1"])  # each sub-mesh spans both hosts
+    try:
+        a.run("NAME, OTHER = 'a', 'b'")
+        b.run("NAME, OTHER = 'b', 'a'")
+        ha, hb = a.run(CROSS_HOST_CELL, block=False), b.run(CROSS_HOST_CELL, block=False)
+        got_a, got_b = ha.result(120), hb.result(120)
+    finally:
+        agents.merge()
+    # Sub-mesh rank, world size 2, the sum over its own ranks only (mesh ranks 0+2: 1+3; 1+3: 2+4), torchrun's
+    # variables renumbered inside it (one rank of it per host: LOCAL_RANK 0 of 1), on the host each rank is on.
+    assert got_a == {0: (0, 2, 4.0, ("0", "2", "0", "1"), h1, True), 1: (1, 2, 4.0, ("1", "2", "0", "1"), h2, True)}
+    assert got_b == {0: (0, 2, 6.0, ("0", "2", "0", "1"), h1, True), 1: (1, 2, 6.0, ("1", "2", "0", "1"), h2, True)}
+    assert agents.subs == {}
+    out = agents.run("t = torch.ones(1) * (rank + 1)\ndist.all_reduce(t)\n"
+                     "keys = ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE')\n"
+                     "(rank, world_size, t.item(), tuple(__import__('os').environ[k] for k in keys), split_kept)")
+    assert out == {r: (r, 4, 10.0, (str(r), "4", str(r % 2), "2"), r) for r in range(4)}  # numbered as before
