@@ -183,3 +183,51 @@ def test_split_across_hosts_runs_both_sub_meshes_at_once_then_merges(agents: Mes
                      "keys = ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE')\n"
                      "(rank, world_size, t.item(), tuple(__import__('os').environ[k] for k in keys), split_kept)")
     assert out == {r: (r, 4, 10.0, (str(r), "4", str(r % 2), "2"), r) for r in range(4)}  # numbered as before
+
+
+# Collectives until the test marks that the other sub-mesh healed (the ranks agree through a MAX all_reduce);
+# True when the mark ended it (False: 90 s passed, the other sub-mesh waited for this cell).
+UNTIL_MARKED = """
+import time
+from pathlib import Path
+deadline, seen = time.monotonic() + 90, torch.zeros(1)
+while not seen.item() and time.monotonic() < deadline:
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    seen = torch.tensor([float(Path(MARK).exists())])
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+    time.sleep(0.05)
+(world_size, t.item(), bool(seen.item()))
+"""
+
+
+def test_a_rank_that_dies_on_a_split_mesh_heals_inside_its_sub_mesh_on_its_host(agents: Mesh, fake_hosts: FakeHosts,
+                                                                                tmp_path: Path) -> None:
+    """on_rank_death="restart" on a split mesh behind agents: mesh rank 3 (sub-mesh b's rank 1, on host 2) dies; its
+    agent starts a replacement that joins b's fresh group, numbered inside b, while sub-mesh a runs a cell."""
+    env_cell = ("t = torch.ones(1) * (rank + 1)\ndist.all_reduce(t)\nkeys = ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', "
+                "'LOCAL_WORLD_SIZE')\n(rank, world_size, t.item(), tuple(__import__('os').environ[k] for k in keys))")
+    agents.on_rank_death = "restart"
+    try:
+        a, b = agents.split([[0, 2], [1, 3]])
+        try:
+            old = agents.status()[3]["pid"]
+            a.run(f"MARK = {str(tmp_path / 'healed')!r}")
+            running = a.run(UNTIL_MARKED, block=False)
+            with pytest.raises(MeshError) as info:
+                b.run("import os\nif rank == 1:\n    os._exit(3)\nt = torch.ones(1)\ndist.all_reduce(t)")
+            assert isinstance(info.value.errors[3], RankDiedError)
+            # The next cell on b waits for the healing, then runs in b's fresh group with the replacement.
+            got = b.run(env_cell)
+            assert got == {0: (0, 2, 3.0, ("0", "2", "0", "1")), 1: (1, 2, 3.0, ("1", "2", "0", "1"))}
+            status = agents.status()[3]
+            assert status["pid"] != old and status["host"] == fake_hosts.name(2)
+            (tmp_path / "healed").touch()  # a's cell ran all along (it ends now), undisturbed
+            assert running.result(120) == {0: (2, 2.0, True), 1: (2, 2.0, True)}
+            assert set(agents.subs) == {"sub0", "sub1"}  # the split stays
+        finally:
+            agents.merge()
+    finally:
+        agents.on_rank_death = "report"
+    out = agents.run(env_cell)
+    assert out == {r: (r, 4, 10.0, (str(r), "4", str(r % 2), "2")) for r in range(4)}
