@@ -22,7 +22,8 @@ values, wall time, and ``trial.user_attrs["checkpoint"]`` when the objective set
 self-healing on (``on_rank_death="restart"``) the sub-mesh of a rank that died waits for the rank's replacement,
 which joins that sub-mesh's group, then goes back to the pool. Without, or when the healing gave up, it leaves the
 pool (the others go on), and the mesh stays split then, as a warning and the table's note say (restart the rank:
-``%mesh restart --rank R`` ends the split).
+``%mesh restart --rank R`` ends the split); once no sub-mesh is left the sweep stops and raises a MonarchError
+naming the dead ranks.
 
 An interrupt (the notebook's stop button, KeyboardInterrupt) stops every running trial: their cells are
 interrupted, they are recorded as failed, no trial starts after, the mesh is merged back and KeyboardInterrupt is
@@ -85,7 +86,8 @@ def sweep(mesh: Any, objective: Callable[[Any, Any], float | None], study: Any, 
         or ``"global_step"`` (the step, not a metric).
     MonarchError
         The mesh is split already or cannot be split now (submesh.py); the study's SQLite file stayed locked; the
-        ranks never reported the metric ``report`` names (they reported others).
+        ranks never reported the metric ``report`` names (they reported others); every sub-mesh lost a rank (without
+        self-healing), so no trial could run any more (the message names the dead ranks and ``%mesh restart``).
     KeyboardInterrupt
         The sweep was interrupted (after every trial stopped and the mesh was merged back).
     """
@@ -116,7 +118,12 @@ def sweep(mesh: Any, objective: Callable[[Any, Any], float | None], study: Any, 
         if stopping.is_set():
             study.stop()
             raise MonarchError("the sweep was interrupted before this trial started")
-        sub = pool.lease(trial.number)
+        try:
+            sub = pool.lease(trial.number)
+        except MonarchError as e:  # every sub-mesh lost a rank: no trial can run any more
+            outcome.setdefault("pool", e)
+            study.stop()
+            raise
         ranks = list(sub.ranks) if isinstance(sub, SubMesh) else list(range(nproc))
         trial.set_user_attr("ranks", ranks)
         trial.set_user_attr("sub_mesh", sub.name if isinstance(sub, SubMesh) else "mesh")
@@ -190,8 +197,9 @@ def sweep(mesh: Any, objective: Callable[[Any, Any], float | None], study: Any, 
                                 "trials so far")
     if "error" in outcome:
         _raise_storage(outcome["error"])
-    if "report" in outcome:
-        raise outcome["report"]
+    for key in ("report", "pool"):
+        if key in outcome:
+            raise outcome[key]
     return study
 
 
@@ -252,9 +260,10 @@ class _Pool:
                 except queue.Empty:
                     if not self.live:
                         dead = self.dead()
-                        raise MonarchError(f"no sub-mesh is left for this trial: {ranks_text(dead)} died, one in "
-                                           f"each; restart them with  %mesh restart --rank {format_ranks(dead)}  "
-                                           "and run the sweep again") from None
+                        raise MonarchError(f"no sub-mesh is left for trial {number}: {ranks_text(dead)} died, one "
+                                           "in each sub-mesh, so the sweep stopped (the study keeps its trials); "
+                                           f"restart them with  %mesh restart --rank {format_ranks(dead)}  and run "
+                                           "the sweep again") from None
         finally:
             with self._lock:
                 self.waiting.remove(number)

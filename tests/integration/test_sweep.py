@@ -349,3 +349,26 @@ def test_with_self_healing_a_trial_whose_rank_dies_fails_and_the_replaced_rank_t
         assert m.subs == {} and all(s["state"] == "idle" for s in m.status().values())
         got = m.run("t = torch.ones(1)\ndist.all_reduce(t)\n(world_size, rank, t.item())")
         assert got == {r: (4, r, 4.0) for r in range(4)}
+
+
+def test_when_every_sub_mesh_lost_a_rank_the_sweep_stops_with_an_error_naming_them() -> None:
+    from monarch_jupyter.errors import MonarchError
+
+    def objective(trial: Any, sub: Any) -> float:
+        trial.suggest_int("x", 0, 7)
+        if trial.number < 2:  # trials 0 and 1 run at once, one per sub-mesh: each loses its second rank
+            sub.run(DIE_IN_CELL)
+        return 1.0
+
+    with Mesh(4, start_timeout=WAIT) as m:
+        study = optuna.create_study()
+        thread, out = _in_thread(lambda: sweep(m, objective, study, n_trials=20, ranks_per_trial=2))
+        thread.join(WAIT * 2)
+        assert not thread.is_alive(), "the sweep hung after every sub-mesh lost a rank"
+        error = out.get("error")
+        assert isinstance(error, MonarchError), out
+        assert "no sub-mesh is left" in str(error) and "%mesh restart --rank 1,3" in str(error), error
+        assert all(t.state == optuna.trial.TrialState.FAIL for t in study.trials)
+        assert len(study.trials) < 20  # it stopped: no more trials failed one after another
+        m.restart(ranks=[1, 3])
+        assert m.subs == {} and m.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()") == dict.fromkeys(range(4), 4.0)
