@@ -12,7 +12,9 @@ that died (several deaths close together are healed at once):
 2. waits until the survivors have stopped the cells that failed (``interrupt_grace`` plus a second at most);
 3. starts a fresh process for it through the launcher that started it (the local fork server, or its host agent);
 4. when no survivor runs a cell: makes a fresh process group of every rank (recovery.Restarts.regroup, as
-   ``%mesh restart --rank R``), then sends the replacement what the notebook had sent (history.py);
+   ``%mesh restart --rank R``), then sends the replacement what the notebook had sent (history.py); on a split
+   mesh (submesh.py) only the dead rank's sub-mesh regroups: its replacement starts without a group, then joins
+   its sub-mesh's fresh one, numbered inside it, while the other sub-meshes go on running;
    when survivors run a ``--rejoin`` cell (a torchft loop goes on without the dead rank): the replacement joins no
    process group yet (``protocol.NO_GROUP``), gets what the notebook had sent and the running cell, which it
    rejoins (torchft heals it from a live peer), and the process group is made once those cells have ended;
@@ -175,11 +177,16 @@ class Healer:
             return
         rejoining = self._rejoining(ranks)
         with state.lock:  # survivors that run a cell (a --rejoin one, or any other): no group can be made now
-            alone = any(i.cells for i in state.ranks.values() if i.rank not in ranks)
+            group = state.peers(ranks) if state.partition else None  # split: only the dead ranks' sub-meshes
+            alone = any(i.cells for i in state.ranks.values()
+                        if i.rank not in ranks and (group is None or i.rank in group))
         deadline = time.monotonic() + state.options.start_timeout
         try:
             if alone:
                 self._start_alone(ranks, deadline)
+            elif group is not None:  # the replacement starts alone, then its sub-mesh regroups (the others run on)
+                self._start_alone(ranks, deadline)
+                self.restarts.regroup([], deadline, group)
             else:
                 self.restarts.regroup(ranks, deadline)
         except MonarchError as e:
@@ -204,7 +211,7 @@ class Healer:
         self._say(note, ranks)
         state.events.emit("healed", ranks=ranks, seconds=self.last_seconds, rejoined=rejoined)
         if alone:
-            self._regroup_when_idle(ranks)
+            self._regroup_when_idle(ranks, group)
 
     def _give_up(self, ranks: list[int], text: str) -> None:
         """``ranks`` stay dead: cells that waited for them run (and fail), ``text`` says why."""
@@ -334,20 +341,21 @@ class Healer:
                     names.append(name)
         return names
 
-    def _regroup_when_idle(self, ranks: list[int]) -> None:
-        """Once no rank runs a cell (the rejoined ones ended), make a fresh process group of every rank; cells for
-        ``ranks`` wait until then."""
+    def _regroup_when_idle(self, ranks: list[int], group: list[int] | None = None) -> None:
+        """Once no rank runs a cell (the rejoined ones ended), make a fresh process group of every rank (split:
+        of ``group``, the ranks' sub-meshes, once they run none); cells for ``ranks`` wait until then."""
         state = self.state
         try:
             with state.lock:
-                while state.running and not state.stopping and any(i.cells for i in state.ranks.values()):
+                while state.running and not state.stopping and any(
+                        i.cells for i in state.ranks.values() if group is None or i.rank in group):
                     if self.queue.pending or any(i.state is RankState.DEAD for i in state.ranks.values()):
                         return  # another death: its healing makes the group
                     state.cond.wait(0.5)
                 if (not state.running or state.stopping or self.queue.pending
                         or any(i.state is RankState.DEAD for i in state.ranks.values())):
                     return  # stopped, or another death: its healing makes the group
-            self.restarts.regroup([], time.monotonic() + state.options.start_timeout)
+            self.restarts.regroup([], time.monotonic() + state.options.start_timeout, group)
         except MonarchError as e:
             self._say(f"no fresh process group could be made after the restart: {e}", ranks)
         finally:

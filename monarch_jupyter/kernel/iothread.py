@@ -30,7 +30,7 @@ from monarch_worker.channel import recv_frames
 from . import lograte
 from .dispatch import Dispatcher, ToRanks
 from .endpoint import ControllerSocket
-from .state import Handler, MeshState, RankInfo, RankState
+from .state import BY_HOST, Handler, MeshState, RankInfo, RankState
 
 if TYPE_CHECKING:  # the host links are a launcher's part: their module imports launch/ (not the reverse)
     from .launch.hosts import HostLinks
@@ -61,16 +61,21 @@ class Admission(Protocol):
 def post_regroup(state: MeshState, dispatcher: Dispatcher, info: RankInfo, port: int, addr: str) -> None:
     """Tell surviving rank ``info`` to join its new process group (store at ``addr:port``; port 0: host it): the
     mesh's ``state.nproc`` ranks, where its local world size is ``state.local_world`` (-1: its own local rank and
-    size; else one host: its local rank is its rank); or, split (``state.partition``), its sub-mesh's, numbered
-    inside it."""
+    size; BY_HOST: numbered among the ranks on its host; else one host: its local rank is its rank); or, split
+    (``state.partition``), its sub-mesh's, numbered inside it (its local rank: among the sub-mesh's ranks on its
+    host)."""
     group = state.group_of(info.rank)
     if state.partition:
         inner = group.index(info.rank)
-        msg = P.Regroup(rank=inner, world_size=len(group), local_rank=inner, local_world_size=len(group),
+        local, local_world = state.host_local(info.rank, group)
+        msg = P.Regroup(rank=inner, world_size=len(group), local_rank=local, local_world_size=local_world,
                         master_addr=addr, master_port=port, backend=info.backend or state.options.backend)
     else:
-        local = info.rank if state.local_world >= 0 else -1  # local ranks (one host): the rank (back from a split)
-        msg = P.Regroup(rank=info.rank, world_size=state.nproc, local_rank=local, local_world_size=state.local_world,
+        if state.local_world == BY_HOST:  # ranks on several hosts, back from a split
+            local, local_world = state.host_local(info.rank, group)
+        else:  # local ranks (one host): the rank (back from a split); -1: its own
+            local, local_world = (info.rank if state.local_world >= 0 else -1), state.local_world
+        msg = P.Regroup(rank=info.rank, world_size=state.nproc, local_rank=local, local_world_size=local_world,
                         master_addr=addr, master_port=port, backend=info.backend or state.options.backend)
     dispatcher.post(info.rank, msg)
 

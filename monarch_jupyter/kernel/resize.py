@@ -18,7 +18,7 @@ carries (launch.capacity, unless ``oversubscribe``); ranks started elsewhere (jo
 owns them); a cell running on any rank, a rank being restarted, or a dead rank.
 
 ``regroup_to(nproc, fresh)`` is the part a sub-mesh (split, merge) can use as well: set the membership, start
-``fresh``, regroup everyone.
+``fresh``, regroup everyone (ranks on several hosts, host agents or joined, numbered per host: ``state.BY_HOST``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from .launch.capacity import check_host_capacity
 from .launch.local import LocalLauncher
 from .lifecycle import Lifecycle
 from .recovery import Restarts
-from .state import MeshState, RankState
+from .state import BY_HOST, MeshState, RankState
 
 __all__ = ["Resizer", "ScaleReport"]
 
@@ -180,7 +180,8 @@ class Resizer:
                 del state.ranks[r]
                 state.killing.pop(r, None)
             state.nproc = nproc
-            state.local_world = nproc  # local ranks: one host
+            local = isinstance(state.launcher, LocalLauncher) and not self.lifecycle.joined
+            state.local_world = nproc if local else BY_HOST  # local ranks: one host; else numbered per host
         try:
             self.restarts.regroup(fresh, time.monotonic() + state.options.start_timeout)
         finally:

@@ -157,6 +157,11 @@ class MeshLock:
         self.release()
 
 
+BY_HOST = -2
+"""``MeshState.local_world`` for ranks on several hosts regrouped by a split or merge: a rank's LOCAL_RANK is its
+index among its group's ranks on its host (as torchrun numbers them), LOCAL_WORLD_SIZE their number."""
+
+
 class MeshState:
     """What the parts of one mesh share (see the module docstring). Attributes that change are guarded by
     ``lock``; ``options``, ``events`` and ``ids`` are set once, ``nproc`` changes only in a resize (resize.py,
@@ -185,7 +190,8 @@ class MeshState:
         self.group_down = ""  # why the process group is broken ("" when it is fine)
         self.regrouping: set[int] = set()  # surviving ranks that get Regroup once the new store is up
         self.killing: dict[int, str] = {}  # rank -> why the controller killed it on purpose
-        self.local_world = -1  # LOCAL_WORLD_SIZE a Regroup gives survivors (-1: their own; resize.py sets it)
+        # LOCAL_WORLD_SIZE a Regroup gives survivors (-1: their own; resize.py sets it; BY_HOST: numbered per host)
+        self.local_world = -1
         self.resizing = False  # a %mesh scale runs (resize.py): other scales are refused
         # Sub-meshes (submesh.py): the groups of global ranks, each its own default process group; None: one group
         self.partition: list[list[int]] | None = None
@@ -228,6 +234,13 @@ class MeshState:
             if rank in group:
                 return group
         return list(range(self.nproc))
+
+    def host_local(self, rank: int, group: list[int]) -> tuple[int, int]:
+        """(local rank, local world size) of ``rank`` in ``group`` (global ranks), counting the group's ranks on the
+        host ``rank`` is on (``RankInfo.host``), in rank order: torchrun's LOCAL_RANK and LOCAL_WORLD_SIZE."""
+        host = self.ranks[rank].host
+        same = [r for r in group if r in self.ranks and self.ranks[r].host == host]
+        return same.index(rank), len(same)
 
     def peers(self, ranks: list[int]) -> list[int]:
         """Every rank that shares a default process group with one of ``ranks`` (sorted)."""

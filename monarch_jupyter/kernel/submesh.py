@@ -5,8 +5,10 @@ A split is one regroup (resize.Resizer.regroup_to, hence recovery.Restarts.regro
 rank keeps its process and namespace and joins a fresh default process group made of its sub-mesh's ranks only,
 whose first rank hosts the group's TCPStore. Inside a sub-mesh ranks are numbered 0..k-1: torch.distributed's rank
 and world size, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE (ROLE_*) and ``rank``/``world_size``/``local_rank``
-in the namespace (monarch_worker.recovery.regroup, elastic_env.resized). ``merge`` regroups every rank into one
-group of the whole mesh again, numbered as before the split.
+in the namespace (monarch_worker.recovery.regroup, elastic_env.resized); LOCAL_RANK and LOCAL_WORLD_SIZE count
+the sub-mesh's ranks on the rank's host (ranks on several hosts, behind host agents or joined, split the same way;
+a sub-mesh may span hosts). ``merge`` regroups every rank into one group of the whole mesh again, numbered as
+before the split.
 
 ``with sub:`` selects a sub-mesh, in the calling thread only (a ContextVar: ``selected``), for ``strategy="mesh"``:
 a Lightning Trainer or Fabric built inside the block trains there (lightning/target.py); nesting another
@@ -20,11 +22,11 @@ The dispatcher refuses code while a rank is stuck in an abandoned cell only with
 
 What is refused (ValueError for the shape of the split, MonarchError for the mesh's state; the mesh unchanged):
 groups that do not cover the ranks, overlap, are empty, or name a rank outside the mesh; a split of a split mesh;
-a cell running on any rank, a dead rank, a rank being restarted, a scale running; ranks started elsewhere (joined,
-host agents); nccl (a sub-mesh's LOCAL_RANK would name another rank's GPU); ``on_rank_death="restart"``.
-``merge`` is refused while a sub-mesh runs a cell or a rank is dead. A sub-mesh used after a merge (or after a
-restart, which ends the split) raises MonarchError. ``%mesh restart --rank R`` on a split mesh ends the split: the
-whole mesh regroups with the fresh ranks.
+a cell running on any rank, a dead rank, a rank being restarted, a scale running; nccl (a sub-mesh's LOCAL_RANK
+would name another rank's GPU). With ``on_rank_death="restart"`` a rank that dies is replaced inside its sub-mesh
+(healing.py): only that sub-mesh regroups, the split stays. ``merge`` is refused while a sub-mesh runs a cell or
+a rank is dead. A sub-mesh used after a merge (or after a restart, which ends the split) raises MonarchError.
+``%mesh restart --rank R`` on a split mesh ends the split: the whole mesh regroups with the fresh ranks.
 """
 
 from __future__ import annotations
@@ -38,7 +40,6 @@ from typing import Any
 from ..errors import MonarchError
 from ..ranks import RankMap, format_ranks, parse_ranks, ranks_text
 from .cells import CellHandle
-from .launch.local import LocalLauncher
 from .lifecycle import Lifecycle
 from .resize import Resizer
 from .state import MeshState, RankState
@@ -241,8 +242,7 @@ class Splitter:
         ValueError
             ``spec`` does not partition the ranks, or ``names`` are not distinct Python names, one per group.
         MonarchError
-            The mesh's state does not allow it (already split, a cell runs, a dead rank, ranks started elsewhere,
-            nccl, ``on_rank_death="restart"``).
+            The mesh's state does not allow it (already split, a cell runs, a dead rank, nccl).
         MeshStartError
             A rank did not join its new group within ``start_timeout`` (then ``%mesh restart``).
         """
@@ -253,15 +253,9 @@ class Splitter:
         if len(names) != len(groups) or len(set(names)) != len(names) or not all(
                 isinstance(n, str) and n.isidentifier() for n in names):
             raise ValueError(f"names must be {len(groups)} distinct Python names, one per group; got {names!r}")
-        if self.lifecycle.joined or not isinstance(state.launcher, LocalLauncher):
-            raise MonarchError("sub-meshes are made of local ranks (started by this kernel's fork server); these "
-                               "ranks were started elsewhere. Start the mesh with  %mesh start -n N  to split it.")
         if state.options.backend == "nccl" or any(i.backend == "nccl" for i in state.ranks.values()):
             raise MonarchError("sub-meshes of nccl ranks are not supported yet: a sub-mesh's LOCAL_RANK would name "
                                "another rank's GPU. Use a gloo mesh (%mesh start --backend gloo) to split.")
-        if state.options.on_rank_death == "restart":
-            raise MonarchError("sub-meshes are not supported yet with on_rank_death='restart' (a replacement joins "
-                               "the whole mesh's group); start the mesh with the default on_rank_death='report'")
         with self._lock:
             if state.partition is not None:
                 raise MonarchError(f"the mesh is split already ({', '.join(self.subs)}); merge it first with  "

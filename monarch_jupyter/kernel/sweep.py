@@ -18,9 +18,12 @@ value reported as the trial's value.
 Every trial is a row of the experiment table (``monarch_jupyter.experiments``): its parameters, the mesh ranks it
 used (also ``trial.user_attrs["ranks"]``, and ``"sub_mesh"``), every metric its rank 0 reported, the final and best
 values, wall time, and ``trial.user_attrs["checkpoint"]`` when the objective sets it. A trial whose objective raises
-(a MeshError from a rank, a dead rank) is recorded as failed by Optuna (``catch``) and the sweep goes on; a
-sub-mesh with a dead rank leaves the pool (the others go on), and the mesh stays split then (restart the rank:
-``%mesh restart --rank R`` ends the split).
+(a MeshError from a rank, a dead rank) is recorded as failed by Optuna (``catch``) and the sweep goes on. With
+self-healing on (``on_rank_death="restart"``) the sub-mesh of a rank that died waits for the rank's replacement,
+which joins that sub-mesh's group, then goes back to the pool. Without, or when the healing gave up, it leaves the
+pool (the others go on), and the mesh stays split then, as a warning and the table's note say (restart the rank:
+``%mesh restart --rank R`` ends the split); once no sub-mesh is left the sweep stops and raises a MonarchError
+naming the dead ranks.
 
 An interrupt (the notebook's stop button, KeyboardInterrupt) stops every running trial: their cells are
 interrupted, they are recorded as failed, no trial starts after, the mesh is merged back and KeyboardInterrupt is
@@ -33,18 +36,20 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 from .. import experiments
 from ..errors import MonarchError
-from ..ranks import format_ranks
+from ..ranks import format_ranks, ranks_text
 from .submesh import SubMesh
-from .trialwatch import MetricRouter, TrialWatch, stop_cells
+from .trialwatch import STEP_METRIC, MetricRouter, TrialWatch, stop_cells
 
 __all__ = ["sweep"]
 
 LEASE_POLL = 0.2  # seconds between two looks at the pool by a waiting trial
+HEAL_SLACK = 30.0  # seconds a returned sub-mesh waits for its rank's healing beyond start_timeout + interrupt_grace
 
 
 def sweep(mesh: Any, objective: Callable[[Any, Any], float | None], study: Any, n_trials: int,
@@ -60,7 +65,9 @@ def sweep(mesh: Any, objective: Callable[[Any, Any], float | None], study: Any, 
         ``ranks_per_trial`` is the mesh's size), ranks numbered 0..ranks_per_trial-1 inside it.
     report:
         The name of a metric the ranks report (``progress(..., name=value)``): its values go to ``trial.report``
-        and prune the trial (None: the objective reports itself).
+        and prune the trial (None: the objective reports itself). A trial whose ranks report other metrics but
+        never this one fails with a MonarchError that lists the names they reported; the sweep then starts no more
+        trials and raises it once the running ones ended.
     timeout:
         Seconds after which Optuna starts no new trial (None: no limit), as ``study.optimize``'s.
     catch:
@@ -72,10 +79,15 @@ def sweep(mesh: Any, objective: Callable[[Any, Any], float | None], study: Any, 
     ------
     ImportError
         Optuna is not installed (``pip install 'monarch_jupyter[sweep]'``).
+    TypeError
+        ``report`` is not a str.
     ValueError
-        ``ranks_per_trial`` does not divide the mesh's ranks, or ``n_trials`` is not positive.
+        ``ranks_per_trial`` does not divide the mesh's ranks, ``n_trials`` is not positive, or ``report`` is empty
+        or ``"global_step"`` (the step, not a metric).
     MonarchError
-        The mesh is split already or cannot be split now (submesh.py); the study's SQLite file stayed locked.
+        The mesh is split already or cannot be split now (submesh.py); the study's SQLite file stayed locked; the
+        ranks never reported the metric ``report`` names (they reported others); every sub-mesh lost a rank (without
+        self-healing), so no trial could run any more (the message names the dead ranks and ``%mesh restart``).
     KeyboardInterrupt
         The sweep was interrupted (after every trial stopped and the mesh was merged back).
     """
@@ -91,6 +103,7 @@ def sweep(mesh: Any, objective: Callable[[Any, Any], float | None], study: Any, 
     if mesh.subs:
         raise MonarchError("the mesh is split already: merge it first (m.merge(), %mesh merge); a sweep splits it "
                            "into its own sub-meshes")
+    _check_report(report)
     table = table if table is not None else experiments.table()
     if report is not None and list(study.directions) == [optuna.study.StudyDirection.MAXIMIZE]:
         table.maximize.add(report)
@@ -99,12 +112,18 @@ def sweep(mesh: Any, objective: Callable[[Any, Any], float | None], study: Any, 
     pool = _Pool(subs, table, n_trials)
     router = MetricRouter()
     stopping = threading.Event()
+    outcome: dict[str, BaseException] = {}
 
     def leased(trial: Any) -> float | None:
         if stopping.is_set():
             study.stop()
             raise MonarchError("the sweep was interrupted before this trial started")
-        sub = pool.lease(trial.number)
+        try:
+            sub = pool.lease(trial.number)
+        except MonarchError as e:  # every sub-mesh lost a rank: no trial can run any more
+            outcome.setdefault("pool", e)
+            study.stop()
+            raise
         ranks = list(sub.ranks) if isinstance(sub, SubMesh) else list(range(nproc))
         trial.set_user_attr("ranks", ranks)
         trial.set_user_attr("sub_mesh", sub.name if isinstance(sub, SubMesh) else "mesh")
@@ -127,10 +146,17 @@ def sweep(mesh: Any, objective: Callable[[Any, Any], float | None], study: Any, 
         if watch.pruned_at is not None:
             _end(watch, "pruned")
             raise optuna.TrialPruned(f"pruned at step {watch.pruned_at} of {report}")
-        if value is None and report is not None:
+        if report is not None:
             mesh.events.flush()
             watch.stop()
-            value = watch.last
+            if watch.last is None and watch.seen:  # report= names a metric the ranks do not report
+                error = _unreported(trial.number, report, watch.seen)
+                _end(watch, "failed", error=str(error))
+                outcome.setdefault("report", error)
+                study.stop()  # every trial would fail the same way: start no more
+                raise error
+            if value is None:
+                value = watch.last
         if value is None:
             _end(watch, "failed", error="the objective returned None and its ranks reported no "
                                         f"{report or 'metric to report'}")
@@ -143,8 +169,6 @@ def sweep(mesh: Any, objective: Callable[[Any, Any], float | None], study: Any, 
     def stop_when_asked(study_: Any, trial: Any) -> None:
         if stopping.is_set():
             study_.stop()
-
-    outcome: dict[str, BaseException] = {}
 
     def drive() -> None:
         try:
@@ -167,14 +191,39 @@ def sweep(mesh: Any, objective: Callable[[Any, Any], float | None], study: Any, 
                 pool.stop(subs)
     finally:
         mesh.remove_listener(router)
-        table.set_note("")
-        _merge(mesh, k, pool)
+        table.set_note(_merge(mesh, k, pool))
     if interrupted:
         raise KeyboardInterrupt("the sweep was interrupted: every running trial was stopped; the study keeps the "
                                 "trials so far")
     if "error" in outcome:
         _raise_storage(outcome["error"])
+    for key in ("report", "pool"):
+        if key in outcome:
+            raise outcome[key]
     return study
+
+
+def _check_report(report: object) -> None:
+    """Raise TypeError/ValueError when ``report`` is no metric name (None is fine)."""
+    if report is None:
+        return
+    if not isinstance(report, str):
+        raise TypeError(f"report must be the name of a metric the ranks report (a str, e.g. report='val_loss'), "
+                        f"got {type(report).__name__} {report!r}")
+    if not report.strip():
+        raise ValueError("report must be the name of a metric the ranks report (e.g. report='val_loss'), got an "
+                         "empty name; leave report=None when the objective reports itself")
+    if report == STEP_METRIC:
+        raise ValueError(f"report={STEP_METRIC!r} is the step the ranks report metrics at, not a metric: name the "
+                         "metric to optimise, e.g. report='val_loss'")
+
+
+def _unreported(number: int, report: str, seen: set[str]) -> MonarchError:
+    """The error of trial ``number`` whose ranks reported the metrics ``seen`` but never ``report``."""
+    names = ", ".join(repr(n) for n in sorted(seen))
+    return MonarchError(f"trial {number}: its ranks reported {names} but never {report!r}, the metric "
+                        f"sweep(..., report={report!r}) names; fix report= (one of {names}), or report it on the "
+                        f"ranks: progress(step, total, {report}=value). The sweep started no more trials.")
 
 
 def _end(watch: TrialWatch, state: str, *, value: float | None = None, error: str = "") -> None:
@@ -210,14 +259,19 @@ class _Pool:
                     return self.free.get(timeout=LEASE_POLL)
                 except queue.Empty:
                     if not self.live:
-                        raise MonarchError("no sub-mesh is left for this trial: a rank of each died; restart them "
-                                           "(%mesh restart --rank R) and run the sweep again") from None
+                        dead = self.dead()
+                        raise MonarchError(f"no sub-mesh is left for trial {number}: {ranks_text(dead)} died, one "
+                                           "in each sub-mesh, so the sweep stopped (the study keeps its trials); "
+                                           f"restart them with  %mesh restart --rank {format_ranks(dead)}  and run "
+                                           "the sweep again") from None
         finally:
             with self._lock:
                 self.waiting.remove(number)
             self._note()
 
     def give_back(self, sub: Any) -> None:
+        """Put ``sub`` back in the pool; one with a dead rank leaves it, once its self-healing (when on) ended."""
+        _wait_healed(sub)
         dead = [r for r, s in sub.mesh.status().items() if s["state"] == "dead"] if isinstance(sub, SubMesh) else \
             [r for r, s in sub.status().items() if s["state"] == "dead"]
         ranks = sub.ranks if isinstance(sub, SubMesh) else list(range(sub.nproc))
@@ -228,6 +282,15 @@ class _Pool:
             self._note()
             return
         self.free.put(sub)
+
+    def dead(self) -> list[int]:
+        """The dead mesh ranks of the retired sub-meshes."""
+        with self._lock:
+            retired = list(self.retired)
+        if not retired:
+            return []
+        status = (retired[0].mesh if isinstance(retired[0], SubMesh) else retired[0]).status()
+        return sorted(r for r, s in status.items() if s["state"] == "dead")
 
     def stop(self, subs: list[Any]) -> None:
         """Stop what every sub-mesh runs (the sweep was interrupted), each in a thread of its own."""
@@ -249,19 +312,34 @@ class _Pool:
         self.table.set_note("sweep: " + "; ".join(parts) if parts else "")
 
 
-def _merge(mesh: Any, k: int, pool: _Pool) -> None:
-    """Merge the sweep's sub-meshes back, unless a rank died (then the mesh stays split: say so)."""
+def _wait_healed(sub: Any) -> None:
+    """Wait while a rank of ``sub`` is being replaced (``on_rank_death="restart"``, healing.py), at most as long
+    as a healing may take."""
+    mesh = sub.mesh if isinstance(sub, SubMesh) else sub
+    state = mesh.state
+    ranks = set(sub.ranks if isinstance(sub, SubMesh) else range(sub.nproc))
+    deadline = time.monotonic() + state.options.start_timeout + state.options.interrupt_grace + HEAL_SLACK
+    with state.lock:
+        while state.running and state.healing & ranks and time.monotonic() < deadline:
+            state.cond.wait(LEASE_POLL)
+
+
+def _merge(mesh: Any, k: int, pool: _Pool) -> str:
+    """Merge the sweep's sub-meshes back, unless a rank died: then the mesh stays split, and a warning says so
+    and how to fix it; that text is returned (the table's note keeps it), else ""."""
     if k == 1 or not mesh.subs:
-        return
+        return ""
     if pool.retired:
         import warnings
 
         dead = sorted(r for r, s in mesh.status().items() if s["state"] == "dead")
-        warnings.warn(f"the sweep left the mesh split: rank {format_ranks(dead)} died; restart it with  %mesh "
-                      f"restart --rank {format_ranks(dead)}  (m.restart(ranks=[...])), which merges the mesh back",
-                      stacklevel=3)
-        return
+        text = (f"sweep: the mesh is left split, since {ranks_text(dead)} died; restart "
+                f"{'them' if len(dead) > 1 else 'it'} with  %mesh restart --rank {format_ranks(dead)}  "
+                f"(m.restart(ranks={dead!r})), which merges the mesh back")
+        warnings.warn(text, stacklevel=3)
+        return text
     mesh.merge()
+    return ""
 
 
 def _raise_storage(error: BaseException) -> None:

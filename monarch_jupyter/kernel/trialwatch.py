@@ -22,7 +22,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MetricRouter", "TrialWatch", "stop_cells", "STOP_GRACE"]
+__all__ = ["MetricRouter", "TrialWatch", "stop_cells", "STOP_GRACE", "STEP_METRIC"]
 
 STOP_GRACE = 1.0  # seconds a trial's ranks get to stop at an interrupt before their group is torn down
 STEP_METRIC = "global_step"  # a reported metric of this name is the step (as the live view's charts take it)
@@ -30,12 +30,14 @@ STEP_METRIC = "global_step"  # a reported metric of this name is the step (as th
 
 class TrialWatch:
     """The metrics of one running trial (see the module docstring). ``pruned_at``: the step at which the pruner
-    stopped it (None: not pruned); ``last``: the last value of ``report`` (None: none yet)."""
+    stopped it (None: not pruned); ``last``: the last value of ``report`` (None: none yet); ``seen``: the names
+    of the metrics reported so far."""
 
     def __init__(self, trial: Any, sub: Any, run: Any, table: Any, report: str | None) -> None:
         self.trial, self.sub, self.run, self.table, self.report = trial, sub, run, table, report
         self.pruned_at: int | None = None
         self.last: float | None = None
+        self.seen: set[str] = set()  # the names of every metric reported (read once ``stop`` returned)
         self._last_step = -1
         self._queue: queue.Queue[tuple[float, dict] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name=f"monarch-trial{trial.number}", daemon=True)
@@ -61,6 +63,7 @@ class TrialWatch:
 
     def _handle(self, step: float, metrics: dict) -> None:
         self.table.log(self.run, step, metrics)
+        self.seen.update(metrics)
         if self.report is None or self.report not in metrics or self.pruned_at is not None:
             return
         value, at = float(metrics[self.report]), int(step)

@@ -5,6 +5,7 @@ is one group of every rank afterwards, its namespaces kept."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -223,3 +224,151 @@ def test_a_study_whose_sqlite_file_another_process_locks_ends_with_a_clear_error
         if mesh.subs:
             mesh.merge()
     assert mesh.subs == {} and mesh.run("world_size") == dict.fromkeys(range(4), 4)
+
+
+# A trial whose rank dies: the second rank of trial 1's sub-mesh exits in the middle of a collective (os._exit),
+# its peer is released, the cell raises.
+DIE_IN_CELL = """
+import os
+t = torch.ones(1)
+if rank == 1:
+    os._exit(3)
+dist.all_reduce(t)
+"""
+
+
+def _dying_objective(trial: Any, sub: Any) -> float:
+    trial.suggest_int("x", 0, 7)
+    if trial.number == 0:  # holds its sub-mesh until trial 1 ended: trial 2 gets trial 1's (healed) sub-mesh
+        study, deadline = trial.study, time.monotonic() + WAIT
+        while time.monotonic() < deadline and (len(trials := study.trials) < 2
+                                               or trials[1].state == optuna.trial.TrialState.RUNNING):
+            time.sleep(0.05)
+    if trial.number == 1:
+        sub.run(DIE_IN_CELL)
+    # The sub-mesh's own group and numbering, also on a replacement: rank, world size, RANK and WORLD_SIZE.
+    got = sub.run("t = torch.ones(1)\ndist.all_reduce(t)\n"
+                  "env = __import__('os').environ\n(world_size, rank, t.item(), env['RANK'], env['WORLD_SIZE'])")
+    assert got == {0: (2, 0, 2.0, "0", "2"), 1: (2, 1, 2.0, "1", "2")}, got
+    return float(trial.number)
+
+
+def test_a_trial_whose_rank_dies_fails_and_the_sweep_goes_on_without_that_sub_mesh() -> None:
+    """Self-healing off (the default): the trial is FAIL in the study and the table, its sub-mesh leaves the pool,
+    the other trials run on the other one; the mesh stays split with a warning naming the dead rank and the fix."""
+    from monarch_jupyter.experiments import Experiments
+
+    table = Experiments()
+    with Mesh(4, start_timeout=WAIT) as m:
+        m.run("kept = rank")
+        study = optuna.create_study()
+        thread, out = _in_thread(lambda: sweep(m, _dying_objective, study, n_trials=5, ranks_per_trial=2,
+                                               table=table))
+        thread.join(WAIT * 2)
+        assert not thread.is_alive(), "the sweep hung after a rank died"
+        assert out == {"value": study}, out
+        T = optuna.trial.TrialState
+        states = {t.number: t.state for t in study.trials}
+        assert states == {0: T.COMPLETE, 1: T.FAIL, 2: T.COMPLETE, 3: T.COMPLETE, 4: T.COMPLETE}, states
+        dead_sub = study.trials[1].user_attrs["sub_mesh"]
+        dead = study.trials[1].user_attrs["ranks"][1]
+        assert all(t.user_attrs["sub_mesh"] != dead_sub for t in study.trials[2:])  # it left the pool
+        rows = {r["run"]: r for r in table.rows()}
+        assert rows["trial 1"]["state"] == "failed" and "died" in table.runs[1].error, table.runs[1].error
+        assert "restart --rank" in table.note and str(dead) in table.note, table.note
+        assert m.status()[dead]["state"] == "dead"
+        assert set(m.subs) == {"trial0", "trial1"}  # left split: the dead rank's sub-mesh cannot regroup
+        m.restart(ranks=[dead])  # the fix the warning names: it merges the mesh back
+        assert m.subs == {}
+        got = m.run("t = torch.ones(1)\ndist.all_reduce(t)\n(world_size, t.item())")
+        assert got == dict.fromkeys(range(4), (4, 4.0))
+        others = [r for r in range(4) if r != dead]
+        assert m.run("kept", ranks=others) == {r: r for r in others}  # the survivors kept their namespaces
+
+
+def test_a_report_name_the_ranks_never_report_fails_the_trial_and_names_what_they_did_report(mesh: Mesh) -> None:
+    from monarch_jupyter.errors import MonarchError
+    from monarch_jupyter.experiments import Experiments
+
+    study = optuna.create_study()
+    with pytest.raises(TypeError, match="report must be the name"):
+        sweep(mesh, lambda t, s: 0.0, study, n_trials=2, ranks_per_trial=2, report=3)  # type: ignore[arg-type]
+    for bad in ("", "  ", "global_step"):
+        with pytest.raises(ValueError, match="report="):
+            sweep(mesh, lambda t, s: 0.0, study, n_trials=2, ranks_per_trial=2, report=bad)
+    assert study.trials == [] and mesh.subs == {}
+
+    def objective(trial: Any, sub: Any) -> float:
+        sub.run("from monarch_worker import progress\nfor s in range(1, 4): progress(s, 3, loss=1.0 / s, acc=0.5)")
+        return 1.0
+
+    table = Experiments()
+    try:
+        thread, out = _in_thread(lambda: sweep(mesh, objective, study, n_trials=6, ranks_per_trial=2,
+                                               report="val_loss", table=table))
+        thread.join(WAIT)
+        assert not thread.is_alive(), "the sweep hung"
+    finally:
+        if mesh.subs:
+            mesh.merge()
+    error = out.get("error")
+    assert isinstance(error, MonarchError), out
+    assert "never 'val_loss'" in str(error) and "'acc', 'loss'" in str(error) and "fix report=" in str(error)
+    states = [t.state for t in study.trials]
+    assert states and all(s == optuna.trial.TrialState.FAIL for s in states), states
+    assert len(states) < 6  # no more trials started after the first said so
+    assert all(r["state"] == "failed" for r in table.rows()) and "never 'val_loss'" in table.runs[0].error
+    # The mesh is merged back and usable; a sweep with the right name runs.
+    assert mesh.subs == {} and mesh.run("world_size") == dict.fromkeys(range(4), 4)
+    good = optuna.create_study()
+    assert sweep(mesh, lambda t, s: s.run("from monarch_worker import progress\nprogress(1, 1, loss=0.5)") and None,
+                 good, n_trials=2, ranks_per_trial=2, report="loss", table=Experiments()) is good
+    assert [t.value for t in good.trials] == [0.5, 0.5]
+
+
+def test_with_self_healing_a_trial_whose_rank_dies_fails_and_the_replaced_rank_takes_later_trials() -> None:
+    """on_rank_death="restart": the trial is FAIL, the rank is replaced inside its sub-mesh (numbered there), the
+    sub-mesh goes back to the pool and takes the next trial; the sweep merges the mesh back at its end."""
+    from monarch_jupyter.experiments import Experiments
+
+    table = Experiments()
+    with Mesh(4, start_timeout=WAIT, on_rank_death="restart") as m:
+        m.run("kept = rank")
+        study = optuna.create_study()
+        thread, out = _in_thread(lambda: sweep(m, _dying_objective, study, n_trials=5, ranks_per_trial=2,
+                                               table=table))
+        thread.join(WAIT * 2)
+        assert not thread.is_alive(), "the sweep hung after a rank died"
+        assert out == {"value": study}, out
+        T = optuna.trial.TrialState
+        states = {t.number: t.state for t in study.trials}
+        assert states == {0: T.COMPLETE, 1: T.FAIL, 2: T.COMPLETE, 3: T.COMPLETE, 4: T.COMPLETE}, states
+        healed_sub = study.trials[1].user_attrs["sub_mesh"]
+        assert study.trials[2].user_attrs["sub_mesh"] == healed_sub  # the replaced rank took a later trial
+        assert table.rows()[1]["state"] == "failed" and "died" in table.runs[1].error, table.runs[1].error
+        assert m.subs == {} and all(s["state"] == "idle" for s in m.status().values())
+        got = m.run("t = torch.ones(1)\ndist.all_reduce(t)\n(world_size, rank, t.item())")
+        assert got == {r: (4, r, 4.0) for r in range(4)}
+
+
+def test_when_every_sub_mesh_lost_a_rank_the_sweep_stops_with_an_error_naming_them() -> None:
+    from monarch_jupyter.errors import MonarchError
+
+    def objective(trial: Any, sub: Any) -> float:
+        trial.suggest_int("x", 0, 7)
+        if trial.number < 2:  # trials 0 and 1 run at once, one per sub-mesh: each loses its second rank
+            sub.run(DIE_IN_CELL)
+        return 1.0
+
+    with Mesh(4, start_timeout=WAIT) as m:
+        study = optuna.create_study()
+        thread, out = _in_thread(lambda: sweep(m, objective, study, n_trials=20, ranks_per_trial=2))
+        thread.join(WAIT * 2)
+        assert not thread.is_alive(), "the sweep hung after every sub-mesh lost a rank"
+        error = out.get("error")
+        assert isinstance(error, MonarchError), out
+        assert "no sub-mesh is left" in str(error) and "%mesh restart --rank 1,3" in str(error), error
+        assert all(t.state == optuna.trial.TrialState.FAIL for t in study.trials)
+        assert len(study.trials) < 20  # it stopped: no more trials failed one after another
+        m.restart(ranks=[1, 3])
+        assert m.subs == {} and m.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()") == dict.fromkeys(range(4), 4.0)

@@ -12,6 +12,7 @@ import signal
 import textwrap
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -140,3 +141,93 @@ def test_rank_death_reported_with_its_signal_then_restart_on_its_host(agents: Me
     assert status[3]["state"] == "idle" and status[3]["pid"] != old and status[3]["host"] == fake_hosts.name(2)
     assert agents.run("globals().get('kept')") == {0: 0, 1: 100, 2: 200, 3: None}  # the others kept theirs
     assert agents.run("t = torch.ones(1); dist.all_reduce(t); t.item()") == dict.fromkeys(range(4), 4.0)
+
+
+# Each sub-mesh's rank 0 marks that its cell runs, then waits for the other sub-mesh's mark: the cells end only when
+# both sub-meshes run at once. Then a collective in the sub-mesh's own group, and its numbering.
+CROSS_HOST_CELL = """
+import os, socket, time
+from pathlib import Path
+if rank == 0:
+    Path(MARKS, NAME).touch()
+    deadline = time.monotonic() + 60
+    while not Path(MARKS, OTHER).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+t = torch.ones(1) * (split_kept + 1)
+dist.all_reduce(t)
+keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+(rank, world_size, t.item(), tuple(os.environ[k] for k in keys), socket.gethostname(), Path(MARKS, OTHER).exists())
+"""
+
+
+def test_split_across_hosts_runs_both_sub_meshes_at_once_then_merges(agents: Mesh, fake_hosts: FakeHosts,
+                                                                     tmp_path: Path) -> None:
+    h1, h2 = fake_hosts.name(1), fake_hosts.name(2)
+    assert agents.hosts() == {h1: [0, 1], h2: [2, 3]}
+    agents.run("split_kept = rank")
+    agents.push(MARKS=str(tmp_path))
+    a, b = agents.split([[0, 2], [1, 3]], names=["across0", "across1"])  # each sub-mesh spans both hosts
+    try:
+        a.run("NAME, OTHER = 'a', 'b'")
+        b.run("NAME, OTHER = 'b', 'a'")
+        ha, hb = a.run(CROSS_HOST_CELL, block=False), b.run(CROSS_HOST_CELL, block=False)
+        got_a, got_b = ha.result(120), hb.result(120)
+    finally:
+        agents.merge()
+    # Sub-mesh rank, world size 2, the sum over its own ranks only (mesh ranks 0+2: 1+3; 1+3: 2+4), torchrun's
+    # variables renumbered inside it (one rank of it per host: LOCAL_RANK 0 of 1), on the host each rank is on.
+    assert got_a == {0: (0, 2, 4.0, ("0", "2", "0", "1"), h1, True), 1: (1, 2, 4.0, ("1", "2", "0", "1"), h2, True)}
+    assert got_b == {0: (0, 2, 6.0, ("0", "2", "0", "1"), h1, True), 1: (1, 2, 6.0, ("1", "2", "0", "1"), h2, True)}
+    assert agents.subs == {}
+    out = agents.run("t = torch.ones(1) * (rank + 1)\ndist.all_reduce(t)\n"
+                     "keys = ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE')\n"
+                     "(rank, world_size, t.item(), tuple(__import__('os').environ[k] for k in keys), split_kept)")
+    assert out == {r: (r, 4, 10.0, (str(r), "4", str(r % 2), "2"), r) for r in range(4)}  # numbered as before
+
+
+# Collectives until the test marks that the other sub-mesh healed (the ranks agree through a MAX all_reduce);
+# True when the mark ended it (False: 90 s passed, the other sub-mesh waited for this cell).
+UNTIL_MARKED = """
+import time
+from pathlib import Path
+deadline, seen = time.monotonic() + 90, torch.zeros(1)
+while not seen.item() and time.monotonic() < deadline:
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    seen = torch.tensor([float(Path(MARK).exists())])
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+    time.sleep(0.05)
+(world_size, t.item(), bool(seen.item()))
+"""
+
+
+def test_a_rank_that_dies_on_a_split_mesh_heals_inside_its_sub_mesh_on_its_host(agents: Mesh, fake_hosts: FakeHosts,
+                                                                                tmp_path: Path) -> None:
+    """on_rank_death="restart" on a split mesh behind agents: mesh rank 3 (sub-mesh b's rank 1, on host 2) dies; its
+    agent starts a replacement that joins b's fresh group, numbered inside b, while sub-mesh a runs a cell."""
+    env_cell = ("t = torch.ones(1) * (rank + 1)\ndist.all_reduce(t)\nkeys = ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', "
+                "'LOCAL_WORLD_SIZE')\n(rank, world_size, t.item(), tuple(__import__('os').environ[k] for k in keys))")
+    agents.on_rank_death = "restart"
+    try:
+        a, b = agents.split([[0, 2], [1, 3]])
+        try:
+            old = agents.status()[3]["pid"]
+            a.run(f"MARK = {str(tmp_path / 'healed')!r}")
+            running = a.run(UNTIL_MARKED, block=False)
+            with pytest.raises(MeshError) as info:
+                b.run("import os\nif rank == 1:\n    os._exit(3)\nt = torch.ones(1)\ndist.all_reduce(t)")
+            assert isinstance(info.value.errors[3], RankDiedError)
+            # The next cell on b waits for the healing, then runs in b's fresh group with the replacement.
+            got = b.run(env_cell)
+            assert got == {0: (0, 2, 3.0, ("0", "2", "0", "1")), 1: (1, 2, 3.0, ("1", "2", "0", "1"))}
+            status = agents.status()[3]
+            assert status["pid"] != old and status["host"] == fake_hosts.name(2)
+            (tmp_path / "healed").touch()  # a's cell ran all along (it ends now), undisturbed
+            assert running.result(120) == {0: (2, 2.0, True), 1: (2, 2.0, True)}
+            assert set(agents.subs) == {"sub0", "sub1"}  # the split stays
+        finally:
+            agents.merge()
+    finally:
+        agents.on_rank_death = "report"
+    out = agents.run(env_cell)
+    assert out == {r: (r, 4, 10.0, (str(r), "4", str(r % 2), "2")) for r in range(4)}
