@@ -21,7 +21,7 @@ __all__ = [
 #: a cell it rejoins (kernel/healing.py); a Regroup makes the group once that cell has ended.
 NO_GROUP = -2
 
-PROTOCOL_VERSION = 6  # checked at the handshake (Hello, AgentHello); raise it when a message changes
+PROTOCOL_VERSION = 7  # checked at the handshake (Hello, AgentHello); raise it when a message changes
 
 # ``payload`` fields carry user values and travel pickled outside the header.
 
@@ -583,4 +583,4 @@ class CompleteReply(Message):
 
 register = _register
 """Add a message class to ``MESSAGE_TYPES`` (a decorator): for the modules that define more messages
-(monarch_worker.hostmessages: the host agents')."""
+(monarch_worker.hostmessages: the host agents'; monarch_worker.dapmessages: the visual debugger's relay)."""

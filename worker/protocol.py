@@ -40,7 +40,8 @@ import struct
 
 # The message classes are part of the protocol: protocol.Exec, protocol.Result, protocol.Forward, ... They are
 # listed once, in their modules' __all__ (tests/unit/test_protocol.py checks those against the registry).
-from . import hostmessages, messages
+from . import dapmessages, hostmessages, messages
+from .dapmessages import *  # noqa: F403
 from .hostmessages import *  # noqa: F403
 from .messages import *  # noqa: F403
 from .messages import MESSAGE_TYPES, Message
@@ -49,6 +50,7 @@ from .pipes import receive_buffers
 __all__ = ["ProtocolError", "Signer"]
 __all__ += messages.__all__
 __all__ += hostmessages.__all__
+__all__ += dapmessages.__all__
 
 MAGIC = b"MJ\x01"
 

@@ -31,6 +31,7 @@ from . import completion, elastic_env, heap, live, recovery
 from . import protocol as P
 from .channel import Mailbox, Outbox, recv_frames, send_frames
 from .config import RankConfig
+from .dapbridge import DapBridge
 from .debugger import RankDebugger
 from .executor import MESH_NAMES, Namespace, format_error, main_thread_stack, register_source
 from .group import MeshGroup
@@ -90,6 +91,7 @@ class Rank:
         self.group = MeshGroup(lambda: self._in_cell, self.send)  # the mesh's process group (group.py)
         self.group.sockets = self.group_sockets
         self.debugger = RankDebugger(self)  # breakpoint(), post-mortem, inspect (debugger.py)
+        self.dap = DapBridge(self.send)  # the visual debugger's DAP stream, relayed for a kernel elsewhere
         # Records (protocol.RECORD_PREFIX): once the rank serves cells, its main thread writes what it reports
         # into its stdout pipe, through a copy of fd 1 that user code redirecting fd 1 does not affect.
         self._record_fd = -1
@@ -155,6 +157,9 @@ class Rank:
             P.DebugInput: self.debugger.on_input,
             P.Inspect: self.debugger.on_inspect,
             P.DebugClear: self.debugger.on_clear,
+            P.DapOpen: self.dap.on_open,
+            P.DapData: self.dap.on_data,
+            P.DapClose: self.dap.on_close,
             P.Complete: lambda msg, payload, bufs: self._send_now(
                 completion.answer(self.ns.ns if self.ns is not None else None, msg)),
         }

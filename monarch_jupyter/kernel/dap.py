@@ -6,7 +6,8 @@ extension is loaded, ``install`` puts a ``MeshDebugger`` in front of it, which
 
 - passes every request to the kernel's own debugger first, so the kernel's cells debug as before;
 - attaches one debugpy session per rank when a ``%%mesh`` cell runs while a frontend is attached
-  (``prepare_cell``: the rank listens on a loopback port, ``monarch_worker.dapside``; ``RankSession`` connects), and
+  (``prepare_cell``: the rank listens on a loopback port, ``monarch_worker.dapside``; ``RankSession`` connects, or,
+  for ranks that joined from elsewhere, the connection is relayed over the mesh's own, ``DapRelay.open``), and
   compiles the cell on the ranks under the path JupyterLab gave that cell (``dumpCell``: a Murmur2 hash of the
   cell's code, ipykernel.compiler.get_file_name), the ``%%mesh`` line counted, so gutter breakpoints hit;
 - copies a rank's value into the notebook (``copyToGlobals``: pickled on the rank, unpickled here);
@@ -32,8 +33,10 @@ import itertools
 import logging
 import os
 import re
+import socket
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from ..ranks import ranks_text
@@ -42,7 +45,8 @@ from .dapsession import RankSession, SessionClosed
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MeshDebugger", "VirtualIds", "install", "uninstall", "prepare_cell", "attached_debugger"]
+__all__ = ["MeshDebugger", "VirtualIds", "Connect", "install", "uninstall", "prepare_cell", "attached_debugger",
+           "connector"]
 
 ATTACH_TIMEOUT = 60.0  # seconds for a rank to start listening and for its debugpy session to attach
 REQUEST_TIMEOUT = 30.0  # seconds for a rank's answer to one request
@@ -54,6 +58,8 @@ _EVENTS = ("stopped", "continued", "thread", "output")
 # The rank picker: typed in the debugger's "Evaluate Code" dialog (any frame), it shows rank R in the sidebar.
 # Where the live view says a rank stopped, by the stopped event's reason (others: "at a breakpoint").
 _AT = {"exception": "at an exception", "pause": "(paused)", "step": "after a step"}
+#: How the debugger connects to rank ``rank``'s adapter on port ``port`` of that rank's loopback: a connected socket.
+Connect = Callable[[int, int], socket.socket]
 _SELECT = re.compile(r"^\s*%mesh\s+select(?:\s+(\S+))?\s*$")
 
 
@@ -312,9 +318,11 @@ class MeshDebugger:
             session.close()
         return False
 
-    def attach_ranks(self, ports: dict[int, int], pids: dict[int, int | None]) -> None:
+    def attach_ranks(self, ports: dict[int, int], pids: dict[int, int | None],
+                     connect: Connect | None = None) -> None:
         """Connect to each rank's adapter (rank -> port; ``pids``: rank -> its process) and run DAP's attach
-        sequence, all ranks at once (kernel main thread).
+        sequence, all ranks at once (kernel main thread). ``connect(rank, port)`` makes the connection (default: to
+        ``127.0.0.1:port``, a rank of this host; ``DapRelay.open`` relays it to a rank of another host).
 
         Raises
         ------
@@ -325,7 +333,7 @@ class MeshDebugger:
         if not todo:
             return
         with concurrent.futures.ThreadPoolExecutor(min(len(todo), 16), thread_name_prefix="monarch-dap-attach") as ex:
-            futures = {r: ex.submit(self._attach_one, r, p) for r, p in todo.items()}
+            futures = {r: ex.submit(self._attach_one, r, p, connect or _connect_local) for r, p in todo.items()}
         errors = []
         for rank, fut in sorted(futures.items()):
             try:
@@ -338,7 +346,7 @@ class MeshDebugger:
         if errors:
             raise errors[0]
 
-    def _attach_one(self, rank: int, port: int) -> RankSession:
+    def _attach_one(self, rank: int, port: int, connect: Connect) -> RankSession:
         import monarch_worker
 
         initialized = threading.Event()
@@ -348,7 +356,7 @@ class MeshDebugger:
                 initialized.set()
             self._on_rank_event(r, event)
 
-        session = RankSession(rank, port, on_event, ATTACH_TIMEOUT)
+        session = RankSession(rank, connect(rank, port), on_event)
         try:
             session.call("initialize", {"clientID": "monarch-jupyter", "adapterID": "python", "pathFormat": "path",
                                         "linesStartAt1": True, "columnsStartAt1": True,
@@ -445,6 +453,11 @@ class MeshDebugger:
         self.inner.event_callback({**event, "seq": next(self._seq)})
 
 
+def _connect_local(rank: int, port: int) -> socket.socket:
+    """A connection to the adapter of rank ``rank`` of this host (its loopback ``port``)."""
+    return socket.create_connection(("127.0.0.1", port), timeout=ATTACH_TIMEOUT)
+
+
 def _label_threads(rank: int, threads: list[dict]) -> list[dict]:
     return [{**t, "id": VirtualIds.to_virtual(rank, t["id"]), "name": f"rank {rank}: {t.get('name', '')}"}
             for t in threads]
@@ -507,10 +520,6 @@ def prepare_cell(shell: Any, mesh: Any, cell: str, ranks: Any) -> tuple[str, str
     from ..errors import MonarchError
     from ..ranks import parse_ranks, ranks_text
 
-    if mesh.lifecycle.joined:  # ranks on other hosts: their loopback is not ours (a relay is not done yet)
-        _note_once(dbg, "the visual debugger attaches to local ranks only (`%mesh start -n N`); these ranks joined "
-                        "from elsewhere, so this cell runs without breakpoints")
-        return None
     status = mesh.status()
     pids = {r: s["pid"] for r, s in status.items()}
     need = [r for r in parse_ranks(ranks, mesh.nproc) if not dbg.attached_to(r, pids.get(r))]
@@ -523,11 +532,18 @@ def prepare_cell(shell: Any, mesh: Any, cell: str, ranks: Any) -> tuple[str, str
     if need:
         try:
             ports = mesh.call(dapside.listen, ranks=need, timeout=ATTACH_TIMEOUT)
-            dbg.attach_ranks({r: int(p) for r, p in ports.items()}, pids)
+            dbg.attach_ranks({r: int(p) for r, p in ports.items()}, pids, connector(mesh))
         except (MonarchError, OSError, TimeoutError, SessionClosed) as e:
             _note_once(dbg, f"the debugger cannot attach to the ranks, so this cell runs without breakpoints: {e}")
             return None
     return "\n" * offset + cell, get_file_name(raw)
+
+
+def connector(mesh: Any) -> Connect | None:
+    """How the debugger reaches ``mesh``'s ranks: None (their adapters on this host's loopback) for local ranks;
+    ``DapRelay.open`` (relayed over the mesh's own connection) for ranks that joined, which may be on other hosts:
+    their adapters listen on their own loopback, never on the network."""
+    return mesh.parts.dap.open if mesh.lifecycle.joined else None
 
 
 def _note_once(dbg: MeshDebugger, text: str) -> None:

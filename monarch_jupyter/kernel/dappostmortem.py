@@ -9,7 +9,6 @@ variables; Continue ends the post-mortem and the ``%mesh debug`` cell.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from ..errors import MonarchError
@@ -21,8 +20,8 @@ __all__ = ["open_in_sidebar"]
 
 def open_in_sidebar(shell: Any, mesh: Any, rank: int | None) -> int | None:
     """Post-mortem of ``rank`` (None: the first rank that failed) in the attached visual debugger; returns the rank
-    once Continue ended it, or None when no frontend's debugger is attached (then pdb is the way, as before) or the
-    ranks joined from other hosts (their adapters are not on this host's loopback; a note says so on stderr).
+    once Continue ended it, or None when no frontend's debugger is attached (then pdb is the way, as before). A rank
+    on another host is reached through the mesh's own connection (``dap.connector``).
 
     Raises
     ------
@@ -36,16 +35,12 @@ def open_in_sidebar(shell: Any, mesh: Any, rank: int | None) -> int | None:
     dbg = dap.attached_debugger(shell)
     if dbg is None:
         return None
-    if mesh.lifecycle.joined:
-        print("the visual debugger attaches to local ranks only (`%mesh start -n N`); these ranks joined from "
-              "elsewhere, so the post-mortem opens at pdb's prompt", file=sys.stderr)
-        return None
 
     def connect(r: int, port: int) -> None:
         pids = {k: s["pid"] for k, s in mesh.status().items()}
         dbg.events = mesh.events
         try:
-            dbg.attach_ranks({r: port}, pids)
+            dbg.attach_ranks({r: port}, pids, dap.connector(mesh))
         except (OSError, TimeoutError, SessionClosed) as e:
             raise MonarchError(f"the debugger cannot attach to rank {r} for its post-mortem: {e}") from None
         print(f"rank {r} is stopped at the failing frame of its last cell: its stack and variables are in the "

@@ -1,6 +1,8 @@
-"""One DAP client session with one local rank's debugpy adapter (``monarch_worker.dapside.listen``).
+"""One DAP client session with one rank's debugpy adapter (``monarch_worker.dapside.listen``).
 
-The rank's adapter listens on a loopback port that only this kernel connects to. Framing is debugpy's own
+The rank's adapter listens on a loopback port of the rank's host. The session is given a connected socket: to that
+port for a rank on this host, or one end of a socket pair relayed over the mesh's own connection for a rank on
+another host (kernel/daprelay.py, ``DapRelay.open``); it cannot tell them apart. Framing is debugpy's own
 (``debugpy.common.messaging.JsonIOStream``: ``Content-Length`` headers and JSON bodies); this module only matches
 responses to requests and hands events to a callback. Its reader thread (``monarch-dap-rankN``) owns the receiving
 side; ``request`` may be called from any thread (writes are serialized by a lock).
@@ -32,27 +34,19 @@ class RankSession:
     ----------
     rank:
         The rank this session debugs.
-    port:
-        The TCP port of its debugpy adapter on 127.0.0.1.
+    sock:
+        A connected stream socket to its debugpy adapter (the session owns it from here on, and closes it).
     on_event:
         Called as ``on_event(rank, event)`` on the reader thread for every DAP event, and once with
         ``{"event": "closed"}`` when the connection ends.
-    connect_timeout:
-        Seconds to wait for the connection.
-
-    Raises
-    ------
-    OSError
-        The adapter does not accept the connection.
     """
 
-    def __init__(self, rank: int, port: int, on_event: Callable[[int, dict], None], connect_timeout: float) -> None:
+    def __init__(self, rank: int, sock: socket.socket, on_event: Callable[[int, dict], None]) -> None:
         from debugpy.common import messaging  # the kernel's debugger is debugpy: present when this is used
 
         self.rank = rank
         self.pid: int | None = None  # the rank's process, once attached (set by the debugger)
         self._closed_error = messaging.NoMoreMessages
-        sock = socket.create_connection(("127.0.0.1", port), timeout=connect_timeout)
         self._stream = messaging.JsonIOStream.from_socket(sock, f"rank{rank}")
         self._on_event = on_event
         self._seq = itertools.count(1)

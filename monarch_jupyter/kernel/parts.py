@@ -16,6 +16,7 @@ from monarch_worker.options import MeshOptions
 
 from .cells import CellTable
 from .completion import Completions
+from .daprelay import DapRelay
 from .deaths import Deaths, RankEvents
 from .debugger import MeshDebugger
 from .dispatch import Dispatcher
@@ -73,6 +74,7 @@ class Parts:
     debugger: MeshDebugger
     rich: RichRouter
     completions: Completions
+    dap: DapRelay
     history: History
     healer: Healer
     lighthouse: Lighthouse
@@ -98,17 +100,18 @@ def build(nproc: int, options: MeshOptions, join_launcher: JoinLauncher | None) 
     inspector = Inspector(state, dispatcher)  # inspect and clear, off a rank's busy main thread
     rich = RichRouter(state, cells, dispatcher, writer)  # ranks' display(), figures
     completions = Completions(state, dispatcher)  # Tab and Shift-Tab in %%mesh cells
+    dap = DapRelay(state, dispatcher)  # the visual debugger's DAP streams to ranks of other hosts
     # What handles each route a rank's message names (Message.ROUTE); the router adds its own (progress).
     routes: dict[str, Handler] = {
         "results": cells.on_result, "stacks": stacks.on_reply, "pull_replies": segments.on_pull_reply,
         "segments": segments.on_release, "debugger": prompts.on_message, "inspections": inspector.on_reply,
-        "displays": rich.on_display, "completions": completions.on_reply,
+        "displays": rich.on_display, "completions": completions.on_reply, "dap": dap.on_message,
     }
     router = OutputRouter(state, cells, writer, routes)
     routes.update({"streams": router.on_stream, "progress": router.on_progress})
     queue = DeathQueue(state)  # ranks that died by themselves, for the healer (on_rank_death="restart")
     deaths = Deaths(state, dispatcher, cells, interrupter, writer, queue.put, queue.admit)
-    sink = RankEvents(state, router, deaths, [segments.on_rank_exit])  # what launchers report
+    sink = RankEvents(state, router, deaths, [segments.on_rank_exit, dap.on_rank_exit])  # what launchers report
     socket = ControllerSocket()
     hosts = listener = None
     if join_launcher is not None:  # ranks that join: admitted by the listener, host agents among them
@@ -132,7 +135,7 @@ def build(nproc: int, options: MeshOptions, join_launcher: JoinLauncher | None) 
                     lambda values, rank, device: transfers.push(values, [rank], device, REPLAY_TIMEOUT, "auto"))
     resizer = Resizer(state, restarts, lifecycle, healer)  # %mesh scale: one regroup, as restarts and healing
     return Parts(events, state, writer, cells, dispatcher, stacks, interrupter, segments, router, deaths, listener, io,
-                 lifecycle, restarts, releases, waiter, transfers, debugger, rich, completions, history, healer,
+                 lifecycle, restarts, releases, waiter, transfers, debugger, rich, completions, dap, history, healer,
                  lighthouse, resizer, Splitter(state, resizer, lifecycle))  # sub-meshes: the same regroup
 
 

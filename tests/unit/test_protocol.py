@@ -76,12 +76,13 @@ def test_fork_server_frame() -> None:
 def test_message_names_are_listed_once_and_match_the_registry() -> None:
     """Each message class is named in its own module's __all__ and nowhere else: the protocol re-exports those, and
     every registered type is there (issue 25: the names were listed three times)."""
-    from monarch_worker import hostmessages, messages
+    from monarch_worker import dapmessages, hostmessages, messages
 
-    listed = {n for n in messages.__all__ + hostmessages.__all__ if isinstance(getattr(P, n, None), type)
+    names = messages.__all__ + hostmessages.__all__ + dapmessages.__all__
+    listed = {n for n in names if isinstance(getattr(P, n, None), type)
               and issubclass(getattr(P, n), P.Message) and n != "Message"}
     assert listed == {cls.__name__ for cls in P.MESSAGE_TYPES.values()}
-    assert set(messages.__all__) | set(hostmessages.__all__) <= set(P.__all__)
+    assert set(names) <= set(P.__all__)
     # What a message's declaration says routes it: records and work are derived from it.
     assert {c.TYPE for c in P.record_types()} == {"result", "progress", "debug_output", "debug_prompt",
                                                   "debug_resumed", "display"}
