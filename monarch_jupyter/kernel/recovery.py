@@ -170,7 +170,8 @@ class Restarts:
         if stuck:
             self.kill_ranks(stuck, "killed by %mesh interrupt --force")
             report.killed = stuck
-        elif busy and (dead := [r for r in state.dead() if group is None or r in group]):  # no group can be made without them: restarting them makes one
+        # no group can be made without its dead ranks (split: its sub-mesh's): restarting them makes one
+        elif busy and (dead := [r for r in state.dead() if group is None or r in group]):
             report.dead = dead
         elif busy:
             self.regroup([], time.monotonic() + state.options.start_timeout, group)
