@@ -116,8 +116,9 @@ class Deaths:
         with state.lock:
             if state.stopping:
                 return
-            dead = [r for r, i in state.ranks.items() if i.state is RankState.DEAD]
-            state.group_down = f"{ranks_text(dead)} died"
+            group = state.group_of(rank)  # its process group (split: its sub-mesh's) is down, no other
+            dead = [r for r in group if state.ranks[r].state is RankState.DEAD]
+            state.mark_down(group, f"{ranks_text(dead)} died")
             targets = {r: rec.cell_id for rec in cells for r in rec.ranks
                        if r not in rec.finished and state.ranks[r].state is not RankState.DEAD}
             alive = [info.rank for info in state.ranks.values() if info.identity is not None and info.alive

@@ -106,7 +106,7 @@ class Dispatcher:
             with state.lock:
                 runs_code = any(isinstance(msg, (P.Exec, P.Call)) for _, msg, _, _ in groups)
                 self._check_ranks(rec, runs_code)
-                down = state.group_down
+                down = state.down_for(state.peers(rec.ranks))  # its process groups' (split: its sub-mesh's)
                 self.cells.register(rec)
                 launcher = state.launcher
                 work_pipe = launcher.work_pipe if launcher is not None and launcher.has_work_pipes else None
@@ -154,16 +154,9 @@ class Dispatcher:
                              for r in dead}, what=what, hint=restart_hint(dead, self.state.nproc), not_run=True)
         if not any(c.abandoned for c in self.state.pending.values()):
             return  # no rank is stuck in a cell
-        busy = self._stuck(self.state.peers(ranks) if runs_code else ranks)  # code: its process group's ranks
+        busy = self.state.stuck(self.state.peers(ranks) if runs_code else ranks)  # code: its process group's ranks
         if busy:
             raise RankBusyError(busy_message(what, busy, [r for r in ranks if r not in busy], runs_code), busy)
-
-    def _stuck(self, ranks: list[int]) -> list[int]:
-        """Those of ``ranks`` that still run a cell that was interrupted or timed out and did not stop (not those
-        that had not started it: they skip it)."""
-        infos = self.state.ranks
-        return [r for r in ranks if r in infos and any(c.abandoned and r not in c.finished and r not in c.queued_on
-                                                       for c in infos[r].cells)]
 
     def _send_work(self, pipes: list[WorkPipe], msg: P.Message, payload: bytes, buffers: list) -> None:
         """Write ``msg`` (signed once) into local ranks' work pipes without blocking; what a full pipe cannot take

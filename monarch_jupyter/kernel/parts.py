@@ -125,7 +125,7 @@ def build(nproc: int, options: MeshOptions, join_launcher: JoinLauncher | None) 
              *([listener.check] if listener is not None else [])]
     io = IOThread(state, dispatcher, socket, listener, hosts, handlers, ticks)
     lifecycle = Lifecycle(state, io, dispatcher, router, cells, segments, listener, sink, writer, lighthouse)
-    restarts = Restarts(state, dispatcher, interrupter, stacks, lifecycle)
+    restarts = Restarts(state, dispatcher, cells, interrupter, stacks, lifecycle)
     releases = Releases(state, dispatcher, cells, stacks, restarts.regroup)
     waiter = Waiter(state, dispatcher, cells, writer, stacks, interrupter, deaths, releases, restarts, prompts)
     history = History(state)  # what the notebook sent, for replacements

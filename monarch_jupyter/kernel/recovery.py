@@ -24,6 +24,7 @@ from monarch_worker import protocol as P
 
 from ..errors import MeshStartError, MonarchError, mesh_interrupt
 from ..ranks import format_ranks, parse_ranks, plural, ranks_text
+from .cells import CellTable
 from .dispatch import Dispatcher
 from .hints import restart_hint, stuck_message
 from .interrupts import Interrupter
@@ -77,7 +78,8 @@ class InterruptReport:
             out.append(f"nothing to interrupt: {ranks_text(self.idle)} idle")
         if self.stuck:
             out.append(f"{ranks_text(self.stuck)} did not stop within {self.grace:g} s: {self.stacks}")
-            out.append(f"Force with  %mesh interrupt --force --ranks {format_ranks(self.stuck)}  (it releases "
+            out.append(f"New code is refused until they stop (a collective would pair with the one they may be stuck "
+                       f"in). Force with  %mesh interrupt --force --ranks {format_ranks(self.stuck)}  (it releases "
                        "collectives, then SIGKILLs ranks still stuck), or "
                        "%mesh restart  for a fresh mesh.")
         if self.killed:
@@ -102,9 +104,10 @@ class InterruptReport:
 class Restarts:
     """Interrupts and restarts of some ranks of one mesh (see the module docstring)."""
 
-    def __init__(self, state: MeshState, dispatcher: Dispatcher, interrupter: Interrupter, stacks: StackRequests,
-                 lifecycle: Lifecycle) -> None:
+    def __init__(self, state: MeshState, dispatcher: Dispatcher, cells: CellTable, interrupter: Interrupter,
+                 stacks: StackRequests, lifecycle: Lifecycle) -> None:
         self.state = state
+        self.cells = cells
         self.dispatcher = dispatcher
         self.interrupter = interrupter
         self.stacks = stacks
@@ -139,7 +142,7 @@ class Restarts:
                      and (not state.partition or i.rank in state.peers(list(busy)))]  # split: their sub-meshes
             group = state.peers(list(busy)) if state.partition else None
             if force and busy:
-                state.group_down = "the process group was torn down by %mesh interrupt --force"
+                state.mark_down(state.peers(list(busy)), "the process group was torn down by %mesh interrupt --force")
         self.interrupter.send(busy)
         if force and busy:
             for r in alive:
@@ -162,16 +165,29 @@ class Restarts:
                 report.stacks = ""
         if not force:
             report.stuck = stuck
+            self._abandon({busy[r] for r in stuck})
             return report
         if stuck:
             self.kill_ranks(stuck, "killed by %mesh interrupt --force")
             report.killed = stuck
-        elif busy and (dead := state.dead()):  # no group can be made without them: restarting them makes one
+        # no group can be made without its dead ranks (split: its sub-mesh's): restarting them makes one
+        elif busy and (dead := [r for r in state.dead() if group is None or r in group]):
             report.dead = dead
         elif busy:
             self.regroup([], time.monotonic() + state.options.start_timeout, group)
             report.regrouped = True
         return report
+
+    def _abandon(self, cell_ids: set[int]) -> None:
+        """The cells that ranks did not stop after ``interrupt``: interrupted and abandoned, as a notebook interrupt
+        leaves a blocking cell (waiting.py), so that code is refused (RankBusyError) while a rank still runs one: a
+        collective of new code would pair with the one it is stuck in."""
+        with self.state.lock:
+            for cid in cell_ids:
+                rec = self.cells.get(cid)
+                if rec is not None:
+                    self.cells.mark_interrupted(rec)
+                    self.cells.abandon(rec)
 
     def kill_ranks(self, ranks: list[int], why: str) -> None:
         """SIGKILL ``ranks`` and wait (``EXIT_WAIT`` s) until their exits are reported (a remote rank that is
@@ -284,7 +300,10 @@ class Restarts:
             with state.lock:
                 state.regrouping = set()
         with state.lock:
-            state.group_down = ""
+            if only is None:
+                state.down = {}  # the whole mesh regrouped (a scale may have dropped ranks that were down)
+            else:
+                state.mark_up([*survivors, *fresh])
         state.events.emit("regrouped", fresh=fresh)
         if interrupted:
             raise mesh_interrupt(f"interrupted while the ranks joined a fresh process group of {state.nproc}; that "

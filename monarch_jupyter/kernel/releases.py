@@ -139,7 +139,7 @@ class Releases:
                       f"{ranks_text(sorted(waiting))} waited for it in a collective")
             self.cells.mark_released(rec, reason, waiting)
             self._forget(rec)
-            state.group_down = reason
+            state.mark_down(state.peers(rec.ranks), reason)  # its process group (split: its sub-mesh's)
             alive = [info.rank for info in state.ranks.values() if info.identity is not None and info.alive
                      and info.rank in state.peers(rec.ranks)]  # the cell's process group (split: its sub-mesh's)
         for r in alive:
@@ -167,14 +167,14 @@ class Releases:
         ``%mesh interrupt --force`` makes one), and the hint for the cell's error (``rec.collective_hint``)."""
         self.state.assert_unlocked()
         them = plural(rec.released, "them", "it")
-        dead = self.state.dead()
-        if dead:  # a rank of the mesh died meanwhile: no group can be made without it (its restart makes one)
+        with self.state.lock:  # split: only the cell's sub-mesh regroups, the others run on
+            only = self.state.peers(rec.ranks) if self.state.partition else None
+        dead = [r for r in self.state.dead() if only is None or r in only]
+        if dead:  # a rank of its process group died meanwhile: no group can be made without it (its restart makes one)
             hint = (f"{rec.collective_released}: the process group was torn down to release {them}; no fresh one "
                     f"was made, since {ranks_text(dead)} {plural(dead, 'are', 'is')} dead")
         else:
             try:
-                with self.state.lock:  # split: only the cell's sub-mesh regroups, the others run on
-                    only = self.state.peers(rec.ranks) if self.state.partition else None
                 self.regroup([], time.monotonic() + self.state.options.start_timeout, only)
                 hint = (f"{rec.collective_released}: the process group was torn down to release {them} and a fresh "
                         "one was made (every rank kept its namespace)")

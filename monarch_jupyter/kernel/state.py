@@ -15,7 +15,7 @@ import itertools
 import threading
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -187,7 +187,8 @@ class MeshState:
         self.secret = b""
         self.address = ""  # where ranks connect (tcp://...)
         self.store_port: int | None = None  # the c10d store rank 0 hosts for this generation
-        self.group_down = ""  # why the process group is broken ("" when it is fine)
+        # rank -> why its process group (the mesh's; split: its sub-mesh's) is broken; absent when it is fine
+        self.down: dict[int, str] = {}
         self.regrouping: set[int] = set()  # surviving ranks that get Regroup once the new store is up
         self.killing: dict[int, str] = {}  # rank -> why the controller killed it on purpose
         # LOCAL_WORLD_SIZE a Regroup gives survivors (-1: their own; resize.py sets it; BY_HOST: numbered per host)
@@ -220,7 +221,7 @@ class MeshState:
         self.dead_ranks.clear()
         self.ranks = {r: self.rank_info(r) for r in range(self.nproc)}
         self.store_port = None
-        self.group_down = ""
+        self.down = {}
         self.regrouping = set()
         self.killing = {}
         self.local_world = -1
@@ -293,8 +294,9 @@ class MeshState:
         with self.lock:
             if not self.running:
                 return "none: the mesh is not running"
-            if self.group_down:
-                return f"down: {self.group_down}"
+            if self.down:
+                whole = len(self.down) == self.nproc
+                return f"down{'' if whole else f' for {ranks_text(sorted(self.down))}'}: {self.group_down}"
             joined = [i for i in self.ranks.values() if i.state in (RankState.IDLE, RankState.RUNNING)]
             missing = [i.rank for i in joined if not i.group]
             if missing:
@@ -326,6 +328,40 @@ class MeshState:
         if not self.running:
             raise MeshNotRunningError("this mesh is not running: start it with  %mesh start -n N  "
                                       "(or mesh.start() / mesh.restart())")
+
+    @property
+    def group_down(self) -> str:
+        """Why process groups are broken ("" when every one is fine): each reason once."""
+        return "; ".join(dict.fromkeys(self.down.values()))
+
+    @group_down.setter
+    def group_down(self, why: str) -> None:
+        """Every rank's group is broken (``why``), or, with "", fine."""
+        self.down = dict.fromkeys(range(self.nproc), why) if why else {}
+
+    def mark_down(self, ranks: Iterable[int], why: str) -> None:
+        """Under the lock: the process groups of ``ranks`` (whole groups: ``peers``) are broken, ``why``."""
+        self.assert_locked()
+        for r in ranks:
+            self.down[r] = why
+
+    def mark_up(self, ranks: Iterable[int]) -> None:
+        """Under the lock: ``ranks`` are in a fresh process group."""
+        self.assert_locked()
+        for r in ranks:
+            self.down.pop(r, None)
+
+    def down_for(self, ranks: Iterable[int]) -> str:
+        """Under the lock: why the process group of some of ``ranks`` is broken ("" when theirs are fine)."""
+        self.assert_locked()
+        return "; ".join(dict.fromkeys(self.down[r] for r in ranks if r in self.down))
+
+    def stuck(self, ranks: list[int]) -> list[int]:
+        """Under the lock: those of ``ranks`` that still run a cell that was interrupted or timed out and did not
+        stop (not those that had not started it: they skip it)."""
+        self.assert_locked()
+        return [r for r in ranks if r in self.ranks and any(
+            c.abandoned and r not in c.finished and r not in c.queued_on for c in self.ranks[r].cells)]
 
     def dead(self) -> list[int]:
         """Ranks whose process is gone (under the lock or not: a snapshot)."""

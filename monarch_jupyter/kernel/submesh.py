@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ..errors import MonarchError
-from ..ranks import RankMap, format_ranks, parse_ranks, ranks_text
+from ..ranks import RankMap, format_ranks, parse_ranks, plural, ranks_text
 from .cells import CellHandle
 from .lifecycle import Lifecycle
 from .resize import Resizer
@@ -213,7 +213,7 @@ class SubMesh:
 
     def __repr__(self) -> str:
         where = f"mesh ranks {format_ranks(self.ranks)}" if self.alive else "merged"
-        return f"<SubMesh {self.name}: {self.nproc} ranks, {where}>"
+        return f"<SubMesh {self.name}: {self.nproc} {'rank' if self.nproc == 1 else 'ranks'}, {where}>"
 
 
 class Splitter:
@@ -306,6 +306,7 @@ class Splitter:
         self._wait_background()
         with state.lock:
             busy = sorted(r for r, i in state.ranks.items() if i.cells)
+            stuck = state.stuck(busy)  # interrupted and did not stop: only --force frees them
             dead = sorted(r for r, i in state.ranks.items() if i.state is RankState.DEAD)
             healing, resizing = sorted(state.healing), state.resizing
             if not (busy or dead or healing or resizing):
@@ -314,9 +315,15 @@ class Splitter:
         if busy:
             where = [f"{n} (mesh {ranks_text([r for r in s.ranks if r in busy])})" for n, s in self.subs.items()
                      if any(r in busy for r in s.ranks)] or [ranks_text(busy)]
+            if stuck:
+                how = (f"{ranks_text(stuck)} did not stop when interrupted (blocked in a collective?): release "
+                       f"{plural(stuck, 'them', 'it')} with  %mesh interrupt --force --ranks {format_ranks(stuck)}  "
+                       f"(or  %mesh restart), then {what}.")
+            else:
+                how = (f"Wait for it (handle.result()), or stop it with  %mesh interrupt --ranks {format_ranks(busy)}"
+                       f"  (--force when it does not stop), then {what}.")
             raise MonarchError(f"a cell runs on {', '.join(where)}: no {what} while a cell runs (its process group "
-                               "would change beneath it). Wait for it (handle.result()), or stop it with  "
-                               f"%mesh interrupt --ranks {format_ranks(busy)}, then {what}.")
+                               f"would change beneath it). {how}")
         if dead:
             raise MonarchError(f"{ranks_text(dead)} {'are' if len(dead) > 1 else 'is'} dead: restart with  "
                                f"%mesh restart --rank {format_ranks(dead)}  (on a split mesh that merges it back), "

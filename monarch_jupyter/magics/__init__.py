@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import copy
 import logging
+import re
 import shlex
 import sys
 from typing import Any
@@ -42,11 +43,16 @@ class HelpShown(Exception):
     """A subcommand's --help was printed: nothing else runs (caught by ``MeshMagics.mesh``)."""
 
 
+_SECTION = re.compile(r"\n[ \t]*(?:Parameters|Returns|Raises|Yields|Notes|Examples)\n[ \t]*-{3,}[ \t]*\n")
+
+
 def help_text(func: Any, prog: str) -> str:
     """The options of magic subcommand ``func`` (its IPython magic_arguments parser), as argparse prints them for
     ``prog --help`` (IPython's parsers are built without -h: ``%magic?`` shows them, not ``%mesh start?``)."""
     parser = copy.copy(func.parser)
     parser.prog, parser.formatter_class = prog, argparse.HelpFormatter
+    # The docstring's numpy sections (Raises, Returns, ...) are for readers of the code, not for --help.
+    parser.description = _SECTION.split(parser.description or "", 1)[0].rstrip() or None
     return parser.format_help().rstrip()
 
 

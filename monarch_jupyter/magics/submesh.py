@@ -61,7 +61,11 @@ def split(magics: MagicsHost, rest: str) -> list[SubMesh]:
 def merge(magics: MagicsHost, rest: str) -> None:
     """%mesh merge: one process group of the whole mesh again, once no sub-mesh runs a cell.
 
-    Raises UsageError when the mesh is not split, a sub-mesh runs a cell, or a rank is dead."""
+    Raises
+    ------
+    UsageError
+        The mesh is not split, a sub-mesh runs a cell, or a rank is dead.
+    """
     magics.parse_args(merge, rest, "merge")
     m = magics.current()
     names = list(m.subs)

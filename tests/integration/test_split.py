@@ -68,6 +68,8 @@ def test_split_runs_collectives_on_both_halves_at_once_then_merges(tmp_path: Pat
         big, one = m.split([[0, 2, 3], [1]], names=["big", "one"])
         assert big.run(SUM) == {0: 50.0, 1: 50.0, 2: 50.0}
         assert one.run("(rank, world_size, x)") == {0: (0, 1, 10)}
+        assert (repr(big), repr(one)) == ("<SubMesh big: 3 ranks, mesh ranks 0,2,3>",
+                                          "<SubMesh one: 1 rank, mesh ranks 1>")
         m.merge()
         assert m.run("world_size") == dict.fromkeys(range(4), 4)
 

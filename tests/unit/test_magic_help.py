@@ -21,6 +21,7 @@ def test_every_subcommand_prints_its_options(sub: str, flag: str, capsys: pytest
     out = capsys.readouterr().out
     assert f"%mesh {sub}" in out, out
     assert "unrecognized" not in out and "arguments are required" not in out
+    assert "Raises" not in out and "------" not in out, out  # the docstring's sections are not help
     assert registry.peek_current() is before  # nothing started or stopped
 
 
