@@ -269,7 +269,8 @@ class LiveView:
         for row in rows:
             err = errors.get(row.rank)
             if err is None and row.rank in finished and row.state not in FINAL_STATES:
-                row = replace(row, state="done", elapsed=durations.get(row.rank, row.elapsed))
+                # done without error: no note of a state it left (a debugger's "stopped at a breakpoint ...")
+                row = replace(row, state="done", elapsed=durations.get(row.rank, row.elapsed), error="")
             elif err is not None and row.state not in FINAL_STATES:
                 if isinstance(err, RankDiedError):  # the exit event reaches the monitor just after cell_done
                     dead = err.returncode is not None
