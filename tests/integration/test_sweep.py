@@ -253,6 +253,21 @@ def _dying_objective(trial: Any, sub: Any) -> float:
     return float(trial.number)
 
 
+def _sweep_where_trial_1_loses_a_rank(m: Mesh, table: Any) -> optuna.Study:
+    """Five trials of ``_dying_objective`` on sub-meshes of 2 ranks (after ``kept = rank`` on every rank): the sweep
+    ends, and only trial 1, whose second rank died, failed."""
+    m.run("kept = rank")
+    study = optuna.create_study()
+    thread, out = _in_thread(lambda: sweep(m, _dying_objective, study, n_trials=5, ranks_per_trial=2, table=table))
+    thread.join(WAIT * 2)
+    assert not thread.is_alive(), "the sweep hung after a rank died"
+    assert out == {"value": study}, out
+    T = optuna.trial.TrialState
+    states = {t.number: t.state for t in study.trials}
+    assert states == {0: T.COMPLETE, 1: T.FAIL, 2: T.COMPLETE, 3: T.COMPLETE, 4: T.COMPLETE}, states
+    return study
+
+
 def test_a_trial_whose_rank_dies_fails_and_the_sweep_goes_on_without_that_sub_mesh() -> None:
     """Self-healing off (the default): the trial is FAIL in the study and the table, its sub-mesh leaves the pool,
     the other trials run on the other one; the mesh stays split with a warning naming the dead rank and the fix."""
@@ -260,16 +275,7 @@ def test_a_trial_whose_rank_dies_fails_and_the_sweep_goes_on_without_that_sub_me
 
     table = Experiments()
     with Mesh(4, start_timeout=WAIT) as m:
-        m.run("kept = rank")
-        study = optuna.create_study()
-        thread, out = _in_thread(lambda: sweep(m, _dying_objective, study, n_trials=5, ranks_per_trial=2,
-                                               table=table))
-        thread.join(WAIT * 2)
-        assert not thread.is_alive(), "the sweep hung after a rank died"
-        assert out == {"value": study}, out
-        T = optuna.trial.TrialState
-        states = {t.number: t.state for t in study.trials}
-        assert states == {0: T.COMPLETE, 1: T.FAIL, 2: T.COMPLETE, 3: T.COMPLETE, 4: T.COMPLETE}, states
+        study = _sweep_where_trial_1_loses_a_rank(m, table)
         dead_sub = study.trials[1].user_attrs["sub_mesh"]
         dead = study.trials[1].user_attrs["ranks"][1]
         assert all(t.user_attrs["sub_mesh"] != dead_sub for t in study.trials[2:])  # it left the pool
@@ -333,16 +339,7 @@ def test_with_self_healing_a_trial_whose_rank_dies_fails_and_the_replaced_rank_t
 
     table = Experiments()
     with Mesh(4, start_timeout=WAIT, on_rank_death="restart") as m:
-        m.run("kept = rank")
-        study = optuna.create_study()
-        thread, out = _in_thread(lambda: sweep(m, _dying_objective, study, n_trials=5, ranks_per_trial=2,
-                                               table=table))
-        thread.join(WAIT * 2)
-        assert not thread.is_alive(), "the sweep hung after a rank died"
-        assert out == {"value": study}, out
-        T = optuna.trial.TrialState
-        states = {t.number: t.state for t in study.trials}
-        assert states == {0: T.COMPLETE, 1: T.FAIL, 2: T.COMPLETE, 3: T.COMPLETE, 4: T.COMPLETE}, states
+        study = _sweep_where_trial_1_loses_a_rank(m, table)
         healed_sub = study.trials[1].user_attrs["sub_mesh"]
         assert study.trials[2].user_attrs["sub_mesh"] == healed_sub  # the replaced rank took a later trial
         assert table.rows()[1]["state"] == "failed" and "died" in table.runs[1].error, table.runs[1].error

@@ -25,6 +25,20 @@ class Rich:
         print(f"PUBLISHED {self.data.get('text/plain')}")
 
 
+class _IdleMesh:
+    """What MeshMonitor reads of a mesh when it is made: ``nproc`` idle ranks (the monitor's events come from the
+    test)."""
+
+    def __init__(self, nproc: int) -> None:
+        self.nproc = nproc
+
+    def status(self) -> dict[int, dict]:
+        return {r: {"state": "idle"} for r in range(self.nproc)}
+
+    def add_listener(self, fn: object) -> None:
+        pass
+
+
 def test_a_sink_in_the_context_takes_the_lines_instead_of_the_streams(monkeypatch):
     out = io.StringIO()
     monkeypatch.setattr(sys, "stdout", out)
@@ -85,16 +99,7 @@ def test_chart_axis_legend_scale_and_shared_lines():
 
 
 def test_running_step_counts_over_epochs_and_names_a_global_step():
-    class Mesh:
-        nproc = 1
-
-        def status(self):
-            return {0: {"state": "idle"}}
-
-        def add_listener(self, fn):
-            pass
-
-    mon = model.MeshMonitor(Mesh())
+    mon = model.MeshMonitor(_IdleMesh(1))
     mon.on_event("cell_started", {"cell_id": 1, "ranks": [0]})
     for epoch in range(3):  # a tqdm bar per epoch: n restarts at 0
         for n in range(0, 17, 4):
@@ -133,16 +138,7 @@ def test_a_debugger_note_ends_with_the_cell_even_with_no_running_event_between()
     resumes; a cell that ends ok shows no note, whether or not the resume reached the view before its result (the
     browser test saw the note left on a finished rank)."""
 
-    class Mesh:
-        nproc = 2
-
-        def status(self):
-            return {0: {"state": "idle"}, 1: {"state": "idle"}}
-
-        def add_listener(self, fn):
-            pass
-
-    mon = model.MeshMonitor(Mesh())
+    mon = model.MeshMonitor(_IdleMesh(2))
     mon.on_event("cell_started", {"cell_id": 1, "ranks": [0, 1]})
     for rank in (0, 1):
         mon.on_event("rank_state", {"rank": rank, "state": "breakpoint", "note": "stopped at a breakpoint in the "
@@ -166,20 +162,11 @@ def test_the_final_view_of_a_rank_done_before_its_result_reached_the_view_has_no
     from monarch_jupyter.kernel.cells import CellSnapshot
     from monarch_jupyter.widgets.view import LiveView
 
-    class Mesh:
-        nproc = 2
-
-        def status(self):
-            return {0: {"state": "idle"}, 1: {"state": "idle"}}
-
-        def add_listener(self, fn):
-            pass
-
     class Handle:
         def snapshot(self) -> CellSnapshot:
             return CellSnapshot({0, 1}, {}, {0: 0.5, 1: 8.7})
 
-    mon = model.MeshMonitor(Mesh())
+    mon = model.MeshMonitor(_IdleMesh(2))
     mon.on_event("cell_started", {"cell_id": 3, "ranks": [0, 1]})
     mon.on_event("rank_state", {"rank": 1, "state": "breakpoint", "note": "stopped at a breakpoint in the visual "
                                                                           "debugger"})
