@@ -36,9 +36,9 @@ def _trait(f: dataclasses.Field) -> TraitType:
     if "bool" in kind:
         return Bool(default, help=help_text).tag(config=True)
     if "float" in kind:
-        return Float(0.0 if default is None else default, help=help_text).tag(config=True)
-    if "int" in kind:
-        return Int(default, help=help_text).tag(config=True)
+        return Float(0.0 if default is None else default, min=0.0, help=help_text).tag(config=True)
+    if "int" in kind:  # numbers >= 0, as check_value takes them
+        return Int(default, min=0, help=help_text).tag(config=True)
     return Unicode("" if default is None else default, help=help_text).tag(config=True)
 
 

@@ -58,6 +58,19 @@ def test_magics_traitlets_are_the_declared_options() -> None:
         assert f.metadata["help"] in traits[name].help
 
 
+def test_magics_traitlets_refuse_negative_numbers_as_the_options_do() -> None:
+    """``%config MeshMagics.output_lines = -1`` was taken (a fresh user saw a wrong count of lines not kept after
+    it); numeric traitlets take what ``check_value`` takes: numbers >= 0."""
+    from traitlets import TraitError
+
+    magics = MeshMagics()
+    for name in ("output_lines", "dashboard_fold", "cell_timeout", "listen_timeout"):
+        with pytest.raises(TraitError, match=name):
+            setattr(magics, name, -1)
+    magics.output_lines = 10
+    assert magics.output_lines == 10
+
+
 def test_ranks_are_sent_the_declared_settings_with_their_defaults() -> None:
     fields = {f.name: f for f in dataclasses.fields(RankConfig)}
     defaults = MeshOptions()
