@@ -124,6 +124,15 @@ def resized(*, rank: int, world_size: int, local_rank: int, local_world_size: in
             env[key] = str(value)
 
 
+def replicas(groups: int, environ: MutableMapping[str, str] | None = None) -> None:
+    """The mesh now has ``groups`` torchft replica groups (``%mesh scale`` under a running torchft loop): set
+    NUM_REPLICA_GROUPS where it is set (a torchft mesh); RANK and WORLD_SIZE wait for the next Regroup, which makes
+    the default process group of the new size."""
+    env = os.environ if environ is None else environ
+    if "NUM_REPLICA_GROUPS" in env:
+        env["NUM_REPLICA_GROUPS"] = str(groups)
+
+
 def _error_file(local_rank: int) -> str:
     """A fresh TORCHELASTIC_ERROR_FILE path, laid out as torchrun's (``.../attempt_0/LOCAL_RANK/error.json``):
     ``torch.distributed.elastic.multiprocessing.errors.record`` writes a failing entry point's error there."""

@@ -11,8 +11,8 @@ from typing import Any, ClassVar
 
 __all__ = [
     "PROTOCOL_VERSION", "Message", "MESSAGE_TYPES", "Hello", "Welcome", "StoreReady", "Ready", "StartFailed",
-    "Exec", "Call", "Interrupt", "StacksRequest", "Abort", "Regroup", "Ping", "Rejected", "Shutdown", "Result",
-    "Stream", "Stacks", "Progress", "Heartbeat", "Push", "Pull", "PullReply", "ShmRelease", "DebugOutput",
+    "Exec", "Call", "Interrupt", "StacksRequest", "Abort", "Regroup", "Replicas", "Ping", "Rejected", "Shutdown",
+    "Result", "Stream", "Stacks", "Progress", "Heartbeat", "Push", "Pull", "PullReply", "ShmRelease", "DebugOutput",
     "DebugPrompt", "DebugResumed", "DebugInput", "DebugPostMortem", "Inspect", "DebugClear", "DebugReply",
     "Goodbye", "Display", "Complete", "CompleteReply", "register", "NO_GROUP",
 ]
@@ -189,6 +189,17 @@ class Abort(Message):
 
     TYPE: ClassVar[str] = "abort"
     reason: str
+
+
+@_register
+@dataclass(frozen=True)
+class Replicas(Message):
+    """Controller -> rank, answered by its I/O thread even while a cell runs: the torchft replica groups of the mesh
+    are now ``groups`` (``%mesh scale`` under a running torchft loop, kernel/ftscale.py); the rank sets
+    ``NUM_REPLICA_GROUPS`` where set. Its default process group is made again later (a ``Regroup``)."""
+
+    TYPE: ClassVar[str] = "replicas"
+    groups: int
 
 
 @_register

@@ -153,6 +153,7 @@ class Rank:
             P.StacksRequest: self._on_stacks,
             P.Abort: self._on_abort,
             P.Ping: lambda msg, payload, bufs: None,
+            P.Replicas: lambda msg, payload, bufs: elastic_env.replicas(msg.groups),
             P.ShmRelease: self.transfers.on_release,
             P.DebugInput: self.debugger.on_input,
             P.Inspect: self.debugger.on_inspect,

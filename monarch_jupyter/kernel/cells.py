@@ -342,6 +342,34 @@ class CellTable:
         self.state.pending.setdefault(rec.cell_id, rec)
         return True
 
+    def grow(self, rec: CellRecord, ranks: list[int]) -> None:
+        """New ``ranks`` (``%mesh scale`` under a running torchft loop: kernel/ftscale.py) join ``rec``, a
+        ``--rejoin`` cell, as replacements do: left until ``rejoin`` sends them the cell (its first group's
+        message), which ends only once they finished it too."""
+        self.state.assert_locked()
+        assert rec.rejoin is not None
+        rec.ranks = sorted(set(rec.ranks) | set(ranks))
+        rec.members.update(ranks)
+        rec.left.update(ranks)
+        _, msg, payload, buffers = rec.rejoin[0]
+        rec.rejoin.append((list(ranks), msg, payload, buffers))
+
+    def drop(self, rec: CellRecord, ranks: list[int]) -> None:
+        """``ranks`` leave ``rec`` without a result or an error (``%mesh scale`` stops them under a running torchft
+        loop: kernel/ftscale.py); the cell ends if the others have finished it."""
+        self.state.assert_locked()
+        gone = set(ranks)
+        rec.ranks = [r for r in rec.ranks if r not in gone]
+        for r in gone:
+            rec.members.discard(r)
+            rec.finished.discard(r)
+            rec.results_in.discard(r)
+            for table in (rec.values, rec.has_value, rec.errors, rec.synced, rec.durations, rec.result_seen_at,
+                          rec.unmarked, rec.held):
+                table.pop(r, None)
+        rec.left -= gone
+        self.finish_ranks(rec, [])  # it may be done now
+
     def stop_all(self) -> None:
         """The mesh stopped; every cell ends, each unfinished rank with a RankDiedError."""
         self.state.assert_locked()

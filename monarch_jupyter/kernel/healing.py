@@ -183,9 +183,9 @@ class Healer:
         deadline = time.monotonic() + state.options.start_timeout
         try:
             if alone:
-                self._start_alone(ranks, deadline)
+                self.start_alone(ranks, deadline)
             elif group is not None:  # the replacement starts alone, then its sub-mesh regroups (the others run on)
-                self._start_alone(ranks, deadline)
+                self.start_alone(ranks, deadline)
                 self.restarts.regroup([], deadline, group)
             else:
                 self.restarts.regroup(ranks, deadline)
@@ -197,7 +197,7 @@ class Healer:
             return  # a replacement that died is queued again: healed within the same limit
         self.last_seconds = time.monotonic() - first
         sent = self.replay(ranks)
-        rejoined = self._rejoin(ranks, rejoining)
+        rejoined = self.rejoin(ranks, rejoining)
         with state.lock:
             if any(state.ranks[r].state is RankState.DEAD for r in ranks):
                 return  # it died while it got back what it had: that death is healed next, within the limit
@@ -211,7 +211,7 @@ class Healer:
         self._say(note, ranks)
         state.events.emit("healed", ranks=ranks, seconds=self.last_seconds, rejoined=rejoined)
         if alone:
-            self._regroup_when_idle(ranks, group)
+            self.regroup_when_idle(ranks, group)
 
     def _give_up(self, ranks: list[int], text: str) -> None:
         """``ranks`` stay dead: cells that waited for them run (and fail), ``text`` says why."""
@@ -258,7 +258,7 @@ class Healer:
         with self.state.lock:
             return [rec for rec in self.state.cells.values() if rec.left & set(ranks) and not rec.all_done]
 
-    def _start_alone(self, ranks: list[int], deadline: float) -> None:
+    def start_alone(self, ranks: list[int], deadline: float) -> None:
         """Start replacements for ``ranks`` without a process group (the others run a cell they rejoin) and wait
         until each is ready. Raises MonarchError when one fails to start."""
         state = self.state
@@ -324,7 +324,7 @@ class Healer:
             return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         return ""
 
-    def _rejoin(self, ranks: list[int], rejoining: list[CellRecord]) -> list[str]:
+    def rejoin(self, ranks: list[int], rejoining: list[CellRecord]) -> list[str]:
         """Send each replacement the ``--rejoin`` cells it left; returns the cells' names."""
         names: list[str] = []
         for rec in rejoining:
@@ -341,7 +341,7 @@ class Healer:
                     names.append(name)
         return names
 
-    def _regroup_when_idle(self, ranks: list[int], group: list[int] | None = None) -> None:
+    def regroup_when_idle(self, ranks: list[int], group: list[int] | None = None) -> None:
         """Once no rank runs a cell (the rejoined ones ended), make a fresh process group of every rank (split:
         of ``group``, the ranks' sub-meshes, once they run none); cells for ``ranks`` wait until then."""
         state = self.state

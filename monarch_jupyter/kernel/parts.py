@@ -22,6 +22,7 @@ from .debugger import MeshDebugger
 from .dispatch import Dispatcher
 from .endpoint import ControllerSocket
 from .events import EventBus
+from .ftscale import FtScaler
 from .healing import REPLAY_TIMEOUT, DeathQueue, Healer
 from .history import History
 from .interrupts import Interrupter
@@ -133,7 +134,8 @@ def build(nproc: int, options: MeshOptions, join_launcher: JoinLauncher | None) 
     debugger = MeshDebugger(prompts, PostMortem(state, waiter, prompts, inspector), inspector)
     healer = Healer(state, queue, cells, dispatcher, restarts, lifecycle, history, writer, waiter.submit,
                     lambda values, rank, device: transfers.push(values, [rank], device, REPLAY_TIMEOUT, "auto"))
-    resizer = Resizer(state, restarts, lifecycle, healer)  # %mesh scale: one regroup, as restarts and healing
+    resizer = Resizer(state, restarts, lifecycle, healer,  # %mesh scale: one regroup, as restarts and healing
+                      lambda replay: FtScaler(state, cells, dispatcher, restarts, healer, replay))
     return Parts(events, state, writer, cells, dispatcher, stacks, interrupter, segments, router, deaths, listener, io,
                  lifecycle, restarts, releases, waiter, transfers, debugger, rich, completions, dap, history, healer,
                  lighthouse, resizer, Splitter(state, resizer, lifecycle))  # sub-meshes: the same regroup

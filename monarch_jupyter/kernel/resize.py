@@ -15,7 +15,8 @@ GROUP_* and TORCHELASTIC_RUN_ID stay: one host, one run), and ``world_size`` in 
 
 What is refused (MonarchError or ValueError, the mesh unchanged): a size below 1; more local ranks than the host
 carries (launch.capacity, unless ``oversubscribe``); ranks started elsewhere (joined, host agents: their launcher
-owns them); a cell running on any rank, a rank being restarted, or a dead rank.
+owns them); a cell running on any rank (but a torchft loop: ftscale.py scales under it), a rank being restarted,
+or a dead rank.
 
 ``regroup_to(nproc, fresh)`` is the part a sub-mesh (split, merge) can use as well: set the membership, start
 ``fresh``, regroup everyone (ranks on several hosts, host agents or joined, numbered per host: ``state.BY_HOST``).
@@ -26,10 +27,12 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import MonarchError
 from ..ranks import format_ranks, ranks_text
+from .ftscale import FtScaler, torchft_loops
 from .healing import Healer
 from .launch.capacity import check_host_capacity
 from .launch.local import LocalLauncher
@@ -50,6 +53,7 @@ class ScaleReport:
     stopped: list[int]
     seconds: float
     sent: str = ""  # what the new ranks got back, in words ("" when nothing)
+    group: str = ""  # what happens to the default process group, when not made now (ftscale.py), in words
 
     @property
     def text(self) -> str:
@@ -59,7 +63,7 @@ class ScaleReport:
         kept = min(self.before, self.after)
         out = (f"scaled from {self.before} to {self.after} ranks in {self.seconds:.1f} s: {how}; "
                f"{ranks_text(list(range(kept)))} kept {'their namespaces' if kept > 1 else 'its namespace'}; "
-               f"a fresh process group of {self.after} ranks")
+               f"{self.group or f'a fresh process group of {self.after} ranks'}")
         if self.sent:
             out += f"; the new ranks got {self.sent}"
         return out
@@ -74,11 +78,13 @@ class ScaleReport:
 class Resizer:
     """Grows and shrinks one mesh (see the module docstring)."""
 
-    def __init__(self, state: MeshState, restarts: Restarts, lifecycle: Lifecycle, healer: Healer) -> None:
+    def __init__(self, state: MeshState, restarts: Restarts, lifecycle: Lifecycle, healer: Healer,
+                 ft: Callable[[Callable[[list[int]], str]], FtScaler]) -> None:
         self.state = state
         self.restarts = restarts
         self.lifecycle = lifecycle
         self.healer = healer
+        self.ft = ft(self._replay)  # under a running torchft loop (ftscale.py)
 
     def scale(self, n: int) -> ScaleReport:
         """Make the mesh ``n`` ranks (see the module docstring).
@@ -86,10 +92,12 @@ class Resizer:
         Raises
         ------
         ValueError
-            ``n`` is not a positive int, or the host cannot carry ``n`` local ranks (``oversubscribe`` forces).
+            ``n`` is not a positive int, or the host cannot carry ``n`` local ranks (``oversubscribe`` forces), or
+            under a running torchft loop ``n`` is below ``torchft_min_replicas``.
         MonarchError
-            The ranks were not started by this controller, a cell runs, a rank is dead or being restarted, or
-            another scale runs.
+            The ranks were not started by this controller, a cell runs (other than a torchft loop on every rank,
+            ftscale.py), a rank is dead or being restarted, another scale runs, or a rank grown under a torchft loop
+            failed to start (the loop runs on without it).
         MeshStartError
             A new rank did not join within ``start_timeout`` (then ``%mesh restart`` is the way).
         """
@@ -114,11 +122,12 @@ class Resizer:
             busy = sorted(r for r, i in state.ranks.items() if i.cells)
             dead = sorted(r for r, i in state.ranks.items() if i.state is RankState.DEAD)
             healing = sorted(state.healing)
+            loops = torchft_loops(state) if busy else []
             if state.resizing:
                 raise MonarchError("another %mesh scale runs on this mesh; wait for it")
-            if not (busy or dead or healing):
+            if not (busy and not loops or dead or healing):
                 state.resizing = True
-        if busy:
+        if busy and not loops:
             raise MonarchError(
                 f"a cell runs on {ranks_text(busy)}: the mesh is not resized under a running cell (its process "
                 "group would change beneath it). Wait for it (handle.result()), or stop it with  %mesh interrupt"
@@ -131,27 +140,38 @@ class Resizer:
                                f"{'them' if len(dead) > 1 else 'it'} first with  %mesh restart --rank "
                                f"{format_ranks(dead)}, then scale")
         t0 = time.monotonic()
+        group = ""
         try:
             if n == before:
                 return ScaleReport(before, n, [], [], 0.0)
-            stopped = list(range(n, before))
-            if stopped:
-                self.restarts.kill_ranks(stopped, "stopped by %mesh scale")
-                with state.lock:
-                    still = [r for r in stopped if state.ranks[r].state is not RankState.DEAD]
-                if still:  # not reported gone within EXIT_WAIT: SIGKILL again, they must not rejoin
-                    for r in still:
-                        state.launcher.signal(r, signal.SIGKILL)
-            started = list(range(before, n))
-            self.regroup_to(n, started)
-            sent = self._replay(started) if started else ""
+            if loops:  # ftscale.py: the running torchft loop goes on; the default group is made when it ends
+                self.ft.check(before, n)
+                started, stopped, sent, group = self.ft.scale(before, n, loops)
+            else:
+                started, stopped, sent = self._scale(before, n)
         finally:
             with state.lock:
                 state.resizing = False
-        report = ScaleReport(before, n, started, stopped, time.monotonic() - t0, sent)
+        report = ScaleReport(before, n, started, stopped, time.monotonic() - t0, sent, group)
         state.events.emit("resized", before=before, after=n, started=started, stopped=stopped)
         state.events.flush()  # the live views show the new ranks before the report
         return report
+
+    def _scale(self, before: int, n: int) -> tuple[list[int], list[int], str]:
+        """No cell runs: stop or start ranks, one regroup; returns (started, stopped, what new ranks got)."""
+        state = self.state
+        stopped = list(range(n, before))
+        if stopped:
+            self.restarts.kill_ranks(stopped, "stopped by %mesh scale")
+            with state.lock:
+                still = [r for r in stopped if state.ranks[r].state is not RankState.DEAD]
+            if still:  # not reported gone within EXIT_WAIT: SIGKILL again, they must not rejoin
+                assert state.launcher is not None
+                for r in still:
+                    state.launcher.signal(r, signal.SIGKILL)
+        started = list(range(before, n))
+        self.regroup_to(n, started)
+        return started, stopped, self._replay(started) if started else ""
 
     def _replay(self, ranks: list[int]) -> str:
         """Send new ``ranks`` what the notebook sent every rank (Healer.replay), as the replayer: what it sends is
