@@ -159,6 +159,9 @@ class FtScaler:
             return "", True
         sent = self.replay(started)
         self.healer.rejoin(started, loops)
+        with state.lock:  # what a cell that waited for them says once the group is made (waiting.py)
+            state.healed_note = (f"{ranks_text(started)}, started by %mesh scale into the torchft loop, "
+                                 f"{'are' if len(started) > 1 else 'is'} in the process group of {n} ranks now")
         return sent, False
 
     def _undo(self, started: list[int], loops: list[CellRecord], was_down: dict[int, str]) -> None:
