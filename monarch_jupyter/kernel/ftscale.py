@@ -108,13 +108,27 @@ class FtScaler:
             joined = (f"{ranks_text(started)} died as {'they' if len(started) > 1 else 'it'} started, and the healer "
                       "starts it again (on_rank_death=restart) into the running torchft loop; ")
         else:
-            threading.Thread(target=self.healer.regroup_when_idle, args=(started,), name="monarch-ftscale",
-                             daemon=True).start()
+            with self.state.lock:
+                pids = {r: self.state.ranks[r].pid for r in started}
+            threading.Thread(target=self._regroup_later, args=(pids,), name="monarch-ftscale", daemon=True).start()
             joined = (f"{ranks_text(started)} joined the running torchft loop, healing from a peer there; "
                       if started else "")
         later = (f"{joined}the loop goes on with {n} replica groups; the default process group of {n} ranks is made "
                  "when the running cell ends")
         return started, stopped, sent, later
+
+    def _regroup_later(self, pids: dict[int, int | None]) -> None:
+        """Make the default process group once the loop's cell ended (Healer.regroup_when_idle); then cells wait no
+        more for the new ranks (rank -> its process id, ``pids``), but for one that died meanwhile: its healing
+        (healing.py) makes the group and ends its wait."""
+        state = self.state
+        try:
+            self.healer.regroup_when_idle([])
+        finally:
+            with state.lock:
+                state.healing -= {r for r, pid in pids.items() if r in state.ranks and state.ranks[r].pid == pid
+                                  and state.ranks[r].state is not RankState.DEAD}
+                state.cond.notify_all()
 
     def _shrink(self, n: int, stopped: list[int], loops: list[CellRecord]) -> None:
         state = self.state

@@ -24,14 +24,20 @@ from torchft import Optimizer
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
 opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+def load(sd):  # what torchft calls to heal this replica; rank DIE_RANK dies in its first heal (once: FLAG)
+    if rank == DIE_RANK and not os.path.exists(FLAG):
+        open(FLAG, "w").close()
+        os.kill(os.getpid(), 9)
+    model.load_state_dict(sd["model"])
+    opt.load_state_dict(sd["opt"])
 """
 
 # A torchft loop that runs until every replica agrees on its last step: once rank 0 commits a step with the quorum
 # of the new size (``NUM_REPLICA_GROUPS``, which the scale sets beneath the running loop), it writes END = that step
 # + 10; every replica stops there, the replica grown in the meantime included.
 LOOP = """
-manager = ft.manager(state_dict=lambda: {"model": model.state_dict(), "opt": opt.state_dict()},
-                     load_state_dict=lambda sd: (model.load_state_dict(sd["model"]), opt.load_state_dict(sd["opt"])))
+manager = ft.manager(state_dict=lambda: {"model": model.state_dict(), "opt": opt.state_dict()}, load_state_dict=load)
 ddp, optim = ft.DistributedDataParallel(manager, model), Optimizer(manager, opt)
 
 def end():
@@ -64,9 +70,9 @@ manager.current_step()
 """
 
 
-def _start_loop(m: Mesh, tmp: str, want: int) -> tuple[object, str]:
+def _start_loop(m: Mesh, tmp: str, want: int, die_rank: int = -1) -> tuple[object, str]:
     end, started = os.path.join(tmp, "end"), os.path.join(tmp, "started")
-    m.push(END=end, STARTED=started, WANT=want)
+    m.push(END=end, STARTED=started, WANT=want, DIE_RANK=die_rank, FLAG=os.path.join(tmp, "died"))
     m.run(SETUP, replay=True)
     handle = m.run(LOOP, rejoin=True, block=False)
     deadline = time.monotonic() + WAIT
@@ -139,3 +145,17 @@ def test_scale_3_to_2_under_a_torchft_loop_the_loop_finishes(tmp_path: object) -
         _equal_weights(m)
         _group_up(m, 2)
         assert m.run("t = torch.ones(1); dist.all_reduce(t); (t.item(), world_size)") == {0: (2.0, 2), 1: (2.0, 2)}
+
+
+def test_a_grown_rank_that_dies_in_its_heal_is_restarted_and_rejoins_the_loop(tmp_path: object) -> None:
+    with Mesh(2, on_rank_death="restart", torchft=True, start_timeout=WAIT) as m:
+        handle, end = _start_loop(m, str(tmp_path), 3, die_rank=2)
+        report = m.scale(3)
+        assert report.started == [2], report.text
+        result = handle.result(timeout=WAIT)  # type: ignore[attr-defined]
+        assert os.path.exists(os.path.join(str(tmp_path), "died")), "rank 2 did not die in its heal"
+        last = int(open(end).read())
+        assert result == {0: last, 1: last, 2: last}
+        _equal_weights(m)
+        _group_up(m, 3)
+        assert m.run("t = torch.ones(1); dist.all_reduce(t); t.item()") == dict.fromkeys(range(3), 3.0)
