@@ -263,7 +263,7 @@ class Splitter:
             self._claim("split")
             try:
                 with state.lock:
-                    state.partition = groups
+                    state.partition, state.sub_names = groups, list(names)
                 token = object()
                 self.token = token
                 self.subs = {n: SubMesh(n, g, mesh, self, token) for n, g in zip(names, groups, strict=True)}
