@@ -177,7 +177,7 @@ class Mesh:
         ``ranks``: restart only these (e.g. the ones that died): fresh processes for them, while every other
         rank keeps its namespace and joins a fresh process group with them. Objects bound to the old group
         (DistributedDataParallel wrappers, ``new_group`` handles) must be created again. Only for ranks this
-        controller starts (the local launcher).
+        controller starts (the local launcher). On a split mesh it ends the split, and prints a line that says so.
 
         Raises
         ------

@@ -221,4 +221,13 @@ def test_split_in_the_notebook(kernel: tuple[KernelManager, Any], tmp_path: Path
     assert r.status == "ok" and "merged left, right" in r.stdout, r.traceback
     r = execute(kc, "%%mesh\nt = torch.ones(1)\ndist.all_reduce(t)\n(world_size, t.item(), kept)")
     assert ast.literal_eval(r.results[0]) == {r: (4, 4.0, 100 + r) for r in range(4)}
+    # %mesh restart --rank on a split mesh regroups the whole mesh: its line says the split ended
+    assert execute(kc, "%mesh split 2 --names a,b").status == "ok"
+    r = execute(kc, "%mesh restart --rank 3")
+    assert r.status == "ok", r.traceback
+    assert "restarted rank 3, which ended the split: a, b merged into one process group of 4 ranks" in r.stdout, (
+        r.stdout)
+    r = execute(kc, "(m.subs, a.alive, m.run('(world_size, globals().get(\\'kept\\'))'))")
+    assert ast.literal_eval(r.results[0]) == ({}, False, {0: (4, 100), 1: (4, 101), 2: (4, 102), 3: (4, None)}), (
+        r.results)
     assert execute(kc, "%mesh stop").status == "ok"
