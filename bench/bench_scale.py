@@ -16,9 +16,9 @@ Each row runs in a fresh interpreter; with ``--reference DIR`` (a checkout of th
 row runs there too, alternating with this checkout, so that load from elsewhere hits both alike: "before" is DIR,
 "after" this checkout. The simulated agents and relays are this checkout's bench/simhosts.py for both: for this
 checkout they answer a cell with one ``span`` event per host (what monarch_worker.hostlink sends for consecutive
-ranks), for the reference with the ``done`` event that lists ranks and durations, which is what it reads. Rows stop after ``--cells`` cells or ``--row-seconds`` seconds,
-whichever comes first (the old controller takes about a second per cell at 4,096 ranks). On a shared 2-core
-machine every figure is noisy: compare the ratios of one run.
+ranks), for the reference with the ``done`` event that lists ranks and durations, which is what it reads. Rows stop
+after ``--cells`` cells or ``--row-seconds`` seconds, whichever comes first (the old controller takes about a second
+per cell at 4,096 ranks). On a shared 2-core machine every figure is noisy: compare the ratios of one run.
 """
 
 from __future__ import annotations

@@ -149,57 +149,6 @@ def agent(address: str, secret_hex: str, nproc: int) -> None:
     agents(address, secret_hex, nproc, 1)
 
 
-def relay(self, ranks: list[int], make: object) -> tuple[list, list]:
-        """("msg", rank, n) events and frames for one message per rank, signed as the ranks would."""
-        events, frames = [], []
-        for r in ranks:
-            f = self.rank_signer.pack(make(r))  # type: ignore[operator]
-            events.append(("msg", r, len(f)))
-            frames += f
-        return events, frames
-
-
-def agent(address: str, secret_hex: str, nproc: int) -> None:
-    """A simulated host agent of ``nproc`` ranks that finish every cell at once."""
-    up = Upstream(address, bytes.fromhex(secret_hex))
-    up.send(P.AgentHello(host=f"sim{os.getpid()}", pid=os.getpid(), nproc=nproc, addr="127.0.0.1"))
-    ranks: list[int] = []
-    next_beat = time.monotonic() + BEAT
-    while True:
-        if up.sock.poll(int(BEAT * 1000)):
-            while (frames := recv_frames(up.sock)) is not None:
-                msg, _, bufs = up.signer.unpack(frames)
-                if isinstance(msg, P.AgentWelcome):
-                    ranks, world = list(msg.ranks), msg.world_size
-                    ev, fr = up.relay(ranks, lambda r, w=world: P.Hello(rank=r, pid=os.getpid(), host="sim",
-                                                                        world_size=w))
-                    up.events(ev, fr)
-                elif isinstance(msg, P.Forward):
-                    if msg.kind == "welcome":
-                        inner = P.Signer(bytes.fromhex(secret_hex))
-                        welcome = inner.unpack(bufs)[0]
-                        assert isinstance(welcome, P.Welcome)
-                        events, frames_out = [], []
-                        if welcome.master_port == 0:
-                            ev, fr = up.relay(msg.ranks, lambda r: P.StoreReady(port=1, addr="127.0.0.1"))
-                            events += ev
-                            frames_out += fr
-                        ev, fr = up.relay(msg.ranks, lambda r: P.Ready(device="cpu", backend="sim", host="sim",
-                                                                       pid=os.getpid()))
-                        up.events(events + ev, frames_out + fr)
-                    elif msg.kind in ("exec", "call") and msg.cell_id >= 0:
-                        its = ranks if msg.ranks == ALL else list(msg.ranks)
-                        up.events([("done", msg.cell_id, its, [0.0] * len(its))], [])
-                    elif msg.kind == "shutdown":
-                        up.events([("exit", r, 0) for r in (ranks if msg.ranks == ALL else msg.ranks)], [])
-                elif isinstance(msg, (P.Shutdown, P.Rejected)):
-                    return
-        now = time.monotonic()
-        if now >= next_beat and ranks:
-            next_beat = now + BEAT
-            up.events([("beat", [(r, 0, 0, 0, "sim") for r in ranks])], [])
-
-
 def relay(address: str, secret_hex: str, children: int, nproc: int) -> None:
     """A simulated relay for ``children`` simulated agents of ``nproc`` ranks each (it starts them itself)."""
     import subprocess
@@ -295,7 +244,7 @@ def _merge(up: Upstream, msg: P.HostEvents, bufs: list, cells: dict) -> None:
 def _merged(cell_id: int, batches: list) -> tuple:
     """One event for the children's answers to a cell: a span when they are spans that join up, else a done."""
     batches.sort(key=lambda b: b[0])
-    if all(b[1] is not None for b in batches) and all(a[1] == b[0] for a, b in zip(batches, batches[1:])):
+    if all(b[1] is not None for b in batches) and all(a[1] == b[0] for a, b in zip(batches, batches[1:], strict=False)):
         return ("span", cell_id, batches[0][0], batches[-1][1], b"".join(b[2] for b in batches))
     ranks: list[int] = []
     durations: list[float] = []

@@ -14,7 +14,8 @@ from typing import Any, ClassVar
 
 from .messages import PROTOCOL_VERSION, Message, register
 
-__all__ = ["AgentHello", "AgentWelcome", "Forward", "HostEvents", "Spawn", "Signal", "pack_durations", "unpack_durations"]
+__all__ = ["AgentHello", "AgentWelcome", "Forward", "HostEvents", "Spawn", "Signal", "pack_durations",
+           "unpack_durations"]
 
 
 @register

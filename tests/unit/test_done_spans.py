@@ -53,7 +53,7 @@ def test_the_cell_table_takes_a_span_and_gives_per_rank_durations_back() -> None
     assert snap.finished == set(range(8))
     assert snap.durations == {r: r / 10 for r in range(8)}
     try:
-        table.on_done(3, range(0, 2), P.pack_durations([0.1]))
+        table.on_done(3, range(2), P.pack_durations([0.1]))
     except ValueError as e:
         assert "2 ranks and 1 durations" in str(e)
     else:
