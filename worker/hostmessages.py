@@ -7,12 +7,15 @@ message for several ranks of the host), ``Spawn`` and ``Signal``; the agent answ
 
 from __future__ import annotations
 
+import array
+import sys
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from .messages import PROTOCOL_VERSION, Message, register
 
-__all__ = ["AgentHello", "AgentWelcome", "Forward", "HostEvents", "Spawn", "Signal"]
+__all__ = ["AgentHello", "AgentWelcome", "Forward", "HostEvents", "Spawn", "Signal", "pack_durations",
+           "unpack_durations"]
 
 
 @register
@@ -69,9 +72,10 @@ class Signal(Message):
 @register
 @dataclass(frozen=True)
 class Forward(Message):
-    """Controller -> agent: give one signed message (its frames are this message's buffers) to each of ``ranks``:
-    into the work pipe when ``kind`` (the inner message's TYPE) is work, else over the rank's socket. ``cell_id``
-    (-1: none): the cell whose results the agent collects from those ranks before it answers."""
+    """Controller -> agent: give one signed message (its frames are this message's buffers) to each of ``ranks``
+    (``[-1]``: every rank of this host, so that a cell for a whole host names none of them one by one): into the
+    work pipe when ``kind`` (the inner message's TYPE) is work, else over the rank's socket. ``cell_id`` (-1: none):
+    the cell whose results the agent collects from those ranks before it answers."""
 
     TYPE: ClassVar[str] = "forward"
     ranks: list
@@ -86,6 +90,10 @@ class HostEvents(Message):
 
     ``events`` is a list of tuples, by their first item: ``("out", rank, stream, text)`` a line of output;
     ``("done", cell_id, ranks, durations)`` ranks that finished a cell with no value and no error;
+    ``("span", cell_id, start, stop, durations)`` the same for ranks ``start`` to ``stop - 1`` (a host whose ranks
+    are consecutive sends this form: no list of ranks, and ``durations``, their seconds in rank order, as float64
+    bytes in little-endian order: ``pack_durations``), so that the controller reads a host's ranks in one
+    step whatever their number;
     ``("res", rank, cell_id, status, has_value, error, duration, pickle_bytes, nbufs)`` any other result (its pickle
     in the payload, its out-of-band buffers next in the buffers); ``("msg", rank, nframes)`` a signed message of the
     rank, relayed (its frames next in the buffers); ``("up", rank, pid)`` forked; ``("exit", rank, returncode)``
@@ -97,3 +105,19 @@ class HostEvents(Message):
     events: list
     payload: Any = None
 
+
+def pack_durations(durations: list[float]) -> bytes:
+    """Seconds as float64 bytes, little-endian (a ``span`` event's durations, hostmessages.HostEvents)."""
+    arr = array.array("d", durations)
+    if sys.byteorder != "little":
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def unpack_durations(data: bytes) -> list[float]:
+    """The seconds ``pack_durations`` packed."""
+    arr = array.array("d")
+    arr.frombytes(data)
+    if sys.byteorder != "little":
+        arr.byteswap()
+    return arr.tolist()

@@ -150,8 +150,9 @@ class Deaths:
         if window <= 0:
             return
         with state.lock:
-            silent = [info.rank for info in state.ranks.values() if info.identity is not None
-                      and info.last_heard > 0 and info.alive and now - info.last_heard > window]
+            # the cheap test first: ``alive`` reads the cells in flight
+            silent = [info.rank for info in state.ranks.values() if now - info.last_heard > window
+                      and info.last_heard > 0 and info.identity is not None and info.alive]
         if silent:
             self.ranks_lost(silent, f"no heartbeat for {window:g} s: stopped, hung with the GIL held, or its host is "
                                     "unreachable")

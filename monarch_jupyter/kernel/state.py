@@ -368,6 +368,8 @@ class MeshState:
     def down_for(self, ranks: Iterable[int]) -> str:
         """Under the lock: why the process group of some of ``ranks`` is broken ("" when theirs are fine)."""
         self.assert_locked()
+        if not self.down:  # the usual case: no step per rank
+            return ""
         return "; ".join(dict.fromkeys(self.down[r] for r in ranks if r in self.down))
 
     def stuck(self, ranks: list[int]) -> list[int]:

@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["HostLinks", "Agent", "pseudo_identity"]
 
+ALL = [-1]  # a Forward's or Signal's ranks: every rank of the agent (hostmessages.Forward)
+
 
 def pseudo_identity(rank: int) -> bytes:
     """The identity the controller files a rank held by an agent under (never a ZeroMQ peer's: those are either
@@ -230,6 +232,21 @@ class HostLinks:
         """The agents that are alive (pinged by the I/O thread)."""
         return [a.identity for a in self.agents.values() if a.alive]
 
+    def ping(self, frames: list, dead: set[int]) -> bool:
+        """Ping every rank through its agent, one ``Forward`` per agent (``frames``: a signed Ping; ``dead``: ranks
+        the controller holds dead, not pinged), when agents hold every rank of the mesh and each has said hello:
+        then True, with no step per rank; else False, and nothing is sent (the caller pings rank by rank) (I/O
+        thread)."""
+        if self._unjoined or len(self._rank_agent) != self.state.nproc:
+            return False
+        for agent in list(self.agents.values()):
+            if not agent.alive:
+                continue
+            its = [r for r in agent.ranks if r not in dead] if dead and not dead.isdisjoint(agent.ranks) else ALL
+            if its:
+                self.socket.send_frames(agent.identity, self.socket.pack(P.Forward(its, P.Ping.TYPE), b"", frames))
+        return True
+
     # ------------------------------------------------------------------ agent messages (I/O thread)
 
     def on_agent_message(self, identity: bytes, msg: P.Message, payload: bytes, bufs: list,
@@ -267,7 +284,9 @@ class HostLinks:
             if lines:
                 self._lines(lines)
                 lines = []
-            if kind == "done":
+            if kind == "span":  # a host's ranks start..stop-1, their durations as float64 bytes
+                self.cells.on_done(event[1], range(event[2], event[3]), event[4])
+            elif kind == "done":
                 self.cells.on_done(event[1], event[2], event[3])
             elif kind == "res":
                 _, rank, cell_id, status, has_value, error, duration, nbytes, n = event
@@ -297,18 +316,21 @@ class HostLinks:
                     self.router.route_line(info, stream, text)
 
     def _beats(self, beats: list) -> None:
+        """A host's heartbeats, (rank, rss, cuda_allocated, cuda_reserved, group) each: once per heartbeat interval,
+        not per cell; one lock and one queueing of the views' events for the batch."""
         state = self.state
         now = time.monotonic()
+        infos = state.ranks
         with state.lock:
             for rank, rss, cuda_allocated, cuda_reserved, group in beats:
-                info = state.ranks.get(rank)
+                info = infos.get(rank)
                 if info is not None:
-                    info.rss, info.cuda_allocated, info.cuda_reserved = rss, cuda_allocated, cuda_reserved
-                    info.group = group
-                    info.last_heard = now
-        for rank, rss, cuda_allocated, cuda_reserved, _group in beats:
-            state.events.emit("heartbeat", rank=rank, rss=rss, cuda_allocated=cuda_allocated,
-                              cuda_reserved=cuda_reserved)
+                    info.rss, info.cuda_allocated, info.cuda_reserved, info.group, info.last_heard = (
+                        rss, cuda_allocated, cuda_reserved, group, now)
+        if state.events.listening:
+            state.events.emit_all([("heartbeat", {"rank": rank, "rss": rss, "cuda_allocated": cuda_allocated,
+                                                  "cuda_reserved": cuda_reserved})
+                                   for rank, rss, cuda_allocated, cuda_reserved, _group in beats])
 
     # ------------------------------------------------------------------ rendezvous of agent ranks (I/O thread)
 
@@ -386,7 +408,7 @@ class HostLinks:
                 continue
             covered += hi - lo
             if agent.alive:
-                sends.append((agent.identity, agent.ranks if hi - lo == stop - start else ranks[lo:hi]))
+                sends.append((agent.identity, ALL if hi - lo == stop - start else ranks[lo:hi]))
         if covered != len(ranks):  # ranks that joined on their own (no agent), or agents with scattered ranks
             spans = self._spans
             with self.state.lock:
