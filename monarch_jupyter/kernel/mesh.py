@@ -419,10 +419,12 @@ class Mesh:
         what the notebook had sent (pushes, notebook functions, ``--replay`` cells). Returns ``fn`` (a decorator)."""
         return self.parts.history.add_hook(fn)
 
-    def scale(self, n: int) -> ScaleReport:
-        """Grow or shrink the live mesh to ``n`` local ranks (``%mesh scale -n N``); the ranks that stay keep their
-        namespaces. What new ranks get, and what is refused (ValueError, MonarchError, MeshStartError): resize.py."""
-        return self.parts.resizer.scale(n)
+    def scale(self, n: int, timeout: float | None = None) -> ScaleReport:
+        """Grow or shrink the live mesh to ``n`` ranks, local or on its host agents (``%mesh scale -n N``); the ranks
+        that stay keep their namespaces. ``timeout``: seconds new ranks have to start (default ``start_timeout``).
+        Where new ranks go, what they get, and what is refused (ValueError, MonarchError, MeshStartError):
+        resize.py, launch/placement.py."""
+        return self.parts.resizer.scale(n, timeout)
 
     def split(self, groups: int | Sequence[Sequence[int]], names: Sequence[str] | None = None) -> list[SubMesh]:
         """Sub-meshes (``%mesh split``): ``groups`` a count or rank lists; each its own process group, numbered from 0,

@@ -28,16 +28,22 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ..errors import MonarchError
+from ..errors import MeshStartError, MonarchError, describe_returncode
 from ..ranks import format_ranks, ranks_text
 from .healing import Healer
 from .launch.capacity import check_host_capacity
+from .launch.hosts import HostLinks
+from .launch.join import JoinLauncher
 from .launch.local import LocalLauncher
+from .launch.placement import Placement, place
 from .lifecycle import Lifecycle
 from .recovery import Restarts
 from .state import BY_HOST, MeshState, RankState
 
 __all__ = ["Resizer", "ScaleReport"]
+
+SLOW_HINT = ("Scale again once the hosts can start them (%mesh status shows each host's ranks), or give them longer: "
+             "%mesh scale -n N --timeout SECONDS")
 
 
 @dataclass
@@ -80,36 +86,46 @@ class Resizer:
         self.lifecycle = lifecycle
         self.healer = healer
 
-    def scale(self, n: int) -> ScaleReport:
-        """Make the mesh ``n`` ranks (see the module docstring).
+    def scale(self, n: int, timeout: float | None = None) -> ScaleReport:
+        """Make the mesh ``n`` ranks (see the module docstring); new ranks have ``timeout`` seconds (default: the
+        mesh's ``start_timeout``) to start.
 
         Raises
         ------
         ValueError
-            ``n`` is not a positive int, or the host cannot carry ``n`` local ranks (``oversubscribe`` forces).
+            ``n`` is not a positive int, or the host(s) cannot carry ``n`` ranks (``oversubscribe`` forces).
         MonarchError
-            The ranks were not started by this controller, a cell runs, a rank is dead or being restarted, or
-            another scale runs.
+            The ranks were started one by one elsewhere, a cell runs, a rank is dead or being restarted, or another
+            scale runs.
         MeshStartError
-            A new rank did not join within ``start_timeout`` (then ``%mesh restart`` is the way).
+            A new rank did not start within ``timeout`` (the mesh is left as it was), or a rank failed to join the
+            new process group (then ``%mesh restart`` is the way).
         """
         state = self.state
         state.check_running()
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"a mesh needs at least 1 rank, got {n!r}: to end it, run  %mesh stop  "
                              "(mesh.stop())")
-        if self.lifecycle.joined or not isinstance(state.launcher, LocalLauncher):
+        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(f"timeout is the seconds new ranks have to start, above 0; got {timeout!r}")
+        hosts = self._hosts()
+        if hosts is None and (self.lifecycle.joined or not isinstance(state.launcher, LocalLauncher)):
             raise MonarchError(
-                "%mesh scale grows and shrinks local ranks (started by this kernel's fork server); these ranks "
-                "were started elsewhere (%mesh listen, host agents, torchrun, srun), whose launcher owns their "
-                "processes. Start the mesh with  %mesh start -n N  to scale it, or  %mesh restart  with the new "
+                "%mesh scale grows and shrinks ranks this kernel starts: its own (%mesh start -n N) or those of host "
+                "agents (python -m monarch_worker.agent, as %mesh listen and --launcher torchrun/slurm start them); "
+                "these ranks were started one process per rank elsewhere, whose launcher owns their processes. "
+                "Start the mesh with  %mesh start -n N  or host agents to scale it, or  %mesh restart  with the new "
                 "size from the launcher.")
         if state.partition is not None:
             raise MonarchError("the mesh is split into sub-meshes (submesh.py): merge it first with  m.merge()  "
                                "(%mesh merge), then scale")
         before = state.nproc
-        if n > before and not state.options.oversubscribe:
-            check_host_capacity(n)
+        placed: Placement | None = None
+        if n > before:
+            if hosts is not None:
+                placed = place(hosts.live_agents(), before, n, state.options.oversubscribe)
+            elif not state.options.oversubscribe:
+                check_host_capacity(n)
         with state.lock:
             busy = sorted(r for r, i in state.ranks.items() if i.cells)
             dead = sorted(r for r, i in state.ranks.items() if i.state is RankState.DEAD)
@@ -142,8 +158,13 @@ class Resizer:
                 if still:  # not reported gone within EXIT_WAIT: SIGKILL again, they must not rejoin
                     for r in still:
                         state.launcher.signal(r, signal.SIGKILL)
+                if hosts is not None:
+                    hosts.reassign({}, n)  # each agent forgets its ranks from n on
             started = list(range(before, n))
-            self.regroup_to(n, started)
+            if started:
+                wait = state.options.start_timeout if timeout is None else timeout
+                self._start_alone(started, placed, time.monotonic() + wait, wait)
+            self.regroup_to(n, [])
             sent = self._replay(started) if started else ""
         finally:
             with state.lock:
@@ -152,6 +173,64 @@ class Resizer:
         state.events.emit("resized", before=before, after=n, started=started, stopped=stopped)
         state.events.flush()  # the live views show the new ranks before the report
         return report
+
+    def _hosts(self) -> HostLinks | None:
+        """The host agents that hold the mesh's ranks (launch/hosts.py), or None (local ranks, or ranks started one
+        by one elsewhere)."""
+        launcher = self.state.launcher
+        return launcher.hosts if isinstance(launcher, JoinLauncher) else None
+
+    def _start_alone(self, ranks: list[int], placed: Placement | None, deadline: float, wait: float) -> None:
+        """Start new ``ranks`` without a process group (``state.solo``, as a healing does): the others keep theirs
+        until every new rank is up, so that one that does not come (``deadline``) leaves the mesh as it was.
+        Raises MeshStartError then, after the new ranks were stopped and forgotten."""
+        state = self.state
+        hosts = self._hosts()
+        with state.lock:
+            before = state.nproc
+            state.nproc = before + len(ranks)
+            for r in ranks:
+                state.ranks[r] = state.rank_info(r)
+                state.ranks[r].host = placed.hosts.get(r, "") if placed is not None else ""
+                state.solo.add(r)
+            state.cond.notify_all()
+        error: MeshStartError | None = None
+        try:
+            if hosts is not None and placed is not None:
+                hosts.reassign(placed.ranks, state.nproc)
+            self.lifecycle.spawn(ranks)
+            with state.lock:
+                while True:
+                    failed = [state.ranks[r] for r in ranks if state.ranks[r].start_error
+                              or state.ranks[r].state is RankState.DEAD]
+                    if failed:
+                        info = failed[0]
+                        why = info.start_error or describe_returncode(info.returncode)
+                        error = MeshStartError(f"new rank {info.rank} (host {info.host or '?'}) failed to start "
+                                               f"({why})", info.rank, "\n".join(info.last_lines))
+                        break
+                    late = [r for r in ranks if state.ranks[r].state is not RankState.IDLE]
+                    if not late:
+                        return
+                    if time.monotonic() > deadline:
+                        error = MeshStartError(f"new {ranks_text(late)} did not start within {wait:g} s", late[0])
+                        break
+                    state.cond.wait(0.05)
+        finally:
+            with state.lock:
+                state.solo -= set(ranks)
+        self.restarts.kill_ranks(ranks, "not started in time: %mesh scale gave up")
+        if hosts is not None:
+            hosts.reassign({}, before)
+        with state.lock:
+            for r in ranks:
+                del state.ranks[r]
+                state.killing.pop(r, None)
+            state.nproc = before
+            state.cond.notify_all()
+        state.events.emit("resized", before=before, after=before, started=[], stopped=[])
+        raise MeshStartError(f"{error.args[0]}: the new ranks were stopped and the mesh is as it was, {before} "
+                             f"ranks in their process group. {SLOW_HINT}", error.rank, error.detail)
 
     def _replay(self, ranks: list[int]) -> str:
         """Send new ``ranks`` what the notebook sent every rank (Healer.replay), as the replayer: what it sends is

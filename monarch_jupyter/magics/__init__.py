@@ -311,13 +311,17 @@ class MeshMagics(Magics):
 
     @magic_arguments()
     @argument("-n", "--nproc", dest="world_size", type=int, required=True, help="the number of ranks to have")
+    @argument("--timeout", type=float, default=None, help="seconds new ranks have to start (default: the mesh's "
+              "start timeout); past it they are stopped and the mesh stays as it was")
     def _scale(self, rest: str) -> ScaleReport:
-        """%mesh scale -n N: grow or shrink the running mesh to N local ranks; the ranks that stay keep their
-        namespaces, and every rank joins a fresh process group of N ranks."""
+        """%mesh scale -n N: grow or shrink the running mesh to N ranks (local, or on its host agents); the ranks
+        that stay keep their namespaces, and every rank joins a fresh process group of N ranks."""
         args = self.parse_args(self._scale, rest, "scale")
         m = self.current(require_running=True)
+        if args.timeout is not None and not args.timeout > 0:
+            raise UsageError(f"--timeout takes a number of seconds above 0, got {args.timeout:g}")
         try:
-            return m.scale(args.world_size)
+            return m.scale(args.world_size, args.timeout)
         except ValueError as e:
             raise UsageError(str(e)) from None
 

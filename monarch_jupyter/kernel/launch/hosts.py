@@ -10,7 +10,8 @@ for ``nproc`` ranks at once. From then on ``HostLinks``
   handlers as if the rank had sent them, exits and pids to the launcher's sink, heartbeats to the rank handles;
 - runs the rendezvous of agent ranks (their Hello, relayed: rank 0 hosts the c10d store on its agent's address,
   or every rank uses the launcher's own store, ``env://``, when the launcher numbered the hosts and set it);
-- starts, signals and stops ranks through their agent (``restart --rank R`` works for a rank on any host);
+- starts, signals and stops ranks through their agent (``restart --rank R`` works for a rank on any host), and
+  changes which ranks each host holds (``reassign``: ``%mesh scale``, placed by launch/placement.py);
 - notices an agent whose connection drops (a ZeroMQ socket monitor: milliseconds after a kill -9 of the agent)
   and reports its ranks dead; a silent one (a link down) is caught by the heartbeat check of recovery.py.
 
@@ -72,6 +73,7 @@ class Agent:
     lost: str = ""  # why it is gone, once it is
     failed: str = ""  # why it could not start its ranks
     pending_welcome: set[int] = field(default_factory=set)  # ranks that said hello before the store was up
+    limits: list = field(default_factory=list)  # [cores, available bytes, open-file limit] (AgentHello.limits)
 
 
 class HostLinks:
@@ -153,7 +155,7 @@ class HostLinks:
               srcfd: int) -> None:
         """Welcome an agent for global ``ranks`` (its local ranks, in order)."""
         agent = Agent(identity, hello.host, hello.pid, hello.addr, list(ranks), dict(hello.launcher_env), srcfd,
-                      last_heard=time.monotonic(), group_rank=group_rank)
+                      last_heard=time.monotonic(), group_rank=group_rank, limits=list(hello.limits))
         with self._lock:
             self.agents[identity] = agent
             for r in ranks:
@@ -444,6 +446,28 @@ class HostLinks:
         for agent in self.agents.values():
             if agent.alive:
                 self._post(agent.identity, P.Shutdown())
+
+    def live_agents(self) -> list[Agent]:
+        """The agents still connected, in their hosts' order (GROUP_RANK)."""
+        return sorted((a for a in self.agents.values() if a.alive), key=lambda a: (a.group_rank, a.host))
+
+    def reassign(self, ranks: dict[bytes, list[int]], world_size: int) -> None:
+        """``%mesh scale``: the mesh has ``world_size`` ranks now, and agent ``identity`` holds ``ranks[identity]``
+        (an agent left out keeps its ranks below ``world_size``). Every live agent is told (``HostRanks``, queued
+        before the ``Spawn`` of its new ranks); ranks no agent holds any more are forgotten here and there."""
+        with self._lock:
+            for agent in self.agents.values():
+                agent.ranks = sorted(ranks.get(agent.identity, [r for r in agent.ranks if r < world_size]))
+            # New tables, each swapped in whole: the I/O thread reads them without the lock
+            self._rank_agent = {r: a for a in self.agents.values() for r in a.ranks}
+            self._pseudo = {pseudo_identity(r): r for r in self._rank_agent}
+            self._unjoined.intersection_update(self._rank_agent)
+            self._spans = sorted(((a.ranks[0], a.ranks[-1] + 1, a) for a in self.agents.values()
+                                  if a.ranks and a.ranks == list(range(a.ranks[0], a.ranks[-1] + 1))),
+                                 key=lambda t: t[0])
+        for agent in self.agents.values():
+            if agent.alive:
+                self._post(agent.identity, P.HostRanks(list(agent.ranks), world_size))
 
     def _by_agent(self, ranks: list[int]) -> dict[bytes, list[int]]:
         out: dict[bytes, list[int]] = {}
