@@ -2,7 +2,8 @@
 
 monarch_worker.protocol re-exports them with every other message; docs/scale.md describes the exchange: an agent
 says ``AgentHello`` and is answered ``AgentWelcome`` (or ``Rejected``); the controller sends ``Forward`` (one signed
-message for several ranks of the host), ``Spawn``, ``Signal`` and ``HostRanks`` (the host's ranks after ``%mesh scale``); the agent answers with ``HostEvents`` batches.
+message for several ranks of the host), ``Spawn``, ``Signal`` and ``HostRanks`` (the host's ranks after
+``%mesh scale``); the agent answers with ``HostEvents`` batches.
 """
 
 from __future__ import annotations

@@ -2,20 +2,27 @@
 
 A change of membership is one regroup (recovery.Restarts.regroup, the mechanism ``%mesh restart --rank`` and the
 self-healing mesh use): the ranks that stay keep their processes and namespaces and join a fresh default process
-group of the new size; the ranks that come are started through the mesh's launcher and join it too.
+group of the new size, with the ranks that come.
 
-- Growing from N to M starts ranks N..M-1 (the local launcher, the fork server), then sends them what the notebook
-  had sent every rank (history.py, as to a restarted rank: pushes to all ranks, notebook functions, ``--replay``
-  cells, on_rejoin hooks; healing.Healer.replay).
-- Shrinking from N to M stops the highest ranks M..N-1 (SIGKILL, not reported as deaths), then regroups ranks 0..M-1.
+- Growing from N to M starts ranks N..M-1 through the mesh's launcher: the local fork server, or the host agents
+  (launch/hosts.py), which get them as launch/placement.py places them (the hosts evenly, each up to its room). They
+  start without a process group (``state.solo``, as a healing replacement; ``state.growing``: their death breaks no
+  group), so that one that fails to start within ``timeout``, dies or is lost with its agent is stopped and forgotten
+  and the mesh is left as it was. Once all are up, every rank regroups, and the new ones get what the notebook had
+  sent every rank (history.py, as to a restarted rank: pushes to all ranks, notebook functions, ``--replay`` cells,
+  on_rejoin hooks; healing.Healer.replay).
+- Shrinking from N to M stops the highest ranks M..N-1 (SIGKILL, not reported as deaths; through their agents, which
+  then forget them), then regroups ranks 0..M-1.
 
-Either way ranks stay numbered 0..M-1, and every rank's RANK, WORLD_SIZE, LOCAL_WORLD_SIZE (ROLE_*, and
-NUM_REPLICA_GROUPS under torchft) are those of the new world (monarch_worker.elastic_env.resized on Regroup;
-GROUP_* and TORCHELASTIC_RUN_ID stay: one host, one run), and ``world_size`` in every namespace is M.
+Either way ranks stay numbered 0..M-1, and every rank's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE (ROLE_*, and
+REPLICA_GROUP_ID/NUM_REPLICA_GROUPS under torchft) are those of the new world (monarch_worker.elastic_env.resized on
+Regroup; on several hosts numbered per host, ``state.BY_HOST``; GROUP_* and TORCHELASTIC_RUN_ID stay: the same hosts,
+the same run), and ``world_size`` in every namespace is M.
 
 What is refused (MonarchError or ValueError, the mesh unchanged): a size below 1; more local ranks than the host
-carries (launch.capacity, unless ``oversubscribe``); ranks started elsewhere (joined, host agents: their launcher
-owns them); a cell running on any rank, a rank being restarted, or a dead rank.
+carries (launch.capacity), or more than the hosts' agents have room for (launch.placement), unless
+``oversubscribe``; ranks started one process per rank elsewhere (their launcher owns them); a split mesh; a cell
+running on any rank, a rank being restarted, or a dead rank.
 
 ``regroup_to(nproc, fresh)`` is the part a sub-mesh (split, merge) can use as well: set the membership, start
 ``fresh``, regroup everyone (ranks on several hosts, host agents or joined, numbered per host: ``state.BY_HOST``).
@@ -155,7 +162,7 @@ class Resizer:
                 self.restarts.kill_ranks(stopped, "stopped by %mesh scale")
                 with state.lock:
                     still = [r for r in stopped if state.ranks[r].state is not RankState.DEAD]
-                if still:  # not reported gone within EXIT_WAIT: SIGKILL again, they must not rejoin
+                if still and state.launcher is not None:  # not gone within EXIT_WAIT: SIGKILL again, no rejoin
                     for r in still:
                         state.launcher.signal(r, signal.SIGKILL)
                 if hosts is not None:
@@ -182,8 +189,9 @@ class Resizer:
 
     def _start_alone(self, ranks: list[int], placed: Placement | None, deadline: float, wait: float) -> None:
         """Start new ``ranks`` without a process group (``state.solo``, as a healing does): the others keep theirs
-        until every new rank is up, so that one that does not come (``deadline``) leaves the mesh as it was.
-        Raises MeshStartError then, after the new ranks were stopped and forgotten."""
+        until every new rank is up, so that one that does not come (``deadline``), dies or is lost with its host
+        leaves the mesh as it was. Raises MeshStartError then (KeyboardInterrupt: as it came), once the new ranks
+        were stopped and forgotten."""
         state = self.state
         hosts = self._hosts()
         with state.lock:
@@ -192,45 +200,60 @@ class Resizer:
             for r in ranks:
                 state.ranks[r] = state.rank_info(r)
                 state.ranks[r].host = placed.hosts.get(r, "") if placed is not None else ""
-                state.solo.add(r)
+            state.solo.update(ranks)
+            state.growing.update(ranks)
             state.cond.notify_all()
-        error: MeshStartError | None = None
         try:
             if hosts is not None and placed is not None:
                 hosts.reassign(placed.ranks, state.nproc)
             self.lifecycle.spawn(ranks)
-            with state.lock:
-                while True:
-                    failed = [state.ranks[r] for r in ranks if state.ranks[r].start_error
-                              or state.ranks[r].state is RankState.DEAD]
-                    if failed:
-                        info = failed[0]
-                        why = info.start_error or describe_returncode(info.returncode)
-                        error = MeshStartError(f"new rank {info.rank} (host {info.host or '?'}) failed to start "
-                                               f"({why})", info.rank, "\n".join(info.last_lines))
-                        break
-                    late = [r for r in ranks if state.ranks[r].state is not RankState.IDLE]
-                    if not late:
-                        return
-                    if time.monotonic() > deadline:
-                        error = MeshStartError(f"new {ranks_text(late)} did not start within {wait:g} s", late[0])
-                        break
-                    state.cond.wait(0.05)
-        finally:
-            with state.lock:
-                state.solo -= set(ranks)
-        self.restarts.kill_ranks(ranks, "not started in time: %mesh scale gave up")
+            error = self._wait_started(ranks, deadline, wait)
+            if error is None:
+                with state.lock:
+                    state.solo -= set(ranks)
+                    state.growing -= set(ranks)
+                return
+        except BaseException:
+            self._forget(ranks, before, hosts)
+            raise
+        self._forget(ranks, before, hosts)
+        raise MeshStartError(f"{error.args[0]}: the new ranks were stopped and the mesh is as it was, {before} "
+                             f"ranks in their process group. {SLOW_HINT}", error.rank, error.detail)
+
+    def _wait_started(self, ranks: list[int], deadline: float, wait: float) -> MeshStartError | None:
+        """Wait until new ``ranks`` are up (None), or say which failed to start, died or is late at ``deadline``."""
+        state = self.state
+        with state.lock:
+            while True:
+                failed = [state.ranks[r] for r in ranks
+                          if state.ranks[r].start_error or state.ranks[r].state is RankState.DEAD]
+                if failed:
+                    info = failed[0]
+                    why = info.start_error or info.death_reason or describe_returncode(info.returncode)
+                    return MeshStartError(f"new rank {info.rank} (host {info.host or '?'}) failed to start ({why})",
+                                          info.rank, "\n".join(info.last_lines))
+                late = [r for r in ranks if state.ranks[r].state is not RankState.IDLE]
+                if not late:
+                    return None
+                if time.monotonic() > deadline:
+                    return MeshStartError(f"new {ranks_text(late)} did not start within {wait:g} s", late[0])
+                state.cond.wait(0.05)
+
+    def _forget(self, ranks: list[int], before: int, hosts: HostLinks | None) -> None:
+        """Stop new ``ranks`` that did not all start and make the mesh ``before`` ranks again, as it was."""
+        state = self.state
+        self.restarts.kill_ranks(ranks, "stopped: %mesh scale gave up on the new ranks")
         if hosts is not None:
             hosts.reassign({}, before)
         with state.lock:
             for r in ranks:
                 del state.ranks[r]
                 state.killing.pop(r, None)
+            state.solo -= set(ranks)
+            state.growing -= set(ranks)
             state.nproc = before
             state.cond.notify_all()
         state.events.emit("resized", before=before, after=before, started=[], stopped=[])
-        raise MeshStartError(f"{error.args[0]}: the new ranks were stopped and the mesh is as it was, {before} "
-                             f"ranks in their process group. {SLOW_HINT}", error.rank, error.detail)
 
     def _replay(self, ranks: list[int]) -> str:
         """Send new ``ranks`` what the notebook sent every rank (Healer.replay), as the replayer: what it sends is

@@ -194,6 +194,7 @@ class MeshState:
         # LOCAL_WORLD_SIZE a Regroup gives survivors (-1: their own; resize.py sets it; BY_HOST: numbered per host)
         self.local_world = -1
         self.resizing = False  # a %mesh scale runs (resize.py): other scales are refused
+        self.growing: set[int] = set()  # new ranks of a scale, in no process group yet: their death breaks none
         # Sub-meshes (submesh.py): the groups of global ranks, each its own default process group; None: one group
         self.partition: list[list[int]] | None = None
         # Self-healing (kernel/healing.py): ranks being restarted after they died (cells for them wait), the thread
@@ -226,7 +227,7 @@ class MeshState:
         self.killing = {}
         self.local_world = -1
         self.partition = None
-        self.healing, self.solo = set(), set()
+        self.healing, self.solo, self.growing = set(), set(), set()
         self.stopping = False
 
     def group_of(self, rank: int) -> list[int]:

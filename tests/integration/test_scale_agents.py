@@ -54,7 +54,7 @@ def test_scale_through_a_host_agent_keeps_namespaces_and_gives_torchruns_numbers
         assert (report.before, report.after, report.started, report.stopped) == (2, 4, [2, 3], [])
         assert "got 1 pushed value" in report.text, report.text
         after = m.run(ENV)
-        for r, (rank, world, total, env, pid, parent) in after.items():
+        for r, (rank, world, total, env, _pid, parent) in after.items():
             # LOCAL_RANK/LOCAL_WORLD_SIZE: numbered on the one host; GROUP_*: the host keeps its place (0 of 1)
             assert (rank, world, total, env) == (r, 4, 4.0, (str(r), "4", str(r), "4", "0", "1", str(r), "4",
                                                              run_id)), after[r]
