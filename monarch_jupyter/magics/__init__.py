@@ -318,8 +318,6 @@ class MeshMagics(Magics):
         that stay keep their namespaces, and every rank joins a fresh process group of N ranks."""
         args = self.parse_args(self._scale, rest, "scale")
         m = self.current(require_running=True)
-        if args.timeout is not None and not args.timeout > 0:
-            raise UsageError(f"--timeout takes a number of seconds above 0, got {args.timeout:g}")
         try:
             return m.scale(args.world_size, args.timeout)
         except ValueError as e:
