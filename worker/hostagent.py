@@ -151,7 +151,7 @@ class HostAgent:
         """Once per heartbeat interval: heartbeats, and the silence checks that end an abandoned agent."""
         if self.welcome is None:
             self.send(P.Heartbeat())
-            if now > join_deadline:
+            if now > max(join_deadline, self.last_heard + self.cfg.join_timeout):  # a late host: pinged while held
                 self.stop(EXIT_REJECTED, f"no word from the controller at {self.cfg.controller} in "
                                          f"{self.cfg.join_timeout:.0f} s: it is not listening there, cannot be "
                                          "reached from this host, or does not hold this secret (check "

@@ -130,7 +130,7 @@ class Resizer:
         placed: Placement | None = None
         if n > before:
             if hosts is not None:
-                placed = place(hosts.live_agents(), before, n, state.options.oversubscribe)
+                placed = place(hosts.live_agents(), before, n, state.options.oversubscribe, hosts.waiting_hosts())
             elif not state.options.oversubscribe:
                 check_host_capacity(n)
         with state.lock:
@@ -171,7 +171,8 @@ class Resizer:
             if started:
                 wait = state.options.start_timeout if timeout is None else timeout
                 self._start_alone(started, placed, time.monotonic() + wait, wait)
-            self.regroup_to(n, [])
+            came = bool(placed and placed.admit)  # a host came: every rank's GROUP_WORLD_SIZE grows
+            self.regroup_to(n, [], len(hosts.agents) if came and hosts is not None else -1)
             sent = self._replay(started) if started else ""
         finally:
             with state.lock:
@@ -205,8 +206,10 @@ class Resizer:
             state.cond.notify_all()
         try:
             if hosts is not None and placed is not None:
+                for identity, its in placed.admit.items():
+                    hosts.admit_late(identity, its)  # its agent forks them when welcomed
                 hosts.reassign(placed.ranks, state.nproc)
-            self.lifecycle.spawn(ranks)
+            self.lifecycle.spawn([r for r in ranks if placed is None or r not in placed.admitted])
             error = self._wait_started(ranks, deadline, wait)
             if error is None:
                 with state.lock:
@@ -214,9 +217,9 @@ class Resizer:
                     state.growing -= set(ranks)
                 return
         except BaseException:
-            self._forget(ranks, before, hosts)
+            self._forget(ranks, before, hosts, placed)
             raise
-        self._forget(ranks, before, hosts)
+        self._forget(ranks, before, hosts, placed)
         raise MeshStartError(f"{error.args[0]}: the new ranks were stopped and the mesh is as it was, {before} "
                              f"ranks in their process group. {SLOW_HINT}", error.rank, error.detail)
 
@@ -239,11 +242,14 @@ class Resizer:
                     return MeshStartError(f"new {ranks_text(late)} did not start within {wait:g} s", late[0])
                 state.cond.wait(0.05)
 
-    def _forget(self, ranks: list[int], before: int, hosts: HostLinks | None) -> None:
-        """Stop new ``ranks`` that did not all start and make the mesh ``before`` ranks again, as it was."""
+    def _forget(self, ranks: list[int], before: int, hosts: HostLinks | None, placed: Placement | None) -> None:
+        """Stop new ``ranks`` that did not all start and make the mesh ``before`` ranks again, as it was (hosts it
+        admitted are sent away: their agents exit)."""
         state = self.state
         self.restarts.kill_ranks(ranks, "stopped: %mesh scale gave up on the new ranks")
         if hosts is not None:
+            for identity in placed.admit if placed is not None else ():
+                hosts.dismiss(identity, "the %mesh scale that admitted this host gave up (see the notebook)")
             hosts.reassign({}, before)
         with state.lock:
             for r in ranks:
@@ -272,10 +278,11 @@ class Resizer:
                     if state.healer is me:
                         state.healer = None
 
-    def regroup_to(self, nproc: int, fresh: list[int]) -> None:
+    def regroup_to(self, nproc: int, fresh: list[int], group_world: int = -1) -> None:
         """Make the mesh ranks 0..nproc-1: forget ranks from ``nproc`` on, start ``fresh`` (new numbers, or
         ranks to start afresh), and have every rank join a fresh process group of ``nproc`` ranks
-        (Restarts.regroup). No cell may run. Raises as Restarts.regroup."""
+        (Restarts.regroup), with GROUP_WORLD_SIZE ``group_world`` (-1: unchanged). No cell may run. Raises as
+        Restarts.regroup."""
         state = self.state
         with state.lock:
             for r in [r for r in state.ranks if r >= nproc]:
@@ -284,8 +291,9 @@ class Resizer:
             state.nproc = nproc
             local = isinstance(state.launcher, LocalLauncher) and not self.lifecycle.joined
             state.local_world = nproc if local else BY_HOST  # local ranks: one host; else numbered per host
+            state.group_world = group_world
         try:
             self.restarts.regroup(fresh, time.monotonic() + state.options.start_timeout)
         finally:
             with state.lock:
-                state.local_world = -1
+                state.local_world = state.group_world = -1

@@ -116,3 +116,43 @@ def _catch(into: list[BaseException], fn: object, *args: object, **kw: object) -
         fn(*args, **kw)  # type: ignore[operator]
     except BaseException as e:  # noqa: BLE001 - the test reads it
         into.append(e)
+
+
+def test_a_host_that_comes_later_waits_and_the_next_scale_admits_it(fake_hosts: FakeHosts, tmp_path: Path) -> None:
+    """As torchrun's --nnodes MIN:MAX: a host agent started after the mesh is complete waits (not in the mesh yet);
+    ``%mesh scale`` admits it first, with the ranks its --nproc-per-node asked for and the next GROUP_RANK, then
+    places the rest evenly; every rank's GROUP_WORLD_SIZE counts the new host."""
+    h1, h2 = fake_hosts.name(1), fake_hosts.name(2)
+    m = Mesh.listen(1, address=fake_hosts.bridge, nproc_per_node=1, timeout=180, show=False)
+    command = m.join_commands().generic
+    procs = start_agents(fake_hosts, command, tmp_path, which=(1,))
+    try:
+        assert m.wait_ready(180)
+        m.run("kept = 7")
+        assert "--nproc-per-node 1" in command
+        procs += start_agents(fake_hosts, command.replace("--nproc-per-node 1", "--nproc-per-node 2"), tmp_path,
+                              which=(2,))
+        hosts = m.state.launcher.hosts  # type: ignore[union-attr]
+        assert hosts is not None
+        deadline = time.monotonic() + 120
+        while not hosts.waiting and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [a.host for a, _ in hosts.waiting_hosts()] == [h2]
+        time.sleep(2 * m.state.options.heartbeat_interval)  # it stays, pinged, outside the mesh
+        assert m.hosts() == {h1: [0]} and m.nproc == 1 and len(hosts.waiting) == 1
+
+        report = m.scale(4)
+        assert (report.started, report.stopped) == ([1, 2, 3], [])
+        assert m.hosts() == {h1: [0, 3], h2: [1, 2]}  # the host that came takes its 2 ranks; rank 3 evenly
+        got = m.run(ENV)
+        assert {r: v[:3] for r, v in got.items()} == {
+            0: (10.0, numbers(0, 4, 0, 2, 0), h1), 1: (10.0, numbers(1, 4, 0, 2, 1), h2),
+            2: (10.0, numbers(2, 4, 1, 2, 1), h2), 3: (10.0, numbers(3, 4, 1, 2, 0), h1)}
+        assert m.run("globals().get('kept')") == {0: 7, 1: None, 2: None, 3: None}
+        assert m.state.group_status() == "up (gloo, 4 of 4 ranks)"
+        assert m.scale(2).stopped == [2, 3] and m.hosts() == {h1: [0], h2: [1]}
+        assert m.run("t = torch.ones(1)\ndist.all_reduce(t)\n(world_size, t.item())") == {0: (2, 2.0), 1: (2, 2.0)}
+    finally:
+        m.stop()
+        assert reap(procs) == [0, 0]
+    assert not fake_hosts.wait_empty(1) and not fake_hosts.wait_empty(2)

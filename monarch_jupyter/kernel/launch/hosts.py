@@ -104,6 +104,9 @@ class HostLinks:
         self._last_frame: Any = None
         self.bad_peers: dict[str, int] = {}  # address -> messages that failed verification
         self._monitor: zmq.Socket | None = None
+        # Agents that came after the mesh was complete (a listening mesh): held until a %mesh scale admits them
+        self.waiting: dict[bytes, Agent] = {}
+        self._hellos: dict[bytes, P.AgentHello] = {}
 
     # ------------------------------------------------------------------ generation
 
@@ -112,6 +115,7 @@ class HostLinks:
         with self._lock:
             self.agents, self._rank_agent, self._pseudo, self._by_fd = {}, {}, {}, {}
             self._spans, self._unjoined = [], set()
+            self.waiting, self._hellos = {}, {}
         self.use_env, self.store, self.bad_peers = False, None, {}
         self._monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
 
@@ -468,6 +472,80 @@ class HostLinks:
         for agent in self.agents.values():
             if agent.alive:
                 self._post(agent.identity, P.HostRanks(list(agent.ranks), world_size))
+
+    # ------------------------------------------------------------------ hosts that come later (%mesh scale)
+
+    def hold(self, identity: bytes, hello: P.AgentHello, srcfd: int) -> None:
+        """(I/O) An agent that came after the mesh was complete: held (pinged, so that it waits) until a
+        ``%mesh scale`` admits it (``admit_late``), as torchrun's ``--nnodes MIN:MAX`` holds a node that comes until
+        the next membership change."""
+        now = time.monotonic()
+        agent = Agent(identity, hello.host, hello.pid, hello.addr, [], dict(hello.launcher_env), srcfd,
+                      last_heard=now, group_rank=1 << 30, limits=list(hello.limits))
+        with self._lock:
+            self.waiting[identity] = agent
+            self._hellos[identity] = hello
+        log.info("the host agent of %s (pid %d, %d ranks) waits: %%mesh scale admits it", hello.host, hello.pid,
+                 hello.nproc)
+        self.state.events.emit("host_waiting", host=hello.host, pid=hello.pid, nproc=hello.nproc)
+
+    def heard_waiting(self, identity: bytes, msg: P.Message) -> bool:
+        """(I/O) A message from a held agent (True), else False; one that leaves is forgotten."""
+        agent = self.waiting.get(identity)
+        if agent is None:
+            return False
+        agent.last_heard = time.monotonic()
+        if isinstance(msg, (P.Goodbye, P.StartFailed)):
+            self._drop_waiting(identity, "left")
+        return True
+
+    def tick_waiting(self, now: float, silence: float) -> None:
+        """(I/O, once per heartbeat interval) Ping the held agents (they wait while they hear from us); forget those
+        silent for ``silence`` seconds."""
+        for identity, agent in list(self.waiting.items()):
+            if now - agent.last_heard > silence:
+                self._drop_waiting(identity, f"went silent for {silence:g} s")
+            else:
+                self._send(identity, P.Ping())
+
+    def _drop_waiting(self, identity: bytes, why: str) -> None:
+        with self._lock:
+            agent = self.waiting.pop(identity, None)
+            self._hellos.pop(identity, None)
+        if agent is not None:
+            log.warning("the waiting host agent of %s (pid %d) %s", agent.host, agent.pid, why)
+
+    def waiting_hosts(self) -> list[tuple[Agent, int]]:
+        """The held agents with the ranks each brings (its --nproc-per-node), in the order they came."""
+        with self._lock:
+            return [(a, self._hellos[k].nproc) for k, a in self.waiting.items()]
+
+    def admit_late(self, identity: bytes, ranks: list[int]) -> None:
+        """(any thread) Admit held agent ``identity`` for global ``ranks``: its host is the next GROUP_RANK; it forks
+        them when the welcome reaches it."""
+        with self._lock:
+            held = self.waiting.pop(identity)
+            hello = self._hellos.pop(identity)
+            group_rank = len(self.agents)
+            agent = Agent(identity, hello.host, hello.pid, hello.addr, list(ranks), dict(hello.launcher_env),
+                          held.srcfd, last_heard=time.monotonic(), group_rank=group_rank, limits=list(hello.limits))
+            self.agents[identity] = agent
+            if held.srcfd >= 0:
+                self._by_fd[held.srcfd] = agent
+        self.reassign({}, self.state.nproc)  # its tables (and HostRanks to the others)
+        self._post(identity, P.AgentWelcome(ranks=list(ranks), world_size=self.state.nproc, group_rank=group_rank,
+                                            group_world_size=len(self.agents), settings=self.state.rank_settings()))
+
+    def dismiss(self, identity: bytes, reason: str) -> None:
+        """(any thread) Send admitted agent ``identity`` away (its ranks were stopped): a scale that admitted it
+        gave up."""
+        with self._lock:
+            agent = self.agents.pop(identity, None)
+            if agent is not None:
+                agent.alive = False
+                self._by_fd = {fd: a for fd, a in self._by_fd.items() if a is not agent}
+        if agent is not None:
+            self._post(identity, P.Rejected(reason))
 
     def _by_agent(self, ranks: list[int]) -> dict[bytes, list[int]]:
         out: dict[bytes, list[int]] = {}
