@@ -371,6 +371,12 @@ class Mesh:
             out.setdefault(s["host"] or "?", []).append(r)
         return out
 
+    def waiting_hosts(self) -> dict[str, int]:
+        """host name -> ranks it brings, of host agents that came to this listening mesh after it was complete:
+        they wait, outside the mesh, until ``scale`` admits them (launch/placement.py)."""
+        hosts = getattr(self.state.launcher, "hosts", None)
+        return {a.host: n for a, n in hosts.waiting_hosts()} if hosts is not None else {}
+
     def stacks(self, ranks: str | int | Iterable[int] | None = None, timeout: float = 5.0) -> StackReport:
         """Where each rank's main thread is now, asked of its I/O thread (works while it blocks in a collective,
         and while a ``block=False`` cell runs). Identical stacks are grouped: "ranks 0,1,3: all_reduce at cell

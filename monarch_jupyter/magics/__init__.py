@@ -277,8 +277,12 @@ class MeshMagics(Magics):
         m = self.current()
         from ..widgets import status_view
 
+        waiting = ", ".join(f"{h} ({n} ranks)" for h, n in m.waiting_hosts().items())
+        notes = [self.auto.status()] if self.auto.on else []
+        if waiting:
+            notes.append(f"hosts waiting for  %mesh scale -n N  to admit them: {waiting}")
         return status_view(m, mode=self.setting("live_view"), fold_threshold=self.setting("dashboard_fold"),
-                           note=self.auto.status() if self.auto.on else "")
+                           note="\n".join(notes))
 
     @magic_arguments()
     def _stop(self, rest: str) -> None:

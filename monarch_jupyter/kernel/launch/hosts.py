@@ -446,10 +446,13 @@ class HostLinks:
             self._post(identity, P.Signal(its, int(sig)))
 
     def stop_agents(self) -> None:
-        """Tell every agent to end its ranks and exit (0: the launcher sees a clean end)."""
+        """Tell every agent to end its ranks and exit (0: the launcher sees a clean end); agents still waiting to be
+        admitted are turned away."""
         for agent in self.agents.values():
             if agent.alive:
                 self._post(agent.identity, P.Shutdown())
+        for identity in list(self.waiting):
+            self._post(identity, P.Rejected("the mesh stopped before a %mesh scale admitted this host"))
 
     def live_agents(self) -> list[Agent]:
         """The agents still connected, in their hosts' order (GROUP_RANK)."""
