@@ -7,14 +7,19 @@ the mesh stays as it was. tests/multihost/test_agent_scale.py does the same acro
 
 from __future__ import annotations
 
+import ast
 import os
 import signal
 import time
+from typing import Any
 
 import pytest
+from jupyter_client.manager import KernelManager
 
 from monarch_jupyter import Mesh, MeshStartError
-from tests.integration.test_kernel_faults import wait_gone
+from tests.integration.test_kernel_faults import execute, kernel, wait_gone
+
+__all__ = ["kernel"]  # the fixture, imported
 
 pytestmark = pytest.mark.slow
 
@@ -95,3 +100,28 @@ def test_scale_through_a_host_agent_keeps_namespaces_and_gives_torchruns_numbers
         got = m.run(ENV)
         assert {r: v[:3] for r, v in got.items()} == {r: (r, 3, 3.0) for r in range(3)}
         assert m.run("globals().get('kept')") == {0: 0, 1: None, 2: None}
+
+
+@pytest.mark.kernel
+def test_scale_through_a_host_agent_in_the_notebook(kernel: tuple[KernelManager, Any]) -> None:
+    """%mesh scale -n N on ranks behind a host agent, through a real kernel: its report, %mesh status at each size."""
+    _, kc = kernel
+    r = execute(kc, "%load_ext monarch_jupyter\nm = %mesh start -n 2 --launcher torchrun\n"
+                    "%config MeshMagics.live_view = 'off'")
+    assert r.status == "ok", r.traceback
+    assert execute(kc, "%%mesh\nkept = rank + 100").status == "ok"
+    r = execute(kc, "%mesh scale -n 3")
+    assert r.status == "ok" and "scaled from 2 to 3 ranks" in r.results[0], (r.results, r.traceback)
+    r = execute(kc, "%%mesh\nimport os\nt = torch.ones(1)\ndist.all_reduce(t)\n"
+                    "(t.item(), os.environ['LOCAL_WORLD_SIZE'], globals().get('kept'))")
+    assert r.status == "ok", r.traceback
+    assert ast.literal_eval(r.results[0]) == {0: (3.0, "3", 100), 1: (3.0, "3", 101), 2: (3.0, "3", None)}
+    shown = "".join(execute(kc, "%mesh status").results)
+    assert "mesh: world size 3; ranks 0-2: idle 0-2" in shown and "up (gloo, 3 of 3 ranks)" in shown, shown
+    r = execute(kc, "%mesh scale -n 0")
+    assert r.status == "error" and "at least 1 rank" in r.stderr, r.stderr
+    r = execute(kc, "%mesh scale -n 1")
+    assert r.status == "ok" and "stopped ranks 1,2" in r.results[0], (r.results, r.traceback)
+    shown = "".join(execute(kc, "%mesh status").results)
+    assert "mesh: world size 1; ranks 0: idle 0" in shown and "up (gloo, 1 of 1 ranks)" in shown, shown
+    assert execute(kc, "%mesh stop").status == "ok"
