@@ -371,12 +371,6 @@ class Mesh:
             out.setdefault(s["host"] or "?", []).append(r)
         return out
 
-    def waiting_hosts(self) -> dict[str, int]:
-        """host name -> ranks it brings, of host agents that came to this listening mesh after it was complete:
-        they wait, outside the mesh, until ``scale`` admits them (launch/placement.py)."""
-        hosts = getattr(self.state.launcher, "hosts", None)
-        return {a.host: n for a, n in hosts.waiting_hosts()} if hosts is not None else {}
-
     def stacks(self, ranks: str | int | Iterable[int] | None = None, timeout: float = 5.0) -> StackReport:
         """Where each rank's main thread is now, asked of its I/O thread (works while it blocks in a collective,
         and while a ``block=False`` cell runs). Identical stacks are grouped: "ranks 0,1,3: all_reduce at cell
@@ -426,11 +420,10 @@ class Mesh:
         return self.parts.history.add_hook(fn)
 
     def scale(self, n: int, timeout: float | None = None) -> ScaleReport:
-        """Grow or shrink the live mesh to ``n`` ranks, local or on its host agents (``%mesh scale -n N``); the ranks
-        that stay keep their namespaces. ``timeout``: seconds new ranks have to start (default ``start_timeout``).
-        Where new ranks go, what they get, and what is refused (ValueError, MonarchError, MeshStartError):
-        resize.py, launch/placement.py."""
+        """``%mesh scale -n N``: grow/shrink to ``n`` ranks (``timeout``: s for new ones to start); Raises: resize.py."""
         return self.parts.resizer.scale(n, timeout)
+
+    waiting_hosts = property(lambda self: self.parts.resizer.waiting_hosts(), doc="{host: ranks} waiting for scale")
 
     def split(self, groups: int | Sequence[Sequence[int]], names: Sequence[str] | None = None) -> list[SubMesh]:
         """Sub-meshes (``%mesh split``): ``groups`` a count or rank lists; each its own process group, numbered from 0,

@@ -182,6 +182,12 @@ class Resizer:
         state.events.flush()  # the live views show the new ranks before the report
         return report
 
+    def waiting_hosts(self) -> dict[str, int]:
+        """host name -> ranks it brings, of host agents that came to this listening mesh after it was complete: they
+        wait, outside the mesh, until a scale admits them (launch/placement.py)."""
+        hosts = self._hosts()
+        return {a.host: n for a, n in hosts.waiting_hosts()} if hosts is not None else {}
+
     def _hosts(self) -> HostLinks | None:
         """The host agents that hold the mesh's ranks (launch/hosts.py), or None (local ranks, or ranks started one
         by one elsewhere)."""

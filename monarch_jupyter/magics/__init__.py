@@ -277,7 +277,7 @@ class MeshMagics(Magics):
         m = self.current()
         from ..widgets import status_view
 
-        waiting = ", ".join(f"{h} ({n} ranks)" for h, n in m.waiting_hosts().items())
+        waiting = ", ".join(f"{h} ({n} ranks)" for h, n in m.waiting_hosts.items())
         notes = [self.auto.status()] if self.auto.on else []
         if waiting:
             notes.append(f"hosts waiting for  %mesh scale -n N  to admit them: {waiting}")

@@ -176,9 +176,9 @@ def test_late_host_and_host_without_torch(fake_hosts: FakeHosts, tmp_path: Path)
         late = subprocess.Popen([*fake_host_cmd(fake_hosts, 2), "sh", "-c", commands.generic + " 2>&1"],
                                 env={**os.environ, **fake_hosts.env}, stdout=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 60
-        while not m.waiting_hosts() and time.monotonic() < deadline:
+        while not m.waiting_hosts and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert m.waiting_hosts() == {fake_hosts.name(2): 1}
+        assert m.waiting_hosts == {fake_hosts.name(2): 1}
         assert m.run("rank") == {0: 0, 1: 1}  # the mesh is unaffected
     finally:
         m.stop()

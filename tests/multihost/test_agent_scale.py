@@ -139,12 +139,12 @@ def test_a_host_that_comes_later_waits_and_the_next_scale_admits_it(fake_hosts: 
             time.sleep(0.1)
         assert [a.host for a, _ in hosts.waiting_hosts()] == [h2]
         time.sleep(2 * m.state.options.heartbeat_interval)  # it stays, pinged, outside the mesh
-        assert m.hosts() == {h1: [0]} and m.nproc == 1 and m.waiting_hosts() == {h2: 2}
+        assert m.hosts() == {h1: [0]} and m.nproc == 1 and m.waiting_hosts == {h2: 2}
 
         report = m.scale(4)
         assert (report.started, report.stopped) == ([1, 2, 3], [])
         assert m.hosts() == {h1: [0, 3], h2: [1, 2]}  # the host that came takes its 2 ranks; rank 3 evenly
-        assert m.waiting_hosts() == {}
+        assert m.waiting_hosts == {}
         got = m.run(ENV)
         assert {r: v[:3] for r, v in got.items()} == {
             0: (10.0, numbers(0, 4, 0, 2, 0), h1), 1: (10.0, numbers(1, 4, 0, 2, 1), h2),
