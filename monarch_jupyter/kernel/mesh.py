@@ -420,7 +420,7 @@ class Mesh:
         return self.parts.history.add_hook(fn)
 
     def scale(self, n: int, timeout: float | None = None) -> ScaleReport:
-        """``%mesh scale -n N``: grow/shrink to ``n`` ranks (``timeout``: s for new ones to start); Raises: resize.py."""
+        """``%mesh scale -n N``: grow or shrink to ``n`` ranks (``timeout``: s for new ranks to start): resize.py."""
         return self.parts.resizer.scale(n, timeout)
 
     waiting_hosts = property(lambda self: self.parts.resizer.waiting_hosts(), doc="{host: ranks} waiting for scale")
