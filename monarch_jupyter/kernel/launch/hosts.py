@@ -485,9 +485,9 @@ class HostLinks:
         now = time.monotonic()
         agent = Agent(identity, hello.host, hello.pid, hello.addr, [], dict(hello.launcher_env), srcfd,
                       last_heard=now, group_rank=1 << 30, limits=list(hello.limits))
-        with self._lock:
-            self.waiting[identity] = agent
-            self._hellos[identity] = hello
+        with self._lock:  # new dicts, swapped in whole: other threads read them without the lock
+            self.waiting = {**self.waiting, identity: agent}
+            self._hellos = {**self._hellos, identity: hello}
         log.info("the host agent of %s (pid %d, %d ranks) waits: %%mesh scale admits it", hello.host, hello.pid,
                  hello.nproc)
         self.state.events.emit("host_waiting", host=hello.host, pid=hello.pid, nproc=hello.nproc)
@@ -513,8 +513,9 @@ class HostLinks:
 
     def _drop_waiting(self, identity: bytes, why: str) -> None:
         with self._lock:
-            agent = self.waiting.pop(identity, None)
-            self._hellos.pop(identity, None)
+            agent = self.waiting.get(identity)
+            self.waiting = {k: a for k, a in self.waiting.items() if k != identity}
+            self._hellos = {k: h for k, h in self._hellos.items() if k != identity}
         if agent is not None:
             log.warning("the waiting host agent of %s (pid %d) %s", agent.host, agent.pid, why)
 
@@ -527,12 +528,13 @@ class HostLinks:
         """(any thread) Admit held agent ``identity`` for global ``ranks``: its host is the next GROUP_RANK; it forks
         them when the welcome reaches it."""
         with self._lock:
-            held = self.waiting.pop(identity)
-            hello = self._hellos.pop(identity)
+            held, hello = self.waiting[identity], self._hellos[identity]
+            self.waiting = {k: a for k, a in self.waiting.items() if k != identity}
+            self._hellos = {k: h for k, h in self._hellos.items() if k != identity}
             group_rank = len(self.agents)
             agent = Agent(identity, hello.host, hello.pid, hello.addr, list(ranks), dict(hello.launcher_env),
                           held.srcfd, last_heard=time.monotonic(), group_rank=group_rank, limits=list(hello.limits))
-            self.agents[identity] = agent
+            self.agents = {**self.agents, identity: agent}  # swapped in whole: the I/O thread iterates it
             if held.srcfd >= 0:
                 self._by_fd[held.srcfd] = agent
         self.reassign({}, self.state.nproc)  # its tables (and HostRanks to the others)
@@ -543,7 +545,8 @@ class HostLinks:
         """(any thread) Send admitted agent ``identity`` away (its ranks were stopped): a scale that admitted it
         gave up."""
         with self._lock:
-            agent = self.agents.pop(identity, None)
+            agent = self.agents.get(identity)
+            self.agents = {k: a for k, a in self.agents.items() if k != identity}
             if agent is not None:
                 agent.alive = False
                 self._by_fd = {fd: a for fd, a in self._by_fd.items() if a is not agent}
