@@ -2,7 +2,8 @@
 
 monarch_worker.protocol re-exports them with every other message; docs/scale.md describes the exchange: an agent
 says ``AgentHello`` and is answered ``AgentWelcome`` (or ``Rejected``); the controller sends ``Forward`` (one signed
-message for several ranks of the host), ``Spawn`` and ``Signal``; the agent answers with ``HostEvents`` batches.
+message for several ranks of the host), ``Spawn``, ``Signal`` and ``HostRanks`` (the host's ranks after
+``%mesh scale``); the agent answers with ``HostEvents`` batches.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any, ClassVar
 
 from .messages import PROTOCOL_VERSION, Message, register
 
-__all__ = ["AgentHello", "AgentWelcome", "Forward", "HostEvents", "Spawn", "Signal", "pack_durations",
+__all__ = ["AgentHello", "AgentWelcome", "Forward", "HostEvents", "HostRanks", "Spawn", "Signal", "pack_durations",
            "unpack_durations"]
 
 
@@ -23,7 +24,9 @@ __all__ = ["AgentHello", "AgentWelcome", "Forward", "HostEvents", "Spawn", "Sign
 class AgentHello(Message):
     """Agent -> controller: a host agent for ``nproc`` ranks. ``group_rank`` / ``group_world_size``: the host's
     number and the number of hosts as its launcher gave them (-1: unknown; the controller numbers hosts then);
-    ``addr``: its address toward the controller (where its rank 0 may host the c10d store)."""
+    ``addr``: its address toward the controller (where its rank 0 may host the c10d store); ``limits``: what the
+    host can carry, ``[cores, available memory in bytes, open-file limit]`` as ``monarch_worker.hostlimits``
+    measured it when the agent started (``[]``: unknown; ``%mesh scale`` places ranks by it)."""
 
     TYPE: ClassVar[str] = "agent_hello"
     host: str
@@ -34,6 +37,7 @@ class AgentHello(Message):
     group_rank: int = -1
     group_world_size: int = -1
     launcher_env: dict = field(default_factory=dict)
+    limits: list = field(default_factory=list)
 
 
 @register
@@ -57,6 +61,18 @@ class Spawn(Message):
 
     TYPE: ClassVar[str] = "spawn"
     ranks: list
+
+
+@register
+@dataclass(frozen=True)
+class HostRanks(Message):
+    """Controller -> agent, after ``%mesh scale``: this host now holds global ranks ``ranks`` (in order: local rank i
+    is ``ranks[i]``) of a mesh of ``world_size``. Ranks it held that are not in ``ranks`` are forgotten (SIGKILLed if
+    still running; their exits are not reported); new ones start with a ``Spawn`` that follows."""
+
+    TYPE: ClassVar[str] = "host_ranks"
+    ranks: list
+    world_size: int
 
 
 @register

@@ -116,6 +116,9 @@ class Deaths:
         with state.lock:
             if state.stopping:
                 return
+            if rank in state.growing:  # a new rank of a scale, in no group yet: the scale reports it (resize.py)
+                state.cond.notify_all()
+                return
             group = state.group_of(rank)  # its process group (split: its sub-mesh's) is down, no other
             dead = [r for r in group if state.ranks[r].state is RankState.DEAD]
             state.mark_down(group, f"{ranks_text(dead)} died")

@@ -76,7 +76,8 @@ def post_regroup(state: MeshState, dispatcher: Dispatcher, info: RankInfo, port:
         else:  # local ranks (one host): the rank (back from a split); -1: its own
             local, local_world = (info.rank if state.local_world >= 0 else -1), state.local_world
         msg = P.Regroup(rank=info.rank, world_size=state.nproc, local_rank=local, local_world_size=local_world,
-                        master_addr=addr, master_port=port, backend=info.backend or state.options.backend)
+                        master_addr=addr, master_port=port, backend=info.backend or state.options.backend,
+                        group_world_size=state.group_world)
     dispatcher.post(info.rank, msg)
 
 

@@ -193,7 +193,9 @@ class MeshState:
         self.killing: dict[int, str] = {}  # rank -> why the controller killed it on purpose
         # LOCAL_WORLD_SIZE a Regroup gives survivors (-1: their own; resize.py sets it; BY_HOST: numbered per host)
         self.local_world = -1
+        self.group_world = -1  # GROUP_WORLD_SIZE a Regroup gives (-1: unchanged; resize.py sets it when a host came)
         self.resizing = False  # a %mesh scale runs (resize.py): other scales are refused
+        self.growing: set[int] = set()  # new ranks of a scale, in no process group yet: their death breaks none
         # Sub-meshes (submesh.py): the groups of global ranks, each its own default process group; None: one group
         self.partition: list[list[int]] | None = None
         self.sub_names: list[str] = []  # the sub-meshes' names, one per group of ``partition`` (submesh.py)
@@ -227,7 +229,7 @@ class MeshState:
         self.killing = {}
         self.local_world = -1
         self.partition = None
-        self.healing, self.solo = set(), set()
+        self.healing, self.solo, self.growing = set(), set(), set()
         self.stopping = False
 
     def group_of(self, rank: int) -> list[int]:
