@@ -1,6 +1,6 @@
 """Start-up and cell latency of a local mesh, against `import torch` and the peers, measured in one run.
 
-    python bench/bench_core.py [--n 4] [--cells 300] [--no-peers]
+    python bench/bench_core.py [--n 4] [--cells 300] [--no-peers] [--json PATH]
 
 Prints seconds and the ratios the foundation issue sets targets for:
 - cold start of N ranks (a fresh process: no fork server yet) to ready (torch imported and the process group up
@@ -29,6 +29,7 @@ sys.path.insert(0, BENCH_DIR)
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (BENCH_DIR, os.environ.get("PYTHONPATH")) if p)
 
 import peers  # noqa: E402  (bench/peers.py)
+from figures import add_json_option, goal, write_json  # noqa: E402  (bench/figures.py)
 
 COLD_START = r"""
 import json, time
@@ -103,6 +104,7 @@ def main() -> None:
     ap.add_argument("--cells", type=int, default=300, help="trivial cells timed")
     ap.add_argument("--repeat", type=int, default=3, help="cold starts timed")
     ap.add_argument("--no-peers", action="store_true", help="skip ipyparallel and torchmonarch")
+    add_json_option(ap)
     args = ap.parse_args()
     n = args.n
 
@@ -120,13 +122,25 @@ def main() -> None:
     print(f"  trivial cell, %%mesh magic (median)      {lat['magic_s'] * 1e3:8.3f} ms  (target < 1 ms)")
     print(f"  CPU per trivial cell (Mesh.run)          kernel {lat['cpu_kernel_s'] * 1e3:.3f} ms, "
           f"each rank {lat['cpu_rank_s'] * 1e3:.3f} ms")
-    if args.no_peers:
-        return
+    figures: dict[str, object] = {"import_torch_s": imp, **start, **lat}
+    goals = {"cold_start_x_import_torch": goal(start["cold_start_s"] / imp, "<=", 1.5, "x import torch"),
+             "magic_cell_s": goal(lat["magic_s"], "<", 1e-3, "s")}
+    try:
+        if not args.no_peers:
+            _peers(n, start, lat, figures)
+    finally:
+        write_json(args.json, "bench_core", figures, goals, n=n, cells=args.cells, repeat=args.repeat,
+                   peers=not args.no_peers)
+
+
+def _peers(n: int, start: dict[str, float], lat: dict[str, float], figures: dict[str, object]) -> None:
+    """Print the peers' figures against ours, and add them to ``figures``."""
     try:
         t = peers.ipyparallel_start(n)
         print(f"  ipyparallel: start {n} engines + torch     {t:8.3f} s   "
               f"ours is {t / start['cold_start_s']:5.1f}x faster")
         ops = peers.ipyparallel_ops(n)
+        figures["ipyparallel"] = {"start_s": t, "execute_s": ops["execute_s"]}
         print(f"  ipyparallel: %px a=1 (view.execute)      {ops['execute_s'] * 1e3:8.3f} ms  "
               f"ours is {ops['execute_s'] / lat['magic_s']:5.1f}x faster")
     except peers.PeerUnavailable as e:
@@ -135,6 +149,7 @@ def main() -> None:
     if res is None:
         print(f"  torchmonarch: skipped ({reason})")
     else:
+        figures["torchmonarch"] = res
         print(f"  torchmonarch: spawn to first result      {res['spawn_to_first_result_s']:8.3f} s   "
               f"ours is {res['spawn_to_first_result_s'] / start['cold_start_s']:5.1f}x faster")
         print(f"  torchmonarch: endpoint call to {n} actors   {res['call_s'] * 1e3:8.3f} ms  "
@@ -143,6 +158,7 @@ def main() -> None:
     if res is None:
         print(f"  accelerate: skipped ({reason})")
     else:
+        figures["accelerate"] = res
         print(f"  accelerate notebook_launcher: launch to result (no persistent ranks) "
               f"{res['launch_to_result_s']:8.3f} s")
 

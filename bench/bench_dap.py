@@ -1,7 +1,7 @@
 """JupyterLab's visual debugger on ranks, through a real kernel spoken to as JupyterLab does (DAP on the control
 channel): how soon a gutter breakpoint hit on N ranks reaches the sidebar, and what a trivial cell costs.
 
-    python bench/bench_dap.py [--n 4] [--hits 5] [--cells 40]
+    python bench/bench_dap.py [--n 4] [--hits 5] [--cells 40] [--json PATH]
 
 - breakpoint hit: from the execute request of a `%%mesh` cell to the N-th `stopped` event, and to the sidebar's
   content for every rank (threads, stackTrace, scopes and variables answered), median of ``--hits`` (ranks
@@ -22,6 +22,9 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+from figures import add_json_option, goal, write_json  # noqa: E402  (bench/figures.py)
 
 from tests.integration.dapclient import DapKernel  # noqa: E402  (the test suite's DAP client)
 
@@ -35,6 +38,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=4, help="ranks")
     ap.add_argument("--hits", type=int, default=5, help="breakpoint hits timed")
     ap.add_argument("--cells", type=int, default=40, help="trivial cells timed per setting")
+    add_json_option(ap)
     args = ap.parse_args()
     k = DapKernel(ROOT)
     try:
@@ -90,6 +94,12 @@ def main() -> None:
     print(f"  trivial cell, debugger off (median)                  {statistics.median(off) * 1e3:8.2f} ms")
     print(f"  trivial cell, debugger on, no breakpoint (median)    {statistics.median(on) * 1e3:8.2f} ms  "
           f"on/off = {statistics.median(on) / statistics.median(off):.2f}x")
+    med = statistics.median
+    figures = {"first_stopped_s": first[0], "first_sidebar_s": first[1], "stopped_s": med(hits),
+               "sidebar_s": med(sidebar), "trivial_debugger_off_s": med(off), "trivial_debugger_on_s": med(on),
+               "on_off": med(on) / med(off)}
+    write_json(args.json, "bench_dap", figures, {"stopped_s": goal(med(hits), "<", 1.0, "s")}, n=args.n,
+               hits=args.hits, cells=args.cells)
 
 
 if __name__ == "__main__":

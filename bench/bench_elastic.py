@@ -27,9 +27,10 @@ death to the first committed step with the replacement in the quorum; the final 
 whether the mesh's replicas end with bitwise-equal weights. GPUs: with one CUDA device per rank the model runs on
 cuda:LOCAL_RANK and torchft's ProcessGroupNCCL carries the gradients (``--cpu`` keeps the CPU).
 
-Also (first, and alone with ``--scale-only``): ``mesh.scale`` 4 -> 6 -> 3 on a live mesh (CPU ranks): the seconds of
-each step against a fresh mesh of that size, whether the ranks that stayed kept their namespaces, the new ranks got
-the replayed model, and every rank is in a process group of the new size.
+Also (first, and alone with ``--scale-only``): ``mesh.scale`` 4 -> 6 -> 3 on a live mesh (CPU ranks), of local ranks
+and of ranks behind a host agent (``--launcher torchrun``: the agent forks the new ranks): the seconds of each step
+against a fresh mesh of that size, whether the ranks that stayed kept their namespaces, the new ranks got the
+replayed model, and every rank is in a process group of the new size.
 """
 
 from __future__ import annotations
@@ -290,15 +291,16 @@ def _alive(pid: int) -> bool:
 SCALE_STEPS = (6, 3)  # %mesh scale from --n (4): 4 -> 6 -> 3
 
 
-def run_scale(n: int) -> dict:
+def run_scale(n: int, launcher: str = "local") -> dict:
     """``mesh.scale`` 4 -> 6 -> 3 on a live self-healing mesh: seconds of each step, whether the ranks that stayed kept
     their namespaces (a value only a non-replayed cell made, and the process id) and the new ranks got the model (a
     ``--replay`` cell), and a collective of the new size. Reference in the same run: a full restart at each size
-    (fresh processes, namespaces lost)."""
+    (fresh processes, namespaces lost). ``launcher``: "local" (the fork server) or "torchrun" (one host agent under
+    torchrun forks the ranks, and the new ones: scale through a host agent)."""
     from monarch_jupyter import Mesh
 
-    out: dict = {"steps": [], "restart_s": []}
-    with Mesh(n, on_rank_death="restart", start_timeout=300) as m:
+    out: dict = {"launcher": launcher, "steps": [], "restart_s": []}
+    with Mesh(n, launcher=launcher, on_rank_death="restart", start_timeout=300) as m:
         m.push(CUDA=False)
         m.run(MODEL, replay=True)
         m.run("import os\nmine = (rank, os.getpid())")
@@ -319,17 +321,18 @@ def run_scale(n: int) -> dict:
         for target in SCALE_STEPS:  # the reference: a fresh mesh of that size (what was possible before)
             m.stop()
             t0 = time.perf_counter()
-            with Mesh(target, start_timeout=300) as fresh:
+            with Mesh(target, launcher=launcher, start_timeout=300) as fresh:
                 fresh.run("t = torch.ones(1)\ndist.all_reduce(t)")
                 out["restart_s"].append(time.perf_counter() - t0)
     return out
 
 
 def print_scale(scale: dict) -> None:
+    where = " (host agent)" if scale.get("launcher") == "torchrun" else ""
     for step, ref in zip(scale["steps"], scale["restart_s"], strict=True):
-        print(f"  %mesh scale {step['from']} -> {step['to']}: {step['seconds']:.2f} s (a fresh mesh of {step['to']}: "
-              f"{ref:.2f} s, {step['seconds'] / ref:.2f}x)  namespaces kept: {step['kept']}  new ranks got the "
-              f"replayed model: {step['new_ranks_got_model']}  process group of {step['to']}: "
+        print(f"  %mesh scale{where} {step['from']} -> {step['to']}: {step['seconds']:.2f} s (a fresh mesh of "
+              f"{step['to']}: {ref:.2f} s, {step['seconds'] / ref:.2f}x)  namespaces kept: {step['kept']}  new ranks "
+              f"got the replayed model: {step['new_ranks_got_model']}  process group of {step['to']}: "
               f"{step['group_of_new_size']}")
 
 
@@ -348,10 +351,12 @@ def main() -> None:
     import torch
 
     scale = run_scale(args.n) if not args.no_scale else {"steps": [], "restart_s": []}
+    agents = run_scale(args.n, "torchrun") if not args.no_scale else {"steps": [], "restart_s": []}
     if args.scale_only:
-        print(f"%mesh scale on CPU ranks ({os.cpu_count()} cores)")
+        print(f"%mesh scale on CPU ranks ({os.cpu_count()} cores): local ranks, then ranks behind a host agent")
         print_scale(scale)
-        _write_json(args.json, {"scale": scale})
+        print_scale(agents)
+        _write_json(args.json, {"scale": scale, "scale_agents": agents})
         return
 
     cuda = not args.cpu and torch.cuda.is_available() and torch.cuda.device_count() >= args.n
@@ -373,7 +378,9 @@ def main() -> None:
     for every, run in runs.items():
         print_failures(every, run["healed"], run["torchrun"], base, args.checkpoint_every)
     print_scale(scale)
-    _write_json(args.json, {"clean": clean, "runs": {str(k): v for k, v in runs.items()}, "scale": scale})
+    print_scale(agents)
+    _write_json(args.json, {"clean": clean, "runs": {str(k): v for k, v in runs.items()}, "scale": scale,
+                            "scale_agents": agents})
 
 
 def print_failures(every: float, healed: dict, torchrun: dict, base: float, checkpoint_every: int) -> None:

@@ -1,7 +1,7 @@
 """Faults: how fast a failure reaches the notebook, how fast the mesh is back, and what is left behind; against
 peers measured in the same run.
 
-    python bench/bench_faults.py [--n 4] [--repeat 3] [--no-peers] [--no-kernel]
+    python bench/bench_faults.py [--n 4] [--repeat 3] [--no-peers] [--no-kernel] [--ddp-only] [--json PATH]
 
 Figures (seconds; medians of --repeat runs; wall clock on a shared machine, so noisy):
 - death detection: a rank prints time.time() and dies (os._exit, SIGKILL of itself, a segfault) while the other
@@ -44,6 +44,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import peers  # noqa: E402  (bench/peers.py)
+from figures import add_json_option, write_json  # noqa: E402  (bench/figures.py)
 
 ACCELERATE_INTERRUPT_S = 30.0  # earlier measurement: notebook_launcher interrupted during rendezvous
 
@@ -483,12 +484,16 @@ def main() -> None:
     ap.add_argument("--no-peers", action="store_true", help="skip ipyparallel and torchmonarch")
     ap.add_argument("--no-kernel", action="store_true", help="skip the real-kernel figures")
     ap.add_argument("--ddp-only", action="store_true", help="only the figures of a rank raising inside DDP")
+    add_json_option(ap)
     args = ap.parse_args()
     n = args.n
+    params = {"n": n, "repeat": args.repeat, "peers": not args.no_peers, "kernel": not args.no_kernel,
+              "ddp_only": args.ddp_only}
 
     ddp = ddp_raise(n, args.repeat)
     if args.ddp_only:
         _ddp_rows(ddp)
+        write_json(args.json, "bench_faults", {"ddp": ddp}, **params)
         return
     api = ours_api(n, args.repeat)
     kern = {} if args.no_kernel else ours_kernel(n, args.repeat)
@@ -537,6 +542,9 @@ def main() -> None:
             f"{tm.get('error', '')}; ours is {tm['death_detection_s'] / best:.0f}x faster")
     else:
         print(f"  torchmonarch: {tm_reason} (earlier measurement: ~10 s to report a crashed process)")
+    write_json(args.json, "bench_faults", {"api": api, "kernel": kern, "ddp": ddp, "ipyparallel": ipp,
+                                           "torchmonarch": tm if tm is not None else {"skipped": tm_reason}},
+               **params)
 
 
 if __name__ == "__main__":

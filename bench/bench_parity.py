@@ -1,6 +1,6 @@
 """torchrun parity: the same DDP script under torchrun and on the mesh, in one run; ratios against torchrun.
 
-    python bench/bench_parity.py [--nproc 2] [--steps 60] [--repeat 3]
+    python bench/bench_parity.py [--nproc 2] [--steps 60] [--repeat 3] [--json PATH]
 
 Figures (wall clock; medians of --repeat runs each way; a shared machine makes them noisy):
 - steady-state step: the median time of one DDP training step (forward, backward, all-reduce, optimizer) of a
@@ -25,6 +25,10 @@ import tempfile
 import textwrap
 import time
 from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from figures import add_json_option, goal, write_json  # noqa: E402  (bench/figures.py)
 
 SCRIPT = textwrap.dedent('''
     """A small DDP training loop that reports its step times (bench/bench_parity.py)."""
@@ -90,6 +94,7 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--repeat", type=int, default=3)
+    add_json_option(ap)
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from monarch_jupyter import Mesh
@@ -126,10 +131,16 @@ def main() -> None:
     print(f"  edit -> first step, torchrun     {med(tr_first):8.3f} s  (relaunch)")
     print(f"  edit -> first step, %mesh run    {med(run_first):8.3f} s")
     print(f"  edit -> first step, %%mesh cell  {med(cell_first):8.3f} s")
-    for name, value in (("%mesh run", med(run_first)), ("%%mesh cell", med(cell_first))):
+    goals = {"step_mesh_over_torchrun": goal(ratio, "<=", 1.05, "x torchrun")}
+    for name, key, value in (("%mesh run", "run", med(run_first)), ("%%mesh cell", "cell", med(cell_first))):
         speedup = med(tr_first) / value
+        goals[f"loop_speedup_{key}"] = goal(speedup, ">=", 10, "x faster than torchrun")
         print(f"  loop speed-up vs torchrun, {name:<12}{speedup:7.1f}x   (goal >= 10x: "
               f"{'met' if speedup >= 10 else 'NOT met'})")
+    figures = {"step_torchrun_s": med(tr_step), "step_mesh_run_s": med(run_step), "step_ratio": ratio,
+               "edit_to_first_step_torchrun_s": med(tr_first), "edit_to_first_step_run_s": med(run_first),
+               "edit_to_first_step_cell_s": med(cell_first)}
+    write_json(args.json, "bench_parity", figures, goals, nproc=args.nproc, steps=args.steps, repeat=args.repeat)
 
 
 if __name__ == "__main__":

@@ -6,17 +6,19 @@ Rows, each printed with its goal:
 
 - simulated hosts (bench/simhosts.py: the real controller, agents whose ranks finish every cell at once, so what is
   measured is the controller and the messages, not rank work) at 256, 1,024 and 4,096 ranks, flat (one agent of 64
-  ranks per host, each talking to the controller) and as a tree with one relay level (relays of 2, 4 or 8 agents):
+  ranks per host, each talking to the controller; 8 agents share a process) and as a tree with one relay level
+  (2 relays of 2 agents, 4 of 4, 4 of 16; a relay's agents share one process):
   the controller's CPU (this process, every thread) per trivial cell (``x = 1``), its latency, and the time to
   ready. Goal: <= 1.5 ms at 1,024 and at 4,096 ranks (the better layout), and 4,096 within 1.5x of 256;
 - a local mesh (``Mesh(N)``) of 4 and 32 ranks: the controller's CPU per trivial cell. Goal: 32 within 1.5x of 4.
 
 Each row runs in a fresh interpreter; with ``--reference DIR`` (a checkout of the old code, e.g. /work/main) every
 row runs there too, alternating with this checkout, so that load from elsewhere hits both alike: "before" is DIR,
-"after" this checkout. The simulated agents and relays are this checkout's bench/simhosts.py for both (they only
-speak the wire protocol, which did not change). Rows stop after ``--cells`` cells or ``--row-seconds`` seconds,
-whichever comes first (the old controller takes about a second per cell at 4,096 ranks). On a shared 2-core
-machine every figure is noisy: compare the ratios of one run.
+"after" this checkout. The simulated agents and relays are this checkout's bench/simhosts.py for both: for this
+checkout they answer a cell with one ``span`` event per host (what monarch_worker.hostlink sends for consecutive
+ranks), for the reference with the ``done`` event that lists ranks and durations, which is what it reads. Rows stop
+after ``--cells`` cells or ``--row-seconds`` seconds, whichever comes first (the old controller takes about a second
+per cell at 4,096 ranks). On a shared 2-core machine every figure is noisy: compare the ratios of one run.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIM = os.path.join(ROOT, "bench", "simhosts.py")
 TRIVIAL = "x = 1"
 PER_AGENT = 64  # simulated ranks per host agent
-TREE = {256: 2, 1024: 4, 4096: 8}  # relays at each size (each with as many agents): one relay level
+TREE = {256: 2, 1024: 4, 4096: 4}  # relays at each size: one relay level (4,096: 16 agents each, cheaper than 8 x 8)
+PER_PROCESS = 8  # simulated agents per process (each its own connection): fewer processes share the 2 cores
 GOAL_MS = 1.5  # controller CPU per trivial cell at 1,024 and 4,096 ranks
 GOAL_RATIO = 1.5  # 4,096 / 256 ranks; local 32 / 4 ranks
 
@@ -68,7 +71,8 @@ def sim_row(world: int, relays: int, cells: int, seconds: float) -> dict[str, fl
         argv = [[sys.executable, SIM, "relay", m.address, secret, str(agents // relays), str(PER_AGENT)]
                 for _ in range(relays)]
     else:
-        argv = [[sys.executable, SIM, "agent", m.address, secret, str(PER_AGENT)] for _ in range(agents)]
+        argv = [[sys.executable, SIM, "agents", m.address, secret, str(PER_AGENT), str(min(PER_PROCESS, agents - i))]
+                for i in range(0, agents, PER_PROCESS)]
     procs = [subprocess.Popen(a) for a in argv]
     try:
         t0 = time.perf_counter()
@@ -98,6 +102,9 @@ def local_row(n: int, cells: int, seconds: float) -> dict[str, float]:
 def run_row(package: str | None, kind: str, *args: int | float) -> dict[str, float]:
     """One row in a fresh interpreter that imports monarch_jupyter from ``package`` (None: this checkout)."""
     env = dict(os.environ)
+    # The simulated agents answer as this checkout's agents do (one "span" event per host and cell), or, for the
+    # reference, as agents that speak its protocol (a "done" event that lists ranks and durations)
+    env["SIMHOSTS_SPANS"] = "0" if package else "1"
     if package:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package, env.get("PYTHONPATH")) if p)
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--row", kind, *map(str, args)],

@@ -1,6 +1,6 @@
 """Tensors between the notebook and the ranks, against memcpy and ipyparallel, measured in one run.
 
-    python bench/bench_tensors.py [--n 4] [--reps 8] [--no-peers]
+    python bench/bench_tensors.py [--n 4] [--reps 8] [--no-peers] [--json PATH]
 
 Prints seconds (median of ``--reps`` after one warm-up, and the first, cold call) and the ratios the tensors issue
 sets targets for:
@@ -31,6 +31,7 @@ sys.path.insert(0, BENCH_DIR)
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (BENCH_DIR, os.environ.get("PYTHONPATH")) if p)
 
 import peers  # noqa: E402  (bench/peers.py)
+from figures import add_json_option, goal, write_json  # noqa: E402  (bench/figures.py)
 
 MiB = 1 << 20
 
@@ -112,6 +113,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=4, help="ranks / engines")
     ap.add_argument("--reps", type=int, default=8, help="timed repetitions after the first call")
     ap.add_argument("--no-peers", action="store_true", help="skip ipyparallel")
+    add_json_option(ap)
     args = ap.parse_args()
     n = args.n
 
@@ -175,6 +177,13 @@ def main() -> None:
           f"{ours['push_64MiB_socket_s'] / ours['push_64MiB_socket_1rank_s']:.1f}x; "
           f"bare gloo broadcast / socket to 1 rank: "
           f"{ours['gloo_broadcast_64MiB_s'] / ours['push_64MiB_socket_1rank_s']:.1f}x")
+    goals = {"push_256MiB_over_memcpy": goal(push256 / ref[256], "<=", 4, "x memcpy"),
+             "push_64MiB_socket_1rank_s": goal(sock1, "<=", 0.1, "s")}
+    if ipp:
+        goals["ipyparallel_push_256MiB_over_ours"] = goal(ipp["push_256MiB_s"] / push256, ">=", 10, "x")
+    figures = {"memcpy_64MiB_s": ref[64], "memcpy_256MiB_s": ref[256], "clone_256MiB_s": clone256, **ours, **agent,
+               "ipyparallel": ipp}
+    write_json(args.json, "bench_tensors", figures, goals, n=n, reps=args.reps, peers=not args.no_peers)
 
 
 if __name__ == "__main__":

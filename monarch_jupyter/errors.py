@@ -22,6 +22,7 @@ __all__ = [
     "RankAbortedError",
     "MeshError",
     "MeshTimeoutError",
+    "TrialFailedError",
     "MeshInterrupt",
     "RankBusyError",
     "CellSyntaxError",
@@ -351,6 +352,45 @@ class MeshTimeoutError(MeshError):
         if self.stacks:
             lines += ["Where each rank was:", *self.stacks.splitlines()]
         return lines + self._tail()
+
+
+class TrialFailedError(MeshError):
+    """A sweep trial's cell failed (``monarch_jupyter.sweep``): the trial's MeshError told in one short line, for
+    Optuna's warning of a failed trial (it shows the exception's repr). The full error is its ``__cause__``; its
+    ``errors``, ``results``, ``what`` and ``hint`` are the MeshError's (rank numbers: the mesh's).
+
+    ``str`` is "trial 2 on sub-mesh trial0 (mesh ranks 0,1): the cell failed on rank 1: ValueError: a bad trial":
+    the first line of each failed rank's error (ranks with the same line together), each cut at ``LINE`` characters.
+    """
+
+    LINE = 160  # characters of one rank's error line kept
+
+    def __init__(self, trial: int, errors: dict[int, MonarchError], results: dict[int, Any] | None = None,
+                 what: str = "the cell", hint: str = "", where: str = "") -> None:
+        super().__init__(errors, results, what, hint)
+        self.trial = trial
+        self.where = where  # "sub-mesh trial0 (mesh ranks 0,1)", or ""
+        self.args = (trial, errors, results, what, hint, where)
+
+    @classmethod
+    def of(cls, trial: int, error: MeshError, where: str = "") -> TrialFailedError:
+        """The short error of trial number ``trial`` whose cell raised ``error`` (to be raised ``from error``)."""
+        return cls(trial, error.errors, error.results, error.what, error.hint, where)
+
+    def __str__(self) -> str:
+        lines: dict[str, list[int]] = {}  # first line of the error -> the ranks that had it
+        for rank, err in self.errors.items():
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            first = first.removeprefix(f"[rank{rank}] ")
+            if len(first) > self.LINE:
+                first = first[: self.LINE - 3] + "..."
+            lines.setdefault(first, []).append(rank)
+        told = "; ".join(f"{ranks_text(ranks)}: {line}" for line, ranks in lines.items())
+        where = f" on {self.where}" if self.where else ""
+        return f"trial {self.trial}{where}: {self.what} failed on {told}"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self)!r})"
 
 
 class MeshInterrupt(KeyboardInterrupt):

@@ -109,15 +109,18 @@ def apply(*, rank: int, world_size: int, local_rank: int, local_world_size: int,
         apply_thread_settings()
 
 
-def resized(*, rank: int, world_size: int, local_rank: int, local_world_size: int,
+def resized(*, rank: int, world_size: int, local_rank: int, local_world_size: int, group_world_size: int = -1,
             environ: MutableMapping[str, str] | None = None) -> None:
     """After a change of the mesh's membership (``%mesh scale``, a Regroup): the numbers torchelastic's agent
     gives its workers when it restarts them in a new world (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, and
-    ROLE_RANK, ROLE_WORLD_SIZE, REPLICA_GROUP_ID, NUM_REPLICA_GROUPS where set); the rest (GROUP_*, the run id,
-    the error file) is kept. Unchanged numbers leave the environment as it was."""
+    ROLE_RANK, ROLE_WORLD_SIZE, REPLICA_GROUP_ID, NUM_REPLICA_GROUPS where set; GROUP_WORLD_SIZE when a host came,
+    ``group_world_size`` >= 0); the rest (GROUP_RANK, the run id, the error file) is kept. Unchanged numbers leave
+    the environment as it was."""
     env = os.environ if environ is None else environ
     env.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_rank),
                 "LOCAL_WORLD_SIZE": str(local_world_size)})
+    if group_world_size >= 0:
+        env["GROUP_WORLD_SIZE"] = str(group_world_size)
     for key, value in (("ROLE_RANK", rank), ("ROLE_WORLD_SIZE", world_size), ("REPLICA_GROUP_ID", rank),
                        ("NUM_REPLICA_GROUPS", world_size)):
         if key in env:

@@ -26,6 +26,7 @@ from . import shm
 from .addresses import address_toward
 from .agentconfig import AgentConfig, rank_environment
 from .channel import recv_frames, send_frames
+from .hostlimits import host_limits
 from .hostlink import EventBatch, ForkServerClient, LocalRank, drain, read_output, read_segment, take_record
 from .pipes import WorkPipe
 from .reaper import END_WAIT
@@ -98,7 +99,7 @@ class HostAgent:
         addr = address_toward(self.cfg.controller)
         self.send(P.AgentHello(host=self.host, pid=os.getpid(), nproc=self.cfg.nproc, addr=addr,
                                group_rank=self.cfg.group_rank, group_world_size=self.cfg.group_world_size,
-                               launcher_env=self.cfg.launcher_env))
+                               launcher_env=self.cfg.launcher_env, limits=list(host_limits())))
         join_deadline = time.monotonic() + self.cfg.join_timeout
         next_beat = time.monotonic() + self.interval
         try:
@@ -150,7 +151,7 @@ class HostAgent:
         """Once per heartbeat interval: heartbeats, and the silence checks that end an abandoned agent."""
         if self.welcome is None:
             self.send(P.Heartbeat())
-            if now > join_deadline:
+            if now > max(join_deadline, self.last_heard + self.cfg.join_timeout):  # a late host: pinged while held
                 self.stop(EXIT_REJECTED, f"no word from the controller at {self.cfg.controller} in "
                                          f"{self.cfg.join_timeout:.0f} s: it is not listening there, cannot be "
                                          "reached from this host, or does not hold this secret (check "
@@ -194,6 +195,8 @@ class HostAgent:
         elif isinstance(msg, P.Spawn):
             for r in msg.ranks:
                 self._spawn(r)
+        elif isinstance(msg, P.HostRanks):
+            self._on_host_ranks(msg)
         elif isinstance(msg, P.Signal):
             for r in self._chosen(msg.ranks):
                 if r.alive:
@@ -224,6 +227,23 @@ class HostAgent:
         if self.fork.ready:
             for rank in msg.ranks:
                 self._spawn(rank)
+
+    def _on_host_ranks(self, msg: P.HostRanks) -> None:
+        """``%mesh scale`` changed this host's ranks: forget (and SIGKILL, if still running) those it no longer
+        holds, renumber the rest locally, and start later ranks (``Spawn``) in the new world."""
+        welcome = self.welcome
+        if welcome is None:
+            return
+        keep = [int(r) for r in msg.ranks]
+        for rank in [r for r in self.ranks if r not in keep]:
+            r = self.ranks.pop(rank)
+            if r.alive:
+                self.fork.signal(r.sid, signal.SIGKILL)  # its exit is not reported: the rank is not this host's
+        for local, rank in enumerate(keep):
+            if rank in self.ranks:
+                self.ranks[rank].local_rank = local
+        self.welcome = P.AgentWelcome(ranks=keep, world_size=int(msg.world_size), group_rank=welcome.group_rank,
+                                      group_world_size=welcome.group_world_size, settings=welcome.settings)
 
     def _chosen(self, ranks: list[int]) -> list[LocalRank]:
         if ranks == [-1]:
@@ -293,7 +313,7 @@ class HostAgent:
         welcome = self.welcome
         assert welcome is not None
         old = self.ranks.get(rank)
-        local = old.local_rank if old is not None else welcome.ranks.index(rank)
+        local = welcome.ranks.index(rank)
         r = LocalRank(local, rank)
         self.ranks[rank] = r
         if old is not None and old.ident:
@@ -320,7 +340,8 @@ class HostAgent:
         if kind == "ready":
             if self.welcome is not None:
                 for rank in self.welcome.ranks:
-                    if not self.ranks[rank].alive and self.ranks[rank].sid < 0:
+                    r = self.ranks.get(rank)
+                    if r is None or (not r.alive and r.sid < 0):
                         self._spawn(rank)
         elif kind == "spawned":
             _, sid, pid, out_fd, err_fd = event
@@ -334,7 +355,8 @@ class HostAgent:
                 os.set_blocking(fd, False)
                 self.by_fd[fd] = (r, stream)
                 self.poller.register(fd, zmq.POLLIN)
-            self.batch.other(("up", r.rank, pid))
+            if self.ranks.get(r.rank) is r:  # not a rank this host was told to forget (HostRanks)
+                self.batch.other(("up", r.rank, pid))
         elif kind == "exited":
             _, sid, returncode = event
             r = self.by_sid.pop(sid, None)
@@ -369,6 +391,8 @@ class HostAgent:
             self.by_ident.pop(r.ident, None)
         if self.pool is not None:
             self.pool.drop_holder(r.rank)
+        if self.ranks.get(r.rank) is not r:  # forgotten (HostRanks), or replaced since: not news for the controller
+            return
         self.batch.rank_gone(r.rank)
         self.batch.other(("exit", r.rank, returncode))
         self.flush()  # a death is news at once

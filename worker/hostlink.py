@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import protocol as P
+from .hostmessages import pack_durations
 from .pipes import WorkPipe
 from .streams import LINE_LIMIT, StreamSplitter, temp_file_sink
 
@@ -261,12 +262,29 @@ class EventBatch:
         return max(0.0, self.since + self.hold - now)
 
     def take(self) -> tuple[P.HostEvents, bytes, list]:
+        # a cell's "done" ranks that are a run of consecutive ranks go as one "span" event
+        self.events = [compact_done(e) if e[0] == "done" else e for e in self.events]
         msg = P.HostEvents(self.events)
         payload = b"".join(self.payload)
         buffers = self.buffers
         self.events, self.payload, self.buffers = [], [], []
         self._done.clear()
         return msg, payload, buffers
+
+
+def compact_done(event: tuple) -> tuple:
+    """A ``("done", cell_id, ranks, durations)`` event as ``("span", cell_id, start, stop, durations)`` when its ranks
+    are consecutive (in any order: they are listed as they finished), else unchanged."""
+    _, cell_id, ranks, durations = event
+    n = len(ranks)
+    if n < 2:
+        return event
+    lo, hi = min(ranks), max(ranks)
+    if hi - lo + 1 != n or len(set(ranks)) != n:
+        return event
+    in_order = durations if ranks[0] == lo and ranks[-1] == hi and ranks == sorted(ranks) else [
+        d for _, d in sorted(zip(ranks, durations, strict=True))]
+    return ("span", cell_id, lo, hi + 1, pack_durations(in_order))
 
 
 def read_output(rank: LocalRank, stream: str, batch: EventBatch, on_record: Callable[[LocalRank, int, bytes], None],

@@ -209,8 +209,9 @@ class Regroup(Message):
 
     Fields as in ``Welcome`` (``local_rank``/``local_world_size`` -1: keep this rank's own); ``master_port`` 0
     asks this rank (rank 0) to host a new TCPStore (on ``master_addr``, or its address toward the controller
-    when empty) and answer ``StoreReady``. The rank answers ``Ready`` (or ``StartFailed``), keeping its
-    namespace.
+    when empty) and answer ``StoreReady``. ``group_world_size``: the number of hosts, when a ``%mesh scale``
+    admitted one (torchrun's GROUP_WORLD_SIZE; -1: unchanged). The rank answers ``Ready`` (or ``StartFailed``),
+    keeping its namespace.
     """
 
     TYPE: ClassVar[str] = "regroup"
@@ -221,6 +222,7 @@ class Regroup(Message):
     master_addr: str
     master_port: int
     backend: str
+    group_world_size: int = -1
 
 
 @_register

@@ -218,7 +218,7 @@ def regroup(rank: RankSide, msg: P.Regroup, payload: bytes, bufs: list) -> None:
         return
     rank.device = device  # rank.rank stays the controller's number for this rank (a sub-mesh numbers it anew)
     elastic_env.resized(rank=msg.rank, world_size=msg.world_size, local_rank=local_rank,
-                        local_world_size=local_world)  # a new size after %mesh scale
+                        local_world_size=local_world, group_world_size=msg.group_world_size)  # after %mesh scale
     if rank.ns is not None:
         rank.ns.ns.update(device=device, rank=msg.rank, world_size=msg.world_size, local_rank=local_rank)
     rank.send(P.Ready(device=str(device), backend=backend, host=socket.gethostname(), pid=os.getpid()))

@@ -18,13 +18,14 @@ from collections.abc import Iterable
 from typing import Any, Protocol
 
 from monarch_worker import protocol as P
+from monarch_worker.hostmessages import unpack_durations
 from monarch_worker.serialize import loads
 
 from ..errors import MonarchError, RankDiedError, RemoteError
 from ..ranks import RankMap, format_ranks
 from .output import FOLD_WINDOW, OutputWriter, fold_lines
 from .records import CellRecord, Line
-from .spans import contiguous
+from .spans import span_of
 from .state import MeshState
 
 __all__ = ["CellHandle", "CellTable", "CellWaiter", "CellSnapshot", "RECENT_CELLS"]
@@ -211,23 +212,33 @@ class CellTable:
                                error=None if error is None else str(error), duration=msg.duration,
                                ename=getattr(error, "ename", ""), evalue=getattr(error, "evalue", ""))
 
-    def on_done(self, cell_id: int, ranks: list[int], durations: list[float]) -> None:
+    def on_done(self, cell_id: int, ranks: list[int] | range, durations: list[float] | bytes) -> None:
         """``ranks`` finished cell ``cell_id`` with no value and no error (a host agent's summary of its ranks;
-        ``durations`` in seconds, in the same order): what ``on_result`` does for each, under one lock."""
+        ``durations`` in seconds, in the same order, a list or float64 bytes: hostmessages.pack_durations): what
+        ``on_result`` does for each, under one lock. A ``range`` of ranks with bytes costs no step per rank.
+
+        Raises ValueError when the durations do not match the ranks in number (nothing is recorded)."""
         state = self.state
+        ndur = len(durations) // 8 if isinstance(durations, bytes) else len(durations)
+        if len(ranks) != ndur or (isinstance(durations, bytes) and len(durations) % 8):
+            raise ValueError(f"a done event of cell {cell_id} names {len(ranks)} ranks and {ndur} durations")
         with state.lock:
             rec = state.cells.get(cell_id)
             if rec is None:
                 return
-            if rec.tracks_failures and state.failures:
-                for rank in ranks:
-                    state.failures.pop(rank, None)
-            if len(ranks) != len(durations):
-                raise ValueError(f"a done event of cell {cell_id} names {len(ranks)} ranks and {len(durations)} "
-                                 "durations")
+            span = span_of(ranks)  # a host's ranks, in the order they finished: one range
+            if rec.tracks_failures and state.failures:  # a step per earlier failure, not per rank
+                if span is not None and len(state.failures) < len(span):
+                    for rank in [r for r in state.failures if r in span]:
+                        del state.failures[rank]
+                else:
+                    for rank in ranks:
+                        state.failures.pop(rank, None)
             rec.duration_batches.append((ranks, durations))  # as the agent sent them (duration_map reads them)
-            span = range(ranks[0], ranks[-1] + 1) if ranks and contiguous(ranks) else ranks  # a host's: one range
-            rec.results_in.update(span)
+            if span is not None:
+                rec.results_in.add_range(span.start, span.stop)
+            else:
+                rec.results_in.update(ranks)
             launcher = state.launcher
             if launcher is not None and launcher.relays_output:  # output markers to wait for, rank by rank
                 now = time.monotonic()
@@ -236,11 +247,12 @@ class CellTable:
                     if rank not in rec.finished:
                         rec.unmarked[rank] = now
             else:
-                self.finish_ranks(rec, span)
+                self.finish_ranks(rec, span if span is not None else ranks)
         if state.events.listening:  # views (one queueing for the batch; the events are documented per rank)
+            seconds = unpack_durations(durations) if isinstance(durations, bytes) else durations
             state.events.emit_all([("rank_result", {"rank": rank, "cell_id": cell_id, "status": "ok", "error": None,
                                                     "duration": duration, "ename": "", "evalue": ""})
-                                   for rank, duration in zip(ranks, durations, strict=True)])
+                                   for rank, duration in zip(ranks, seconds, strict=True)])
 
     def on_sync(self, rank: int, stream: str, cell_id: int) -> None:
         """Under the lock: ``rank``'s ``stream`` reached the end of cell ``cell_id`` (a sync marker)."""
@@ -288,7 +300,9 @@ class CellTable:
         summary finishes many ranks at once: no output markers to wait for there)."""
         self.state.assert_locked()
         state = self.state
-        if len(ranks) == 1:
+        if isinstance(ranks, range):
+            rec.finished.add_range(ranks.start, ranks.stop)
+        elif len(ranks) == 1:
             rec.finished.add(ranks[0])
         else:
             rec.finished.update(ranks)

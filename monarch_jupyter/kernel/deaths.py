@@ -116,6 +116,9 @@ class Deaths:
         with state.lock:
             if state.stopping:
                 return
+            if rank in state.growing:  # a new rank of a scale, in no group yet: the scale reports it (resize.py)
+                state.cond.notify_all()
+                return
             group = state.group_of(rank)  # its process group (split: its sub-mesh's) is down, no other
             dead = [r for r in group if state.ranks[r].state is RankState.DEAD]
             state.mark_down(group, f"{ranks_text(dead)} died")
@@ -150,8 +153,9 @@ class Deaths:
         if window <= 0:
             return
         with state.lock:
-            silent = [info.rank for info in state.ranks.values() if info.identity is not None
-                      and info.last_heard > 0 and info.alive and now - info.last_heard > window]
+            # the cheap test first: ``alive`` reads the cells in flight
+            silent = [info.rank for info in state.ranks.values() if now - info.last_heard > window
+                      and info.last_heard > 0 and info.identity is not None and info.alive]
         if silent:
             self.ranks_lost(silent, f"no heartbeat for {window:g} s: stopped, hung with the GIL held, or its host is "
                                     "unreachable")

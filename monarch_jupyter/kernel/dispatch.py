@@ -106,7 +106,8 @@ class Dispatcher:
             with state.lock:
                 runs_code = any(isinstance(msg, (P.Exec, P.Call)) for _, msg, _, _ in groups)
                 self._check_ranks(rec, runs_code)
-                down = state.down_for(state.peers(rec.ranks))  # its process groups' (split: its sub-mesh's)
+                # its process groups' (split: its sub-mesh's); no step per rank while every group is fine
+                down = state.down_for(state.peers(rec.ranks)) if state.down else ""
                 self.cells.register(rec)
                 launcher = state.launcher
                 work_pipe = launcher.work_pipe if launcher is not None and launcher.has_work_pipes else None

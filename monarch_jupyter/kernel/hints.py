@@ -174,3 +174,9 @@ def lighthouse_note(pid: int, returncode: int | None, address: str, error: str) 
         return f"{gone}; it was started again at {address}, and torchft's quorums go on from there"
     return (f"{gone} and could not be started again ({error}): torchft loops wait for a quorum. %mesh restart  "
             "starts a fresh mesh with a fresh Lighthouse")
+
+
+def split_ended_note(subs: list[str], ranks: list[int], world_size: int) -> str:
+    """What ``%mesh restart --rank`` prints on a split mesh: the regroup was of the whole mesh, so the split ended."""
+    return (f"restarted {ranks_text(ranks)}, which ended the split: {', '.join(subs)} merged into one process group "
+            f"of {world_size} ranks (%mesh split  splits it again)")

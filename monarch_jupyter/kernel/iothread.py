@@ -76,7 +76,8 @@ def post_regroup(state: MeshState, dispatcher: Dispatcher, info: RankInfo, port:
         else:  # local ranks (one host): the rank (back from a split); -1: its own
             local, local_world = (info.rank if state.local_world >= 0 else -1), state.local_world
         msg = P.Regroup(rank=info.rank, world_size=state.nproc, local_rank=local, local_world_size=local_world,
-                        master_addr=addr, master_port=port, backend=info.backend or state.options.backend)
+                        master_addr=addr, master_port=port, backend=info.backend or state.options.backend,
+                        group_world_size=state.group_world)
     dispatcher.post(info.rank, msg)
 
 
@@ -190,16 +191,27 @@ class IOThread:
             now = time.monotonic()
             if now >= next_ping:
                 next_ping = now + interval
-                with state.lock:
-                    idents = [i.identity for i in state.ranks.values()
-                              if i.identity and i.base_state is not RankState.DEAD]
-                if self.links is not None:
-                    idents += self.links.agent_identities()
-                self._deliver(idents, self.socket.pack(P.Ping()), P.Ping())
+                self._ping()
                 for tick in self._ticks:
                     tick(now)
                 lograte.REJECTED.flush(now)
         self._send_outbox()  # what was queued while stopping (Shutdown, Rejected)
+
+    def _ping(self) -> None:
+        """Ping every rank that is not dead: one message per host agent when agents hold every rank, else rank by
+        rank (an agent gets one Forward for its ranks either way)."""
+        state, links = self.state, self.links
+        ping = self.socket.pack(P.Ping())
+        if links is not None:
+            with state.lock:
+                dead = {r for r in state.dead_ranks if r in state.ranks and state.ranks[r].base_state is RankState.DEAD}
+            if links.ping(ping, dead):
+                return
+        with state.lock:
+            idents = [i.identity for i in state.ranks.values() if i.identity and i.base_state is not RankState.DEAD]
+        if links is not None:
+            idents += links.agent_identities()
+        self._deliver(idents, ping, P.Ping())
 
     def _receive(self, identity: bytes, frames: list, by_identity: dict[bytes, int]) -> None:
         try:

@@ -177,7 +177,7 @@ class Mesh:
         ``ranks``: restart only these (e.g. the ones that died): fresh processes for them, while every other
         rank keeps its namespace and joins a fresh process group with them. Objects bound to the old group
         (DistributedDataParallel wrappers, ``new_group`` handles) must be created again. Only for ranks this
-        controller starts (the local launcher).
+        controller starts (the local launcher). On a split mesh it ends the split, and prints a line that says so.
 
         Raises
         ------
@@ -419,10 +419,11 @@ class Mesh:
         what the notebook had sent (pushes, notebook functions, ``--replay`` cells). Returns ``fn`` (a decorator)."""
         return self.parts.history.add_hook(fn)
 
-    def scale(self, n: int) -> ScaleReport:
-        """Grow or shrink the live mesh to ``n`` local ranks (``%mesh scale -n N``); the ranks that stay keep their
-        namespaces. What new ranks get, and what is refused (ValueError, MonarchError, MeshStartError): resize.py."""
-        return self.parts.resizer.scale(n)
+    def scale(self, n: int, timeout: float | None = None) -> ScaleReport:
+        """``%mesh scale -n N``: grow or shrink to ``n`` ranks (``timeout``: s for new ranks to start): resize.py."""
+        return self.parts.resizer.scale(n, timeout)
+
+    waiting_hosts = property(lambda self: self.parts.resizer.waiting_hosts(), doc="{host: ranks} waiting for scale")
 
     def split(self, groups: int | Sequence[Sequence[int]], names: Sequence[str] | None = None) -> list[SubMesh]:
         """Sub-meshes (``%mesh split``): ``groups`` a count or rank lists; each its own process group, numbered from 0,

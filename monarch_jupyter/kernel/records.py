@@ -21,6 +21,8 @@ import contextvars
 import time
 from typing import Any
 
+from monarch_worker.hostmessages import unpack_durations
+
 from .spans import RankSpans
 
 __all__ = ["CellRecord", "Who", "Line"]
@@ -60,7 +62,8 @@ class CellRecord:
         self.synced: dict[int, set[str]] = {}
         self.finished = RankSpans()
         self.durations: dict[int, float] = {}  # seconds each rank ran it, for ranks that sent their own Result
-        self.duration_batches: list[tuple[list[int], list[float]]] = []  # a host's ``done``: (ranks, seconds)
+        # a host's ``done``: (ranks, seconds), as it sent them (a range and float64 bytes for a ``span``)
+        self.duration_batches: list[tuple[list[int] | range, list[float] | bytes]] = []
         self.result_seen_at: dict[int, float] = {}  # time.monotonic() when a rank's own Result came
         self.unmarked: dict[int, float] = {}  # ranks whose result came before their output markers -> when
         self.death_at: float | None = None  # when the first of its ranks died
@@ -87,7 +90,7 @@ class CellRecord:
         """rank -> seconds it ran the cell, for the ranks whose result came (a copy, built on demand)."""
         out: dict[int, float] = {}
         for ranks, seconds in self.duration_batches:
-            out.update(zip(ranks, seconds, strict=True))
+            out.update(zip(ranks, unpack_durations(seconds) if isinstance(seconds, bytes) else seconds, strict=True))
         out.update(self.durations)
         return out
 

@@ -26,7 +26,7 @@ from ..errors import MeshStartError, MonarchError, mesh_interrupt
 from ..ranks import format_ranks, parse_ranks, plural, ranks_text
 from .cells import CellTable
 from .dispatch import Dispatcher
-from .hints import restart_hint, stuck_message
+from .hints import restart_hint, split_ended_note, stuck_message
 from .interrupts import Interrupter
 from .iothread import post_regroup
 from .lifecycle import Lifecycle
@@ -208,7 +208,8 @@ class Restarts:
     # ------------------------------------------------------------------ restart of some ranks
 
     def restart_ranks(self, ranks: str | int | Iterable[int], joined: bool) -> None:
-        """Fresh processes for ``ranks``; the others keep their namespaces and join a fresh process group.
+        """Fresh processes for ``ranks``; the others keep their namespaces and join a fresh process group (on a split
+        mesh, one of the whole mesh: the split ends, and a printed line says so).
 
         Raises MonarchError when the ranks were started elsewhere (``joined``), other ranks are dead too, or
         survivors do not stop; MeshStartError when a rank fails to join.
@@ -232,6 +233,7 @@ class Restarts:
                 f"together:  %mesh restart --rank {format_ranks(together)}")
         survivors = [r for r in range(state.nproc) if r not in chosen]
         with state.lock:
+            ended = list(state.sub_names) if state.partition else []  # the sub-meshes this restart ends
             state.partition = None  # a split mesh regroups whole: the restart ends its sub-meshes (submesh.py)
             busy = [r for r in survivors if state.ranks[r].cells]
         if busy:
@@ -248,6 +250,8 @@ class Restarts:
         # Its exit must be in before a fresh process takes its place, or the report would hit the new one.
         self.kill_ranks(live, "killed by %mesh restart --rank")
         self.regroup(chosen, time.monotonic() + state.options.start_timeout)
+        if ended:  # what the user sees: the one line of %mesh restart --rank
+            print(split_ended_note(ended, chosen, state.nproc))
 
     def regroup(self, fresh: list[int], deadline: float, only: list[int] | None = None) -> None:
         """Start fresh processes for ``fresh`` and have every other rank join a new process group with them: each

@@ -2,21 +2,28 @@
 
 A change of membership is one regroup (recovery.Restarts.regroup, the mechanism ``%mesh restart --rank`` and the
 self-healing mesh use): the ranks that stay keep their processes and namespaces and join a fresh default process
-group of the new size; the ranks that come are started through the mesh's launcher and join it too.
+group of the new size, with the ranks that come.
 
-- Growing from N to M starts ranks N..M-1 (the local launcher, the fork server), then sends them what the notebook
-  had sent every rank (history.py, as to a restarted rank: pushes to all ranks, notebook functions, ``--replay``
-  cells, on_rejoin hooks; healing.Healer.replay).
-- Shrinking from N to M stops the highest ranks M..N-1 (SIGKILL, not reported as deaths), then regroups ranks 0..M-1.
+- Growing from N to M starts ranks N..M-1 through the mesh's launcher: the local fork server, or the host agents
+  (launch/hosts.py), which get them as launch/placement.py places them (the hosts evenly, each up to its room). They
+  start without a process group (``state.solo``, as a healing replacement; ``state.growing``: their death breaks no
+  group), so that one that fails to start within ``timeout``, dies or is lost with its agent is stopped and forgotten
+  and the mesh is left as it was. Once all are up, every rank regroups, and the new ones get what the notebook had
+  sent every rank (history.py, as to a restarted rank: pushes to all ranks, notebook functions, ``--replay`` cells,
+  on_rejoin hooks; healing.Healer.replay).
+- Shrinking from N to M stops the highest ranks M..N-1 (SIGKILL, not reported as deaths; through their agents, which
+  then forget them), then regroups ranks 0..M-1.
 
-Either way ranks stay numbered 0..M-1, and every rank's RANK, WORLD_SIZE, LOCAL_WORLD_SIZE (ROLE_*, and
-NUM_REPLICA_GROUPS under torchft) are those of the new world (monarch_worker.elastic_env.resized on Regroup;
-GROUP_* and TORCHELASTIC_RUN_ID stay: one host, one run), and ``world_size`` in every namespace is M.
+Either way ranks stay numbered 0..M-1, and every rank's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE (ROLE_*, and
+REPLICA_GROUP_ID/NUM_REPLICA_GROUPS under torchft) are those of the new world (monarch_worker.elastic_env.resized on
+Regroup; on several hosts numbered per host, ``state.BY_HOST``; GROUP_* and TORCHELASTIC_RUN_ID stay: the same hosts,
+the same run), and ``world_size`` in every namespace is M.
 
 What is refused (MonarchError or ValueError, the mesh unchanged): a size below 1; more local ranks than the host
-carries (launch.capacity, unless ``oversubscribe``); ranks started elsewhere (joined, host agents: their launcher
-owns them); a cell running on any rank (but a torchft loop: ftscale.py scales under it), a rank being restarted,
-or a dead rank.
+carries (launch.capacity), or more than the hosts' agents have room for (launch.placement), unless
+``oversubscribe``; ranks started one process per rank elsewhere (their launcher owns them); a split mesh; a cell
+running on any rank (but a torchft loop on local ranks: ftscale.py scales under it), a rank being restarted, or a
+dead rank.
 
 ``regroup_to(nproc, fresh)`` is the part a sub-mesh (split, merge) can use as well: set the membership, start
 ``fresh``, regroup everyone (ranks on several hosts, host agents or joined, numbered per host: ``state.BY_HOST``).
@@ -30,17 +37,23 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..errors import MonarchError
+from ..errors import MeshStartError, MonarchError, describe_returncode
 from ..ranks import format_ranks, ranks_text
 from .ftscale import FtScaler, torchft_loops
 from .healing import Healer
 from .launch.capacity import check_host_capacity
+from .launch.hosts import HostLinks
+from .launch.join import JoinLauncher
 from .launch.local import LocalLauncher
+from .launch.placement import Placement, place
 from .lifecycle import Lifecycle
 from .recovery import Restarts
 from .state import BY_HOST, MeshState, RankState
 
 __all__ = ["Resizer", "ScaleReport"]
+
+SLOW_HINT = ("Scale again once the hosts can start them (%mesh status shows each host's ranks), or give them longer: "
+             "%mesh scale -n N --timeout SECONDS")
 
 
 @dataclass
@@ -86,43 +99,53 @@ class Resizer:
         self.healer = healer
         self.ft = ft(self._replay)  # under a running torchft loop (ftscale.py)
 
-    def scale(self, n: int) -> ScaleReport:
-        """Make the mesh ``n`` ranks (see the module docstring).
+    def scale(self, n: int, timeout: float | None = None) -> ScaleReport:
+        """Make the mesh ``n`` ranks (see the module docstring); new ranks have ``timeout`` seconds (default: the
+        mesh's ``start_timeout``) to start.
 
         Raises
         ------
         ValueError
-            ``n`` is not a positive int, or the host cannot carry ``n`` local ranks (``oversubscribe`` forces), or
-            under a running torchft loop ``n`` is below ``torchft_min_replicas``.
+            ``n`` is not a positive int, or the host(s) cannot carry ``n`` ranks (``oversubscribe`` forces), or under
+            a running torchft loop ``n`` is below ``torchft_min_replicas``.
         MonarchError
-            The ranks were not started by this controller, a cell runs (other than a torchft loop on every rank,
+            The ranks were started one by one elsewhere, a cell runs (but a torchft loop on every local rank:
             ftscale.py), a rank is dead or being restarted, another scale runs, or a rank grown under a torchft loop
             failed to start (the loop runs on without it).
         MeshStartError
-            A new rank did not join within ``start_timeout`` (then ``%mesh restart`` is the way).
+            A new rank did not start within ``timeout`` (the mesh is left as it was), or a rank failed to join the
+            new process group (then ``%mesh restart`` is the way).
         """
         state = self.state
         state.check_running()
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"a mesh needs at least 1 rank, got {n!r}: to end it, run  %mesh stop  "
                              "(mesh.stop())")
-        if self.lifecycle.joined or not isinstance(state.launcher, LocalLauncher):
+        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(f"timeout is the seconds new ranks have to start, above 0; got {timeout!r}")
+        hosts = self._hosts()
+        if hosts is None and (self.lifecycle.joined or not isinstance(state.launcher, LocalLauncher)):
             raise MonarchError(
-                "%mesh scale grows and shrinks local ranks (started by this kernel's fork server); these ranks "
-                "were started elsewhere (%mesh listen, host agents, torchrun, srun), whose launcher owns their "
-                "processes. Start the mesh with  %mesh start -n N  to scale it, or  %mesh restart  with the new "
+                "%mesh scale grows and shrinks ranks this kernel starts: its own (%mesh start -n N) or those of host "
+                "agents (python -m monarch_worker.agent, as %mesh listen and --launcher torchrun/slurm start them); "
+                "these ranks were started one process per rank elsewhere, whose launcher owns their processes. "
+                "Start the mesh with  %mesh start -n N  or host agents to scale it, or  %mesh restart  with the new "
                 "size from the launcher.")
         if state.partition is not None:
             raise MonarchError("the mesh is split into sub-meshes (submesh.py): merge it first with  m.merge()  "
                                "(%mesh merge), then scale")
         before = state.nproc
-        if n > before and not state.options.oversubscribe:
-            check_host_capacity(n)
+        placed: Placement | None = None
+        if n > before:
+            if hosts is not None:
+                placed = place(hosts.live_agents(), before, n, state.options.oversubscribe, hosts.waiting_hosts())
+            elif not state.options.oversubscribe:
+                check_host_capacity(n)
         with state.lock:
             busy = sorted(r for r, i in state.ranks.items() if i.cells)
             dead = sorted(r for r, i in state.ranks.items() if i.state is RankState.DEAD)
             healing = sorted(state.healing)
-            loops = torchft_loops(state) if busy else []
+            loops = torchft_loops(state) if busy and hosts is None else []
             if state.resizing:
                 raise MonarchError("another %mesh scale runs on this mesh; wait for it")
             if not (busy and not loops or dead or healing):
@@ -140,15 +163,31 @@ class Resizer:
                                f"{'them' if len(dead) > 1 else 'it'} first with  %mesh restart --rank "
                                f"{format_ranks(dead)}, then scale")
         t0 = time.monotonic()
-        group = ""
         try:
             if n == before:
                 return ScaleReport(before, n, [], [], 0.0)
+            group = ""
             if loops:  # ftscale.py: the running torchft loop goes on; the default group is made when it ends
                 self.ft.check(before, n)
                 started, stopped, sent, group = self.ft.scale(before, n, loops)
             else:
-                started, stopped, sent = self._scale(before, n)
+                stopped = list(range(n, before))
+                if stopped:
+                    self.restarts.kill_ranks(stopped, "stopped by %mesh scale")
+                    with state.lock:
+                        still = [r for r in stopped if state.ranks[r].state is not RankState.DEAD]
+                    if still and state.launcher is not None:  # not gone within EXIT_WAIT: SIGKILL again, no rejoin
+                        for r in still:
+                            state.launcher.signal(r, signal.SIGKILL)
+                    if hosts is not None:
+                        hosts.reassign({}, n)  # each agent forgets its ranks from n on
+                started = list(range(before, n))
+                if started:
+                    wait = state.options.start_timeout if timeout is None else timeout
+                    self._start_alone(started, placed, time.monotonic() + wait, wait)
+                came = bool(placed and placed.admit)  # a host came: every rank's GROUP_WORLD_SIZE grows
+                self.regroup_to(n, [], len(hosts.agents) if came and hosts is not None else -1)
+                sent = self._replay(started) if started else ""
         finally:
             with state.lock:
                 state.resizing = False
@@ -157,21 +196,90 @@ class Resizer:
         state.events.flush()  # the live views show the new ranks before the report
         return report
 
-    def _scale(self, before: int, n: int) -> tuple[list[int], list[int], str]:
-        """No cell runs: stop or start ranks, one regroup; returns (started, stopped, what new ranks got)."""
+    def waiting_hosts(self) -> dict[str, int]:
+        """host name -> ranks it brings, of host agents that came to this listening mesh after it was complete: they
+        wait, outside the mesh, until a scale admits them (launch/placement.py)."""
+        hosts = self._hosts()
+        return {a.host: n for a, n in hosts.waiting_hosts()} if hosts is not None else {}
+
+    def _hosts(self) -> HostLinks | None:
+        """The host agents that hold the mesh's ranks (launch/hosts.py), or None (local ranks, or ranks started one
+        by one elsewhere)."""
+        launcher = self.state.launcher
+        return launcher.hosts if isinstance(launcher, JoinLauncher) else None
+
+    def _start_alone(self, ranks: list[int], placed: Placement | None, deadline: float, wait: float) -> None:
+        """Start new ``ranks`` without a process group (``state.solo``, as a healing does): the others keep theirs
+        until every new rank is up, so that one that does not come (``deadline``), dies or is lost with its host
+        leaves the mesh as it was. Raises MeshStartError then (KeyboardInterrupt: as it came), once the new ranks
+        were stopped and forgotten."""
         state = self.state
-        stopped = list(range(n, before))
-        if stopped:
-            self.restarts.kill_ranks(stopped, "stopped by %mesh scale")
-            with state.lock:
-                still = [r for r in stopped if state.ranks[r].state is not RankState.DEAD]
-            if still:  # not reported gone within EXIT_WAIT: SIGKILL again, they must not rejoin
-                assert state.launcher is not None
-                for r in still:
-                    state.launcher.signal(r, signal.SIGKILL)
-        started = list(range(before, n))
-        self.regroup_to(n, started)
-        return started, stopped, self._replay(started) if started else ""
+        hosts = self._hosts()
+        with state.lock:
+            before = state.nproc
+            state.nproc = before + len(ranks)
+            for r in ranks:
+                state.ranks[r] = state.rank_info(r)
+                state.ranks[r].host = placed.hosts.get(r, "") if placed is not None else ""
+            state.solo.update(ranks)
+            state.growing.update(ranks)
+            state.cond.notify_all()
+        try:
+            if hosts is not None and placed is not None:
+                for identity, its in placed.admit.items():
+                    hosts.admit_late(identity, its)  # its agent forks them when welcomed
+                hosts.reassign(placed.ranks, state.nproc)
+            self.lifecycle.spawn([r for r in ranks if placed is None or r not in placed.admitted])
+            error = self._wait_started(ranks, deadline, wait)
+            if error is None:
+                with state.lock:
+                    state.solo -= set(ranks)
+                    state.growing -= set(ranks)
+                return
+        except BaseException:
+            self._forget(ranks, before, hosts, placed)
+            raise
+        self._forget(ranks, before, hosts, placed)
+        raise MeshStartError(f"{error.args[0]}: the new ranks were stopped and the mesh is as it was, {before} "
+                             f"ranks in their process group. {SLOW_HINT}", error.rank, error.detail)
+
+    def _wait_started(self, ranks: list[int], deadline: float, wait: float) -> MeshStartError | None:
+        """Wait until new ``ranks`` are up (None), or say which failed to start, died or is late at ``deadline``."""
+        state = self.state
+        with state.lock:
+            while True:
+                failed = [state.ranks[r] for r in ranks
+                          if state.ranks[r].start_error or state.ranks[r].state is RankState.DEAD]
+                if failed:
+                    info = failed[0]
+                    why = info.start_error or info.death_reason or describe_returncode(info.returncode)
+                    return MeshStartError(f"new rank {info.rank} (host {info.host or '?'}) failed to start ({why})",
+                                          info.rank, "\n".join(info.last_lines))
+                late = [r for r in ranks if state.ranks[r].state is not RankState.IDLE]
+                if not late:
+                    return None
+                if time.monotonic() > deadline:
+                    return MeshStartError(f"new {ranks_text(late)} did not start within {wait:g} s", late[0])
+                state.cond.wait(0.05)
+
+    def _forget(self, ranks: list[int], before: int, hosts: HostLinks | None, placed: Placement | None) -> None:
+        """Stop new ``ranks`` that did not all start and make the mesh ``before`` ranks again, as it was (hosts it
+        admitted are sent away: their agents exit)."""
+        state = self.state
+        self.restarts.kill_ranks(ranks, "stopped: %mesh scale gave up on the new ranks")
+        if hosts is not None:
+            for identity in placed.admit if placed is not None else ():
+                hosts.dismiss(identity, "the %mesh scale that admitted this host gave up (see the notebook)")
+            hosts.reassign({}, before)
+        with state.lock:
+            for r in ranks:
+                del state.ranks[r]
+                state.killing.pop(r, None)
+            state.solo -= set(ranks)
+            state.growing -= set(ranks)
+            state.nproc = before
+            state.cond.notify_all()
+        state.events.emit("resized", before=before, after=before, started=[], stopped=[])
 
     def _replay(self, ranks: list[int]) -> str:
         """Send new ``ranks`` what the notebook sent every rank (Healer.replay), as the replayer: what it sends is
@@ -190,10 +298,11 @@ class Resizer:
                     if state.healer is me:
                         state.healer = None
 
-    def regroup_to(self, nproc: int, fresh: list[int]) -> None:
+    def regroup_to(self, nproc: int, fresh: list[int], group_world: int = -1) -> None:
         """Make the mesh ranks 0..nproc-1: forget ranks from ``nproc`` on, start ``fresh`` (new numbers, or
         ranks to start afresh), and have every rank join a fresh process group of ``nproc`` ranks
-        (Restarts.regroup). No cell may run. Raises as Restarts.regroup."""
+        (Restarts.regroup), with GROUP_WORLD_SIZE ``group_world`` (-1: unchanged). No cell may run. Raises as
+        Restarts.regroup."""
         state = self.state
         with state.lock:
             for r in [r for r in state.ranks if r >= nproc]:
@@ -202,8 +311,9 @@ class Resizer:
             state.nproc = nproc
             local = isinstance(state.launcher, LocalLauncher) and not self.lifecycle.joined
             state.local_world = nproc if local else BY_HOST  # local ranks: one host; else numbered per host
+            state.group_world = group_world
         try:
             self.restarts.regroup(fresh, time.monotonic() + state.options.start_timeout)
         finally:
             with state.lock:
-                state.local_world = -1
+                state.local_world = state.group_world = -1

@@ -13,7 +13,7 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Iterator, Sequence
 
-__all__ = ["RankSpans", "contiguous"]
+__all__ = ["RankSpans", "contiguous", "span_of"]
 
 
 def contiguous(ranks: Sequence[int]) -> bool:
@@ -24,7 +24,26 @@ def contiguous(ranks: Sequence[int]) -> bool:
     first = ranks[0]
     if ranks[-1] - first + 1 != n:
         return False
-    return isinstance(ranks, range) or list(ranks) == list(range(first, first + n))
+    if isinstance(ranks, range):
+        return ranks.step == 1
+    return list(range(first, first + n)) == (ranks if isinstance(ranks, list) else list(ranks))
+
+
+def span_of(ranks: Sequence[int]) -> range | None:
+    """``ranks`` as one ``range`` when they are a run of consecutive ranks in any order, each once (a host agent
+    lists its ranks in the order they finished), else None. Checked in C: no Python step per rank."""
+    n = len(ranks)
+    if n == 0:
+        return None
+    if isinstance(ranks, range):
+        return ranks if ranks.step == 1 else None
+    first, last = ranks[0], ranks[-1]
+    if last - first + 1 == n and contiguous(ranks):  # sorted already (a relay's, a quiet host's)
+        return range(first, last + 1)
+    lo, hi = min(ranks), max(ranks)
+    if hi - lo + 1 == n and len(set(ranks)) == n:
+        return range(lo, hi + 1)
+    return None
 
 
 class RankSpans:

@@ -193,9 +193,12 @@ class MeshState:
         self.killing: dict[int, str] = {}  # rank -> why the controller killed it on purpose
         # LOCAL_WORLD_SIZE a Regroup gives survivors (-1: their own; resize.py sets it; BY_HOST: numbered per host)
         self.local_world = -1
+        self.group_world = -1  # GROUP_WORLD_SIZE a Regroup gives (-1: unchanged; resize.py sets it when a host came)
         self.resizing = False  # a %mesh scale runs (resize.py): other scales are refused
+        self.growing: set[int] = set()  # new ranks of a scale, in no process group yet: their death breaks none
         # Sub-meshes (submesh.py): the groups of global ranks, each its own default process group; None: one group
         self.partition: list[list[int]] | None = None
+        self.sub_names: list[str] = []  # the sub-meshes' names, one per group of ``partition`` (submesh.py)
         # Self-healing (kernel/healing.py): ranks being restarted after they died (cells for them wait), the thread
         # that restarts them (its own cells do not wait), and replacements welcomed without a process group (the
         # others run a cell they rejoin; a Regroup makes the group once it ended).
@@ -226,7 +229,7 @@ class MeshState:
         self.killing = {}
         self.local_world = -1
         self.partition = None
-        self.healing, self.solo = set(), set()
+        self.healing, self.solo, self.growing = set(), set(), set()
         self.stopping = False
 
     def group_of(self, rank: int) -> list[int]:
@@ -288,9 +291,10 @@ class MeshState:
             }
 
     def group_status(self) -> str:
-        """The process group as it is: "up (gloo, 4 of 4 ranks)" (split: "...; split into sub-meshes of ranks
-        0,1 | 2,3"), "down: rank 1 died; ..." (the controller tore it
-        down, or ranks report having none), or "none: the mesh is not running"."""
+        """The process group as it is: "up (gloo, 4 of 4 ranks)" (split: "...; split into sub-meshes left (ranks
+        0,1: idle) | right (ranks 2,3: running cell 7)": each sub-mesh's name, its ranks and what they run), "down:
+        rank 1 died; ..." (the controller tore it down, or ranks report having none), or "none: the mesh is not
+        running"."""
         with self.lock:
             if not self.running:
                 return "none: the mesh is not running"
@@ -303,9 +307,21 @@ class MeshState:
                 return (f"down on {ranks_text(missing)}: no default process group there (collectives fail); "
                         "%mesh restart  makes a fresh mesh")
             backends = sorted({i.group for i in joined})
-            split = (f"; split into sub-meshes of ranks {' | '.join(format_ranks(g) for g in self.partition)}"
-                     if self.partition else "")
+            split = f"; split into sub-meshes {' | '.join(self._sub_status())}" if self.partition else ""
             return f"up ({', '.join(backends) or '?'}, {len(joined)} of {self.nproc} ranks{split})"
+
+    def _sub_status(self) -> list[str]:
+        """Under ``lock``, split: each sub-mesh as "left (ranks 0,1: idle)" or "right (ranks 2,3: running cell 7)"
+        ("cell 8, call of train" for a call): its name, its mesh ranks, and the cells its ranks run now (not the
+        package's own background work)."""
+        out = []
+        for i, group in enumerate(self.partition or ()):
+            name = self.sub_names[i] if i < len(self.sub_names) else f"sub{i}"
+            cells = [c for c in self.pending.values()
+                     if not c.background and any(c.runs_on(r) for r in group)]
+            doing = ", ".join(f"cell {c.cell_id}" + ("" if c.what == "the cell" else f" ({c.what})") for c in cells)
+            out.append(f"{name} (ranks {format_ranks(group)}: {'running ' + doing if cells else 'idle'})")
+        return out
 
     def elastic(self, group_rank: int, group_world_size: int) -> dict[str, Any]:
         """Welcome's ``elastic`` field: the torchrun values only the controller knows (monarch_worker.elastic_env)."""
@@ -354,6 +370,8 @@ class MeshState:
     def down_for(self, ranks: Iterable[int]) -> str:
         """Under the lock: why the process group of some of ``ranks`` is broken ("" when theirs are fine)."""
         self.assert_locked()
+        if not self.down:  # the usual case: no step per rank
+            return ""
         return "; ".join(dict.fromkeys(self.down[r] for r in ranks if r in self.down))
 
     def stuck(self, ranks: list[int]) -> list[int]:

@@ -26,7 +26,8 @@ a cell running on any rank, a dead rank, a rank being restarted, a scale running
 would name another rank's GPU). With ``on_rank_death="restart"`` a rank that dies is replaced inside its sub-mesh
 (healing.py): only that sub-mesh regroups, the split stays. ``merge`` is refused while a sub-mesh runs a cell or
 a rank is dead. A sub-mesh used after a merge (or after a restart, which ends the split) raises MonarchError.
-``%mesh restart --rank R`` on a split mesh ends the split: the whole mesh regroups with the fresh ranks.
+``%mesh restart --rank R`` on a split mesh ends the split: the whole mesh regroups with the fresh ranks, and the
+restart prints a line that says so (hints.split_ended_note).
 """
 
 from __future__ import annotations
@@ -263,7 +264,7 @@ class Splitter:
             self._claim("split")
             try:
                 with state.lock:
-                    state.partition = groups
+                    state.partition, state.sub_names = groups, list(names)
                 token = object()
                 self.token = token
                 self.subs = {n: SubMesh(n, g, mesh, self, token) for n, g in zip(names, groups, strict=True)}

@@ -18,7 +18,9 @@ value reported as the trial's value.
 Every trial is a row of the experiment table (``monarch_jupyter.experiments``): its parameters, the mesh ranks it
 used (also ``trial.user_attrs["ranks"]``, and ``"sub_mesh"``), every metric its rank 0 reported, the final and best
 values, wall time, and ``trial.user_attrs["checkpoint"]`` when the objective sets it. A trial whose objective raises
-(a MeshError from a rank, a dead rank) is recorded as failed by Optuna (``catch``) and the sweep goes on. With
+(a MeshError from a rank, a dead rank) is recorded as failed by Optuna (``catch``) and the sweep goes on; a
+MeshError reaches Optuna (and its warning) as a TrialFailedError, one line naming each failed rank (the mesh's
+number) and its error's first line, whose ``__cause__`` is the full MeshError (the table's row has it too). With
 self-healing on (``on_rank_death="restart"``) the sub-mesh of a rank that died waits for the rank's replacement,
 which joins that sub-mesh's group, then goes back to the pool. Without, or when the healing gave up, it leaves the
 pool (the others go on), and the mesh stays split then, as a warning and the table's note say (restart the rank:
@@ -41,7 +43,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import experiments
-from ..errors import MonarchError
+from ..errors import MeshError, MonarchError, TrialFailedError
 from ..ranks import format_ranks, ranks_text
 from .submesh import SubMesh
 from .trialwatch import STEP_METRIC, MetricRouter, TrialWatch, stop_cells
@@ -135,6 +137,13 @@ def sweep(mesh: Any, objective: Callable[[Any, Any], float | None], study: Any, 
         except BaseException as e:
             if watch.pruned_at is None and not isinstance(e, optuna.TrialPruned):
                 _end(watch, "failed", error=f"{type(e).__name__}: {e}")
+                if isinstance(e, MeshError) and not isinstance(e, TrialFailedError):
+                    # Optuna's warning shows the exception's repr: one short line; the full error is its cause.
+                    where = (f"sub-mesh {sub.name} (mesh ranks {format_ranks(ranks)})" if isinstance(sub, SubMesh)
+                             else "")
+                    short = TrialFailedError.of(trial.number, e, where)
+                    if isinstance(short, catch) == isinstance(e, catch):  # never changes what `catch` catches
+                        raise short from e
                 raise
             _end(watch, "pruned")
             if isinstance(e, optuna.TrialPruned):

@@ -2,7 +2,9 @@
 
 The caller's thread (the kernel's main thread in a notebook) waits on the cell's condition in 50 ms slices, so
 SIGINT (the notebook's interrupt) always reaches it, and writes the cell's output lines itself as they arrive (it
-flushes the mesh's OutputWriter first, so lines queued before it waited come out first). When the caller is
+flushes the mesh's OutputWriter first, so lines queued before it waited come out first), in the context the cell
+was submitted from: the output of an ``--async`` cell whose ``result()`` a later cell waits for still lands in the
+cell that ran it (its view), once. When the caller is
 interrupted, the ranks still running the cell are interrupted too (interrupts.Interrupter); they get
 ``interrupt_grace`` seconds to stop, and those that do not are reported as stuck. A cell that runs past its timeout
 is interrupted the same way and raises ``MeshTimeoutError`` with each rank's stack.
@@ -181,7 +183,9 @@ class Waiter:
                         note_at = None
                         behind = [r for r in rec.members.without(rec.finished)
                                   if cells.queued_behind(rec, r, background=False)]
-                write_lines(lines)
+                # In the submitter's context: a handle's result() called from a later cell (an --async cell's)
+                # writes the lines into the cell that ran it (its view), not into the cell that waits.
+                write_lines(lines, rec.ctx)
                 if behind:  # an --async cell (block=False) still runs there: say why nothing happens
                     sys.stderr.write(f"note: {ranks_text(behind)} still {plural(behind, 'run', 'runs')} an earlier "
                                      f"cell (sent with block=False or --async); {rec.what} starts there when it "

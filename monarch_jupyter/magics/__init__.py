@@ -277,8 +277,12 @@ class MeshMagics(Magics):
         m = self.current()
         from ..widgets import status_view
 
+        waiting = ", ".join(f"{h} ({n} ranks)" for h, n in m.waiting_hosts.items())
+        notes = [self.auto.status()] if self.auto.on else []
+        if waiting:
+            notes.append(f"hosts waiting for  %mesh scale -n N  to admit them: {waiting}")
         return status_view(m, mode=self.setting("live_view"), fold_threshold=self.setting("dashboard_fold"),
-                           note=self.auto.status() if self.auto.on else "")
+                           note="\n".join(notes))
 
     @magic_arguments()
     def _stop(self, rest: str) -> None:
@@ -311,13 +315,15 @@ class MeshMagics(Magics):
 
     @magic_arguments()
     @argument("-n", "--nproc", dest="world_size", type=int, required=True, help="the number of ranks to have")
+    @argument("--timeout", type=float, default=None, help="seconds new ranks have to start (default: the mesh's "
+              "start timeout); past it they are stopped and the mesh stays as it was")
     def _scale(self, rest: str) -> ScaleReport:
-        """%mesh scale -n N: grow or shrink the running mesh to N local ranks; the ranks that stay keep their
-        namespaces, and every rank joins a fresh process group of N ranks."""
+        """%mesh scale -n N: grow or shrink the running mesh to N ranks (local, or on its host agents); the ranks
+        that stay keep their namespaces, and every rank joins a fresh process group of N ranks."""
         args = self.parse_args(self._scale, rest, "scale")
         m = self.current(require_running=True)
         try:
-            return m.scale(args.world_size)
+            return m.scale(args.world_size, args.timeout)
         except ValueError as e:
             raise UsageError(str(e)) from None
 

@@ -213,6 +213,41 @@ def test_async_cell_keeps_updating_after_it_returns(kernel):
     execute(kernel, "h = _\nassert h.done() and h.result() is None")
 
 
+def test_an_async_cells_output_stays_in_it_when_a_later_cell_waits_for_its_result(kernel, tmp_path):
+    """``h.result()`` in a later cell while the ``--async`` cell still prints: the lines go to the async cell's view,
+    once, and none to the cell that waits (which shows only the result)."""
+    by_parent: dict[str, list[dict]] = {}
+
+    def run(code: str) -> str:  # as execute, keeping every message, of any cell, under its parent
+        msg_id = kernel.execute(code, stop_on_error=False)
+        deadline = time.monotonic() + 60
+        while True:
+            msg = kernel.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+            by_parent.setdefault(msg["parent_header"].get("msg_id"), []).append(msg)
+            if (msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "status"
+                    and msg["content"]["execution_state"] == "idle"):
+                return msg_id
+
+    gate = tmp_path / "go"
+    # The late line is printed 0.5 s after the waiting cell opened the gate, so while its result() waits.
+    a = run(f"%%mesh --async\nimport os, time\nprint('early', rank, flush=True)\n"
+            f"while not os.path.exists({str(gate)!r}):\n    time.sleep(0.02)\ntime.sleep(0.5)\nprint('late', rank)\n"
+            "rank * 10")
+    b = run(f"h = _\nopen({str(gate)!r}, 'w').close()\nh.result(60)")
+    assert kinds(by_parent[b]) == ["execute_result"], [m["content"] for m in by_parent[b]]
+    assert by_parent[b][-2]["content"]["data"]["text/plain"] == "{0: 0, 1: 10}"
+    deadline = time.monotonic() + 30
+    while "late 1" not in last_view(by_parent[a])["text/plain"] and time.monotonic() < deadline:
+        try:
+            msg = kernel.get_iopub_msg(timeout=1)
+        except queue.Empty:
+            continue
+        by_parent.setdefault(msg["parent_header"].get("msg_id"), []).append(msg)
+    flat = last_view(by_parent[a])["text/plain"].splitlines()[1:]
+    assert sorted(flat) == ["[rank0]: early 0", "[rank0]: late 0", "[rank1]: early 1", "[rank1]: late 1"]
+    assert "stream" not in kinds(by_parent[a])
+
+
 def test_a_pdb_prompt_lands_below_the_view(kernel):
     """The kernel prints the prompt into the cell: the view shows its placeholder first (kernel.output.hold_place),
     although the cell is still "quick" (a long DEFER) and would otherwise show nothing before its end."""

@@ -12,6 +12,8 @@ import pytest
 from jupyter_client.manager import KernelManager
 
 from monarch_jupyter import Mesh, MeshError, MonarchError
+from tests.conftest import reap
+from tests.integration.test_join import start_ranks
 from tests.integration.test_kernel_faults import execute, kernel, wait_gone
 
 __all__ = ["kernel"]  # the fixture, imported
@@ -112,11 +114,18 @@ def test_scale_in_the_notebook(kernel: tuple[KernelManager, Any]) -> None:
     assert execute(kc, "%mesh stop").status == "ok"
 
 
-def test_ranks_started_elsewhere_are_not_scaled_and_say_so() -> None:
-    with Mesh(1, launcher="torchrun", start_timeout=WAIT) as m:
-        with pytest.raises(MonarchError, match="started elsewhere .* whose launcher owns their processes"):
+def test_ranks_started_one_by_one_elsewhere_are_not_scaled_and_say_so() -> None:
+    """Ranks started one process per rank by someone else (no host agent) cannot be placed from here."""
+    m = Mesh.listen(1, timeout=WAIT, show=False)
+    procs = start_ranks(m, 1)
+    try:
+        assert m.run("world_size") == {0: 1}
+        with pytest.raises(MonarchError, match="one process per rank elsewhere, whose launcher owns their processes"):
             m.scale(2)
         assert m.nproc == 1 and m.run("world_size") == {0: 1}
+    finally:
+        m.stop()
+        reap(procs)
 
 
 def test_scale_gives_torchft_replica_groups_of_the_new_world() -> None:

@@ -35,7 +35,8 @@ def test_split_runs_collectives_on_both_halves_at_once_then_merges(tmp_path: Pat
         a, b = m.split(2)
         assert (a.name, a.ranks, b.name, b.ranks) == ("sub0", [0, 1], "sub1", [2, 3])
         assert m.subs == {"sub0": a, "sub1": b}
-        assert m.state.group_status() == "up (gloo, 4 of 4 ranks; split into sub-meshes of ranks 0,1 | 2,3)"
+        assert m.state.group_status() == ("up (gloo, 4 of 4 ranks; split into sub-meshes sub0 (ranks 0,1: idle) | "
+                                          "sub1 (ranks 2,3: idle))")
         for sub in (a, b):
             got = sub.run(NUMBERS)
             assert {r: v[:8] for r, v in got.items()} == {
@@ -49,6 +50,8 @@ def test_split_runs_collectives_on_both_halves_at_once_then_merges(tmp_path: Pat
         assert a.run(SUM) == {0: 10.0, 1: 10.0}
         assert a.run("t = torch.tensor([float(rank)])\ndist.broadcast(t, src=1)\nt.item()") == {0: 1.0, 1: 1.0}
         assert not waiting.done()
+        assert m.state.group_status() == ("up (gloo, 4 of 4 ranks; split into sub-meshes sub0 (ranks 0,1: idle) | "
+                                          f"sub1 (ranks 2,3: running cell {waiting.cell_id}))")
         gate.touch()
         assert waiting.result(WAIT) == {0: 50.0, 1: 50.0}
         assert waiting.ranks == [0, 1]
@@ -184,7 +187,7 @@ def test_two_stuck_sub_meshes_released_at_once_both_regroup() -> None:
         assert m.run(SUM, timeout=WAIT) == dict.fromkeys(range(4), 6.0)
 
 
-def test_split_in_the_notebook(kernel: tuple[KernelManager, Any]) -> None:
+def test_split_in_the_notebook(kernel: tuple[KernelManager, Any], tmp_path: Path) -> None:
     _, kc = kernel
     r = execute(kc, "%load_ext monarch_jupyter\nm = %mesh start -n 4\n%config MeshMagics.live_view = 'off'")
     assert r.status == "ok", r.traceback
@@ -198,6 +201,18 @@ def test_split_in_the_notebook(kernel: tuple[KernelManager, Any]) -> None:
     assert ast.literal_eval(r.results[0]) == {1: (1, 101)}
     r = execute(kc, "repr(right)")  # bound in the notebook under its name
     assert "mesh ranks 2,3" in r.results[0], r.results
+    # %mesh status names each sub-mesh, its ranks and what they run (an --async cell on right, waiting for a file)
+    gate = tmp_path / "go"
+    r = execute(kc, f"%%mesh --mesh right --async\nimport os, time\nwhile not os.path.exists({str(gate)!r}):\n"
+                    "    time.sleep(0.05)\n")
+    assert r.status == "ok", r.traceback
+    r = execute(kc, "h = _\nprint(h.cell_id)\n%mesh status")
+    assert r.status == "ok", r.traceback
+    cell = r.stdout.strip().splitlines()[-1]
+    assert (f"split into sub-meshes left (ranks 0,1: idle) | right (ranks 2,3: running cell {cell})"
+            in r.results[0]), r.results
+    gate.touch()
+    assert execute(kc, "h.result(120)").status == "ok"
     r = execute(kc, "%%mesh --mesh nowhere\n1")
     assert r.status == "error" and "sub-meshes are left, right" in r.stderr, (r.stderr, r.traceback)
     r = execute(kc, "%mesh split 0,1 1,2,3")
@@ -206,4 +221,13 @@ def test_split_in_the_notebook(kernel: tuple[KernelManager, Any]) -> None:
     assert r.status == "ok" and "merged left, right" in r.stdout, r.traceback
     r = execute(kc, "%%mesh\nt = torch.ones(1)\ndist.all_reduce(t)\n(world_size, t.item(), kept)")
     assert ast.literal_eval(r.results[0]) == {r: (4, 4.0, 100 + r) for r in range(4)}
+    # %mesh restart --rank on a split mesh regroups the whole mesh: its line says the split ended
+    assert execute(kc, "%mesh split 2 --names a,b").status == "ok"
+    r = execute(kc, "%mesh restart --rank 3")
+    assert r.status == "ok", r.traceback
+    assert "restarted rank 3, which ended the split: a, b merged into one process group of 4 ranks" in r.stdout, (
+        r.stdout)
+    r = execute(kc, "(m.subs, a.alive, m.run('(world_size, globals().get(\\'kept\\'))'))")
+    assert ast.literal_eval(r.results[0]) == ({}, False, {0: (4, 100), 1: (4, 101), 2: (4, 102), 3: (4, None)}), (
+        r.results)
     assert execute(kc, "%mesh stop").status == "ok"

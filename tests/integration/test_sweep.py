@@ -5,12 +5,13 @@ is one group of every rank afterwards, its namespaces kept."""
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
 import pytest
 
-from monarch_jupyter import Mesh, sweep
+from monarch_jupyter import Mesh, MeshError, sweep
 
 optuna = pytest.importorskip("optuna")
 
@@ -32,11 +33,30 @@ def test_trials_lease_sub_meshes_and_pruned_or_failed_ones_do_not_stop_the_sweep
         trial.report(3.0 * x, 0)
         return 3.0 * x
 
+    warned: list[logging.LogRecord] = []
+    catcher = logging.Handler(logging.WARNING)
+    catcher.emit = warned.append  # type: ignore[method-assign]
     with Mesh(4, start_timeout=WAIT) as m:
         m.run("kept = rank")
         study = optuna.create_study(direction="maximize", sampler=optuna.samplers.RandomSampler(seed=0))
         optuna.logging.set_verbosity(optuna.logging.WARNING)
-        assert sweep(m, objective, study, n_trials=6, ranks_per_trial=2) is study
+        logging.getLogger("optuna").addHandler(catcher)
+        try:
+            assert sweep(m, objective, study, n_trials=6, ranks_per_trial=2) is study
+        finally:
+            logging.getLogger("optuna").removeHandler(catcher)
+        # Optuna's warning of the failed trial: one short line naming the rank and its error's first line; the
+        # full MeshError (the rank's traceback) is the exception's __cause__.
+        failed = next(r for r in warned if r.getMessage().startswith("Trial 2 failed with parameters"))
+        message = failed.getMessage()
+        assert len(message) < 400 and "\n" not in message, message
+        sub = study.trials[2].user_attrs["sub_mesh"]
+        ranks = ",".join(map(str, study.trials[2].user_attrs["ranks"]))
+        assert (f"TrialFailedError('trial 2 on sub-mesh {sub} (mesh ranks {ranks}): the cell failed on ranks "
+                f"{ranks}: ValueError: a bad trial')") in message, message
+        assert failed.exc_info is not None
+        cause = failed.exc_info[1].__cause__
+        assert isinstance(cause, MeshError) and "raise ValueError('a bad trial')" in cause.root_cause.traceback
         states = {t.number: t.state for t in study.trials}
         assert len(states) == 6
         assert states[1] == optuna.trial.TrialState.PRUNED and states[2] == optuna.trial.TrialState.FAIL

@@ -171,14 +171,20 @@ def test_late_host_and_host_without_torch(fake_hosts: FakeHosts, tmp_path: Path)
         commands = m.join_commands()
         procs = start_agents(fake_hosts, commands.generic, tmp_path)
         assert m.wait_ready(120)
-        late = subprocess.run([*fake_host_cmd(fake_hosts, 2), "sh", "-c", commands.generic + " 2>&1"],
-                              env={**os.environ, **fake_hosts.env}, capture_output=True, text=True, timeout=60)
-        assert late.returncode == 2 and "already has its 2 ranks" in late.stdout
-        assert f"host agent of {fake_hosts.name(2)} came too late" in late.stdout
+        # A host that comes to the running mesh waits for a %mesh scale to admit it (test_agent_scale.py); when the
+        # mesh stops first, it is turned away and exits.
+        late = subprocess.Popen([*fake_host_cmd(fake_hosts, 2), "sh", "-c", commands.generic + " 2>&1"],
+                                env={**os.environ, **fake_hosts.env}, stdout=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while not m.waiting_hosts and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert m.waiting_hosts == {fake_hosts.name(2): 1}
         assert m.run("rank") == {0: 0, 1: 1}  # the mesh is unaffected
     finally:
         m.stop()
     assert reap(procs) == [0, 0]
+    out, _ = late.communicate(timeout=60)
+    assert late.returncode == 2 and "the mesh stopped before a %mesh scale admitted this host" in out, out
     # A host whose torch does not import: the start fails at once, naming the host; nothing is left.
     fake = tmp_path / "badtorch" / "torch"
     fake.mkdir(parents=True)

@@ -92,8 +92,9 @@ def test_a_host_answers_a_cell_in_one_batch() -> None:
     batch.result(2, P.Result(7, "ok", duration=0.3), b"", [])
     assert batch.due(batch.since) == 0.0  # everyone answered: goes now
     msg, payload, buffers = batch.take()
-    # the line stays between the results it came between; ranks 1 and 2 ended alike: one event
-    assert msg.events == [("done", 7, [0], [0.1]), ("out", 1, "stdout", "hello"), ("done", 7, [1, 2], [0.2, 0.3])]
+    # the line stays between the results it came between; ranks 1 and 2 ended alike: one event, a span (consecutive)
+    assert msg.events == [("done", 7, [0], [0.1]), ("out", 1, "stdout", "hello"),
+                          ("span", 7, 1, 3, P.pack_durations([0.2, 0.3]))]
     assert batch.due(0.0) is None and payload == b"" and buffers == []
     batch.expect[8] = {0}
     batch.result(0, P.Result(8, "ok", has_value=True), b"PICKLE", [b"buf"])

@@ -7,7 +7,14 @@ import sys
 import threading
 import time
 
-from monarch_jupyter.errors import MeshError, MeshTimeoutError, RankAbortedError, RankDiedError, RemoteError
+from monarch_jupyter.errors import (
+    MeshError,
+    MeshTimeoutError,
+    RankAbortedError,
+    RankDiedError,
+    RemoteError,
+    TrialFailedError,
+)
 from monarch_jupyter.kernel.hints import restart_hint
 from monarch_jupyter.kernel.recovery import InterruptReport, where_interrupted
 from monarch_jupyter.kernel.routing import kept_for_death_report
@@ -118,6 +125,19 @@ def test_mesh_error_folds_aborted_survivors_and_pickles() -> None:
                          "%mesh restart --rank 1"]
     t = pickle.loads(pickle.dumps(MeshTimeoutError({0: released}, {1: 2}, "the cell", "rank 0: x", 3.0, "h")))
     assert (t.stacks, t.timeout, t.hint, t.results) == ("rank 0: x", 3.0, "h", {1: 2})
+
+
+def test_a_failed_trial_is_told_in_one_short_line_and_pickles() -> None:
+    e = MeshError({3: RemoteError(3, "ValueError", "bad lr\nsecond line", "Traceback ...\nValueError: bad lr"),
+                   2: RemoteError(2, "ValueError", "bad lr", "tb"), 5: RankDiedError(5, -9, "x" * 500)},
+                  {4: 1.0}, hint="h")
+    t = pickle.loads(pickle.dumps(TrialFailedError.of(7, e, "sub-mesh trial1 (mesh ranks 2,3)")))
+    assert str(t) == ("trial 7 on sub-mesh trial1 (mesh ranks 2,3): the cell failed on ranks 2,3: ValueError: bad lr; "
+                      "rank 5: died (signal SIGKILL)")
+    assert repr(t) == f"TrialFailedError({str(t)!r})"
+    assert isinstance(t, MeshError) and (t.errors.keys(), t.results, t.hint) == ({3, 2, 5}, {4: 1.0}, "h")
+    long = TrialFailedError.of(1, MeshError({0: RemoteError(0, "RuntimeError", "y" * 1000)}))
+    assert len(str(long)) < 250 and str(long).endswith("...")
 
 
 def test_a_refused_cell_says_it_was_not_run_without_the_last_output_again() -> None:

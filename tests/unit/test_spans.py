@@ -46,3 +46,14 @@ def test_contiguous_needs_sorted_unique_runs() -> None:
     assert not contiguous([3, 5, 4]) and not contiguous([3, 3, 5]) and not contiguous([0, 2])
     assert RankSpans([5, 3, 4, 9]) == {3, 4, 5, 9}
     assert RankSpans.of_sorted(list(range(4096))).ranges() == [(0, 4096)]
+
+
+def test_span_of_finds_a_run_in_any_order_and_refuses_gaps_and_repeats() -> None:
+    from monarch_jupyter.kernel.spans import span_of
+
+    assert span_of([4, 5, 6]) == range(4, 7)
+    assert span_of([6, 4, 5]) == range(4, 7)  # a host's ranks in the order they finished
+    assert span_of(range(3, 9)) == range(3, 9) and span_of([7]) == range(7, 8)
+    assert span_of([]) is None and span_of(range(0, 8, 2)) is None
+    assert span_of([4, 6, 6]) is None  # right length and ends, a repeat
+    assert span_of([4, 5, 5, 7]) is None and span_of([6, 4, 4]) is None and span_of([0, 2]) is None

@@ -13,10 +13,10 @@ Measured here (2 cores, torch 2.13, gloo): 32 ranks ready in 3.4 s, 64 in 5.5 s,
 
 from __future__ import annotations
 
-import os
-import resource
+from monarch_worker.hostlimits import host_limits
 
-__all__ = ["host_limits", "check_host_capacity", "RANKS_PER_CORE", "IDLE_RANK_BYTES", "FDS_PER_PEER"]
+__all__ = ["host_limits", "check_host_capacity", "host_room", "world_fds_problem", "RANKS_PER_CORE", "IDLE_RANK_BYTES",
+           "FDS_PER_PEER"]
 
 RANKS_PER_CORE = 32
 """Local ranks per CPU core this process may use before a start is refused (64 on 2 cores starts in 5.5 s)."""
@@ -25,22 +25,6 @@ IDLE_RANK_BYTES = 16 << 20
 FDS_PER_PEER = 2
 """File descriptors a rank holds per other rank of its process group (gloo's pairs), for the limit check."""
 _FDS_BASE = 64  # a rank's own: pipes, sockets, shared libraries
-
-
-def host_limits() -> tuple[int, int, int]:
-    """(CPU cores this process may use, bytes of memory available, the soft limit of open files per process)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    available = 0
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    available = int(line.split()[1]) * 1024
-                    break
-    except OSError:  # not Linux: no memory check
-        pass
-    files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    return cores, available, files if files != resource.RLIM_INFINITY else 1 << 30
 
 
 def check_host_capacity(nproc: int, limits: tuple[int, int, int] | None = None) -> None:
@@ -73,3 +57,25 @@ def check_host_capacity(nproc: int, limits: tuple[int, int, int] | None = None) 
             "minutes (the process group connects every rank with every other) and may fail at the start timeout. "
             "Start fewer ranks (ranks on other hosts join with  %mesh listen  or --launcher torchrun/slurm), or "
             "start anyway with  %mesh start --force  (Mesh(..., oversubscribe=True)).")
+
+
+def host_room(limits: tuple[int, int, int] | list[int]) -> int | None:
+    """How many ranks a host with ``limits`` (cores, available memory in bytes before its ranks started, open-file
+    limit; as a host agent measured them) carries by the rules of ``check_host_capacity``: ``RANKS_PER_CORE`` per
+    core, ``IDLE_RANK_BYTES`` each; None when ``limits`` is unknown (``[]``: an older agent)."""
+    if len(limits) < 2:
+        return None
+    cores, available = int(limits[0]), int(limits[1])
+    room = RANKS_PER_CORE * max(cores, 1)
+    if available:
+        room = min(room, available // IDLE_RANK_BYTES)
+    return room
+
+
+def world_fds_problem(nproc: int, files: int) -> str:
+    """"" when a rank of a process group of ``nproc`` ranks fits the open-file limit ``files``, else why not."""
+    fds = _FDS_BASE + FDS_PER_PEER * (nproc - 1)
+    if fds > files:
+        return (f"about {fds} open files per rank for its process group's connections (the limit is {files}: raise "
+                "it with  ulimit -n)")
+    return ""

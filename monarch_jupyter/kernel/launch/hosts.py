@@ -10,7 +10,8 @@ for ``nproc`` ranks at once. From then on ``HostLinks``
   handlers as if the rank had sent them, exits and pids to the launcher's sink, heartbeats to the rank handles;
 - runs the rendezvous of agent ranks (their Hello, relayed: rank 0 hosts the c10d store on its agent's address,
   or every rank uses the launcher's own store, ``env://``, when the launcher numbered the hosts and set it);
-- starts, signals and stops ranks through their agent (``restart --rank R`` works for a rank on any host);
+- starts, signals and stops ranks through their agent (``restart --rank R`` works for a rank on any host), and
+  changes which ranks each host holds (``reassign``: ``%mesh scale``, placed by launch/placement.py);
 - notices an agent whose connection drops (a ZeroMQ socket monitor: milliseconds after a kill -9 of the agent)
   and reports its ranks dead; a silent one (a link down) is caught by the heartbeat check of recovery.py.
 
@@ -48,6 +49,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["HostLinks", "Agent", "pseudo_identity"]
 
+ALL = [-1]  # a Forward's or Signal's ranks: every rank of the agent (hostmessages.Forward)
+
 
 def pseudo_identity(rank: int) -> bytes:
     """The identity the controller files a rank held by an agent under (never a ZeroMQ peer's: those are either
@@ -72,6 +75,7 @@ class Agent:
     lost: str = ""  # why it is gone, once it is
     failed: str = ""  # why it could not start its ranks
     pending_welcome: set[int] = field(default_factory=set)  # ranks that said hello before the store was up
+    limits: list = field(default_factory=list)  # [cores, available bytes, open-file limit] (AgentHello.limits)
 
 
 class HostLinks:
@@ -102,6 +106,9 @@ class HostLinks:
         self._last_frame: Any = None
         self.bad_peers: dict[str, int] = {}  # address -> messages that failed verification
         self._monitor: zmq.Socket | None = None
+        # Agents that came after the mesh was complete (a listening mesh): held until a %mesh scale admits them
+        self.waiting: dict[bytes, Agent] = {}
+        self._hellos: dict[bytes, P.AgentHello] = {}
 
     # ------------------------------------------------------------------ generation
 
@@ -110,6 +117,7 @@ class HostLinks:
         with self._lock:
             self.agents, self._rank_agent, self._pseudo, self._by_fd = {}, {}, {}, {}
             self._spans, self._unjoined = [], set()
+            self.waiting, self._hellos = {}, {}
         self.use_env, self.store, self.bad_peers = False, None, {}
         self._monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
 
@@ -153,7 +161,7 @@ class HostLinks:
               srcfd: int) -> None:
         """Welcome an agent for global ``ranks`` (its local ranks, in order)."""
         agent = Agent(identity, hello.host, hello.pid, hello.addr, list(ranks), dict(hello.launcher_env), srcfd,
-                      last_heard=time.monotonic(), group_rank=group_rank)
+                      last_heard=time.monotonic(), group_rank=group_rank, limits=list(hello.limits))
         with self._lock:
             self.agents[identity] = agent
             for r in ranks:
@@ -230,6 +238,21 @@ class HostLinks:
         """The agents that are alive (pinged by the I/O thread)."""
         return [a.identity for a in self.agents.values() if a.alive]
 
+    def ping(self, frames: list, dead: set[int]) -> bool:
+        """Ping every rank through its agent, one ``Forward`` per agent (``frames``: a signed Ping; ``dead``: ranks
+        the controller holds dead, not pinged), when agents hold every rank of the mesh and each has said hello:
+        then True, with no step per rank; else False, and nothing is sent (the caller pings rank by rank) (I/O
+        thread)."""
+        if self._unjoined or len(self._rank_agent) != self.state.nproc:
+            return False
+        for agent in list(self.agents.values()):
+            if not agent.alive:
+                continue
+            its = [r for r in agent.ranks if r not in dead] if dead and not dead.isdisjoint(agent.ranks) else ALL
+            if its:
+                self.socket.send_frames(agent.identity, self.socket.pack(P.Forward(its, P.Ping.TYPE), b"", frames))
+        return True
+
     # ------------------------------------------------------------------ agent messages (I/O thread)
 
     def on_agent_message(self, identity: bytes, msg: P.Message, payload: bytes, bufs: list,
@@ -267,7 +290,9 @@ class HostLinks:
             if lines:
                 self._lines(lines)
                 lines = []
-            if kind == "done":
+            if kind == "span":  # a host's ranks start..stop-1, their durations as float64 bytes
+                self.cells.on_done(event[1], range(event[2], event[3]), event[4])
+            elif kind == "done":
                 self.cells.on_done(event[1], event[2], event[3])
             elif kind == "res":
                 _, rank, cell_id, status, has_value, error, duration, nbytes, n = event
@@ -297,18 +322,21 @@ class HostLinks:
                     self.router.route_line(info, stream, text)
 
     def _beats(self, beats: list) -> None:
+        """A host's heartbeats, (rank, rss, cuda_allocated, cuda_reserved, group) each: once per heartbeat interval,
+        not per cell; one lock and one queueing of the views' events for the batch."""
         state = self.state
         now = time.monotonic()
+        infos = state.ranks
         with state.lock:
             for rank, rss, cuda_allocated, cuda_reserved, group in beats:
-                info = state.ranks.get(rank)
+                info = infos.get(rank)
                 if info is not None:
-                    info.rss, info.cuda_allocated, info.cuda_reserved = rss, cuda_allocated, cuda_reserved
-                    info.group = group
-                    info.last_heard = now
-        for rank, rss, cuda_allocated, cuda_reserved, _group in beats:
-            state.events.emit("heartbeat", rank=rank, rss=rss, cuda_allocated=cuda_allocated,
-                              cuda_reserved=cuda_reserved)
+                    info.rss, info.cuda_allocated, info.cuda_reserved, info.group, info.last_heard = (
+                        rss, cuda_allocated, cuda_reserved, group, now)
+        if state.events.listening:
+            state.events.emit_all([("heartbeat", {"rank": rank, "rss": rss, "cuda_allocated": cuda_allocated,
+                                                  "cuda_reserved": cuda_reserved})
+                                   for rank, rss, cuda_allocated, cuda_reserved, _group in beats])
 
     # ------------------------------------------------------------------ rendezvous of agent ranks (I/O thread)
 
@@ -386,7 +414,7 @@ class HostLinks:
                 continue
             covered += hi - lo
             if agent.alive:
-                sends.append((agent.identity, agent.ranks if hi - lo == stop - start else ranks[lo:hi]))
+                sends.append((agent.identity, ALL if hi - lo == stop - start else ranks[lo:hi]))
         if covered != len(ranks):  # ranks that joined on their own (no agent), or agents with scattered ranks
             spans = self._spans
             with self.state.lock:
@@ -440,10 +468,112 @@ class HostLinks:
             self._post(identity, P.Signal(its, int(sig)))
 
     def stop_agents(self) -> None:
-        """Tell every agent to end its ranks and exit (0: the launcher sees a clean end)."""
+        """Tell every agent to end its ranks and exit (0: the launcher sees a clean end); agents still waiting to be
+        admitted are turned away."""
         for agent in self.agents.values():
             if agent.alive:
                 self._post(agent.identity, P.Shutdown())
+        for identity in list(self.waiting):
+            self._post(identity, P.Rejected("the mesh stopped before a %mesh scale admitted this host"))
+
+    def live_agents(self) -> list[Agent]:
+        """The agents still connected, in their hosts' order (GROUP_RANK)."""
+        return sorted((a for a in self.agents.values() if a.alive), key=lambda a: (a.group_rank, a.host))
+
+    def reassign(self, ranks: dict[bytes, list[int]], world_size: int) -> None:
+        """``%mesh scale``: the mesh has ``world_size`` ranks now, and agent ``identity`` holds ``ranks[identity]``
+        (an agent left out keeps its ranks below ``world_size``). Every live agent is told (``HostRanks``, queued
+        before the ``Spawn`` of its new ranks); ranks no agent holds any more are forgotten here and there."""
+        with self._lock:
+            for agent in self.agents.values():
+                agent.ranks = sorted(ranks.get(agent.identity, [r for r in agent.ranks if r < world_size]))
+            # New tables, each swapped in whole: the I/O thread reads them without the lock
+            self._rank_agent = {r: a for a in self.agents.values() for r in a.ranks}
+            self._pseudo = {pseudo_identity(r): r for r in self._rank_agent}
+            self._unjoined.intersection_update(self._rank_agent)
+            self._spans = sorted(((a.ranks[0], a.ranks[-1] + 1, a) for a in self.agents.values()
+                                  if a.ranks and a.ranks == list(range(a.ranks[0], a.ranks[-1] + 1))),
+                                 key=lambda t: t[0])
+        for agent in self.agents.values():
+            if agent.alive:
+                self._post(agent.identity, P.HostRanks(list(agent.ranks), world_size))
+
+    # ------------------------------------------------------------------ hosts that come later (%mesh scale)
+
+    def hold(self, identity: bytes, hello: P.AgentHello, srcfd: int) -> None:
+        """(I/O) An agent that came after the mesh was complete: held (pinged, so that it waits) until a
+        ``%mesh scale`` admits it (``admit_late``), as torchrun's ``--nnodes MIN:MAX`` holds a node that comes until
+        the next membership change."""
+        now = time.monotonic()
+        agent = Agent(identity, hello.host, hello.pid, hello.addr, [], dict(hello.launcher_env), srcfd,
+                      last_heard=now, group_rank=1 << 30, limits=list(hello.limits))
+        with self._lock:  # new dicts, swapped in whole: other threads read them without the lock
+            self.waiting = {**self.waiting, identity: agent}
+            self._hellos = {**self._hellos, identity: hello}
+        log.info("the host agent of %s (pid %d, %d ranks) waits: %%mesh scale admits it", hello.host, hello.pid,
+                 hello.nproc)
+        self.state.events.emit("host_waiting", host=hello.host, pid=hello.pid, nproc=hello.nproc)
+
+    def heard_waiting(self, identity: bytes, msg: P.Message) -> bool:
+        """(I/O) A message from a held agent (True), else False; one that leaves is forgotten."""
+        agent = self.waiting.get(identity)
+        if agent is None:
+            return False
+        agent.last_heard = time.monotonic()
+        if isinstance(msg, (P.Goodbye, P.StartFailed)):
+            self._drop_waiting(identity, "left")
+        return True
+
+    def tick_waiting(self, now: float, silence: float) -> None:
+        """(I/O, once per heartbeat interval) Ping the held agents (they wait while they hear from us); forget those
+        silent for ``silence`` seconds."""
+        for identity, agent in list(self.waiting.items()):
+            if now - agent.last_heard > silence:
+                self._drop_waiting(identity, f"went silent for {silence:g} s")
+            else:
+                self._send(identity, P.Ping())
+
+    def _drop_waiting(self, identity: bytes, why: str) -> None:
+        with self._lock:
+            agent = self.waiting.get(identity)
+            self.waiting = {k: a for k, a in self.waiting.items() if k != identity}
+            self._hellos = {k: h for k, h in self._hellos.items() if k != identity}
+        if agent is not None:
+            log.warning("the waiting host agent of %s (pid %d) %s", agent.host, agent.pid, why)
+
+    def waiting_hosts(self) -> list[tuple[Agent, int]]:
+        """The held agents with the ranks each brings (its --nproc-per-node), in the order they came."""
+        with self._lock:
+            return [(a, self._hellos[k].nproc) for k, a in self.waiting.items()]
+
+    def admit_late(self, identity: bytes, ranks: list[int]) -> None:
+        """(any thread) Admit held agent ``identity`` for global ``ranks``: its host is the next GROUP_RANK; it forks
+        them when the welcome reaches it."""
+        with self._lock:
+            held, hello = self.waiting[identity], self._hellos[identity]
+            self.waiting = {k: a for k, a in self.waiting.items() if k != identity}
+            self._hellos = {k: h for k, h in self._hellos.items() if k != identity}
+            group_rank = len(self.agents)
+            agent = Agent(identity, hello.host, hello.pid, hello.addr, list(ranks), dict(hello.launcher_env),
+                          held.srcfd, last_heard=time.monotonic(), group_rank=group_rank, limits=list(hello.limits))
+            self.agents = {**self.agents, identity: agent}  # swapped in whole: the I/O thread iterates it
+            if held.srcfd >= 0:
+                self._by_fd[held.srcfd] = agent
+        self.reassign({}, self.state.nproc)  # its tables (and HostRanks to the others)
+        self._post(identity, P.AgentWelcome(ranks=list(ranks), world_size=self.state.nproc, group_rank=group_rank,
+                                            group_world_size=len(self.agents), settings=self.state.rank_settings()))
+
+    def dismiss(self, identity: bytes, reason: str) -> None:
+        """(any thread) Send admitted agent ``identity`` away (its ranks were stopped): a scale that admitted it
+        gave up."""
+        with self._lock:
+            agent = self.agents.get(identity)
+            self.agents = {k: a for k, a in self.agents.items() if k != identity}
+            if agent is not None:
+                agent.alive = False
+                self._by_fd = {fd: a for fd, a in self._by_fd.items() if a is not agent}
+        if agent is not None:
+            self._post(identity, P.Rejected(reason))
 
     def _by_agent(self, ranks: list[int]) -> dict[bytes, list[int]]:
         out: dict[bytes, list[int]] = {}

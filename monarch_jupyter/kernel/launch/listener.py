@@ -233,7 +233,13 @@ class Listener:
             self._admit(by_identity)
 
     def on_agent_hello(self, identity: bytes, msg: P.AgentHello, srcfd: int) -> None:
-        """(I/O) A host agent asks to join for ``msg.nproc`` ranks."""
+        """(I/O) A host agent asks to join for ``msg.nproc`` ranks; one that comes to a running mesh of agents that
+        listens waits for a ``%mesh scale`` to admit it (HostLinks.hold)."""
+        if (self._complete and self.state.running and self.hosts is not None and self.hosts.agents
+                and not self.launcher.starts_ranks and msg.version == P.PROTOCOL_VERSION
+                and identity not in self.hosts.waiting):
+            self.hosts.hold(identity, msg, srcfd)
+            return
         reason = agent_refusal(identity, msg, self.state.nproc, self._pending, self._complete, self.failed)
         if reason:
             log.warning("rejected the host agent of %s (pid %d): %s", msg.host, msg.pid, reason, extra=REFUSED)
@@ -334,6 +340,8 @@ class Listener:
 
     def on_unknown(self, identity: bytes, msg: P.Message) -> bool:
         """(I/O) A verified message from a rank not numbered yet; True when it belongs to a waiting joiner."""
+        if self.hosts is not None and self.hosts.heard_waiting(identity, msg):
+            return True
         j = self._pending.get(identity)
         if j is None:
             return False
@@ -392,6 +400,8 @@ class Listener:
 
     def check(self, now: float) -> None:
         """(I/O, once per heartbeat interval) Drop waiting joiners that went silent; give up at the deadline."""
+        if self.hosts is not None and self.hosts.waiting:
+            self.hosts.tick_waiting(now, max(PENDING_SILENCE, 5 * self.state.options.heartbeat_interval))
         if not self.is_open or self.failed or self.state.running:
             return
         for identity, j in list(self._pending.items()):

@@ -1,0 +1,56 @@
+"""Where ``%mesh scale`` puts new ranks on host agents (launch/placement.py): evenly over the live hosts, ties to the
+lower GROUP_RANK, each up to the room its agent measured; hosts that came and wait are admitted first with all their
+ranks; past the room, a message naming each host's room and the ways out. The real ranks: tests/multihost."""
+
+from __future__ import annotations
+
+import pytest
+
+from monarch_jupyter.kernel.launch.capacity import IDLE_RANK_BYTES, RANKS_PER_CORE
+from monarch_jupyter.kernel.launch.hosts import Agent
+from monarch_jupyter.kernel.launch.placement import place
+
+GIB = 1 << 30
+
+
+def agent(name: str, group_rank: int, ranks: list[int], limits: list[int] | None = None) -> Agent:
+    return Agent(name.encode(), name, 1, "127.0.0.1", ranks, {}, group_rank=group_rank,
+                 limits=[2, 64 * GIB, 1 << 20] if limits is None else limits)
+
+
+def test_new_ranks_fill_the_hosts_evenly_ties_to_the_lower_group_rank() -> None:
+    a, b = agent("a", 0, [0]), agent("b", 1, [1])
+    plan = place([a, b], 2, 5, oversubscribe=False)
+    assert plan.ranks == {b"a": [0, 2, 4], b"b": [1, 3]}
+    assert plan.hosts == {2: "a", 3: "b", 4: "a"} and plan.admit == {}
+    # A host that holds fewer ranks gets the new ones first
+    plan = place([agent("a", 0, [0, 1, 2]), agent("b", 1, [3])], 4, 7, oversubscribe=False)
+    assert plan.ranks == {b"a": [0, 1, 2, 6], b"b": [3, 4, 5]}
+
+
+def test_a_full_host_is_skipped_and_past_every_hosts_room_the_scale_is_refused() -> None:
+    small = [1, 2 * IDLE_RANK_BYTES, 1 << 20]  # room for 2 ranks (memory)
+    plan = place([agent("a", 0, [0, 1], small), agent("b", 1, [2])], 3, 5, oversubscribe=False)
+    assert plan.ranks == {b"a": [0, 1], b"b": [2, 3, 4]}
+    with pytest.raises(ValueError) as info:
+        place([agent("a", 0, [0], small), agent("b", 1, [1], small)], 2, 5, oversubscribe=False)
+    text = str(info.value)
+    assert text.startswith("5 ranks are more than the hosts of this mesh can carry (ranks held of the room each "
+                           "has: a 1 of 2, b 1 of 2;"), text
+    assert "add hosts" in text and "oversubscribe=True" in text
+    assert place([agent("a", 0, [0], small)], 1, 4, oversubscribe=True).ranks == {b"a": [0, 1, 2, 3]}
+    # An agent that did not say what its host carries (an older one): not limited
+    assert len(place([agent("a", 0, [0], [])], 1, RANKS_PER_CORE * 4, oversubscribe=False).hosts) == \
+        RANKS_PER_CORE * 4 - 1
+    with pytest.raises(ValueError, match="no host agent is connected any more"):
+        place([], 1, 2, oversubscribe=False)
+
+
+def test_waiting_hosts_are_admitted_first_with_all_their_ranks_and_the_next_group_rank() -> None:
+    a = agent("a", 0, [0])
+    late, later = agent("late", 99, []), agent("later", 99, [])
+    plan = place([a], 1, 5, oversubscribe=False, waiting=[(late, 2), (later, 3)])
+    assert plan.admit == {b"late": [1, 2]}  # "later" brings 3 ranks: they do not fit in the growth; it waits
+    assert plan.ranks == {b"a": [0, 3, 4], b"late": [1, 2]}
+    assert plan.hosts == {1: "late", 2: "late", 3: "a", 4: "a"} and plan.admitted == {1, 2}
+    assert late.ranks == [] and late.group_rank == 99  # the held agent itself is left as it was
