@@ -413,17 +413,21 @@ class CellTable:
     def emit(self, rec: CellRecord, rank: int, stream: str, item: Any) -> None:
         """One line (or, stream "display", a rich output) of ``rank``."""
         self.state.assert_locked()
-        self.emit_lines(rec, rank, stream, [item])
+        self._emit(rec, rank, (rank, stream, item))
 
-    def emit_lines(self, rec: CellRecord, rank: int, stream: str, texts: list[Any]) -> None:
-        """Under the lock: lines the cell's ``rank`` wrote, in order: held for the waiter, or queued to be written."""
+    def emit_lines(self, rec: CellRecord, rank: int, stream: str, texts: list[str]) -> None:
+        """Under the lock: lines the cell's ``rank`` wrote, in order: held for the waiter, or queued to be written
+        (as one run, ``records.Line``: no object per line)."""
         self.state.assert_locked()
+        self._emit(rec, rank, (rank, stream, texts))
+
+    def _emit(self, rec: CellRecord, rank: int, line: Line) -> None:
         if rec.order == "rank" and not self._released(rec, rank):
-            rec.held.setdefault(rank, []).extend((rank, stream, text) for text in texts)
+            rec.held.setdefault(rank, []).append(line)
         else:
             if not rec.lines:
                 rec.lines_since = time.monotonic()
-            rec.lines.extend((rank, stream, text) for text in texts)
+            rec.lines.append(line)
         if not rec.waiting:
             self._deliver(rec)
         else:

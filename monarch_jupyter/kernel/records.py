@@ -26,7 +26,10 @@ from .spans import RankSpans
 __all__ = ["CellRecord", "Who", "Line"]
 
 Who = int | tuple[int, ...]  # a line's rank, or the ranks of a folded line
-Line = tuple[Who, str, Any]  # (rank, stream, text); stream "display" carries a rich output instead of text
+Line = tuple[Who, str, Any]
+"""(rank, stream, text): ``text`` is one line (str), or a run of that rank's consecutive lines on that stream
+(list[str], as they came in one read: a flood costs one item per read, not one per line); stream "display" carries a
+rich output instead of text (output.py)."""
 
 
 class CellRecord:
