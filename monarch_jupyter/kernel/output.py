@@ -34,13 +34,18 @@ from ..ranks import format_ranks
 from .records import Who
 
 __all__ = ["StreamSplitter", "temp_file_sink", "label", "write_lines", "fold_lines", "one_per_line", "OutputWriter",
-           "FOLD_WINDOW", "MESSAGE_LIMIT", "OUTPUT_SINK", "OutputSink", "PLACE_HOLDER", "hold_place"]
+           "FOLD_WINDOW", "LINE_BATCH", "MESSAGE_LIMIT", "OUTPUT_SINK", "OutputSink", "PLACE_HOLDER", "hold_place"]
 
 log = logging.getLogger(__name__)
 
 
 FOLD_WINDOW = 0.1
 """Seconds the lines of a folding cell wait for the same line from other ranks before they are shown."""
+
+LINE_BATCH = 0.05
+"""Seconds between two writes of a cell's lines by the thread that waits for it, while lines keep coming: the first
+line after a quiet spell wakes it at once, the lines of a flood are written in batches (one wake of that thread per
+batch, not per read of a rank's pipe; a kernel's output stream sends what it holds every 0.2 s anyway)."""
 
 Batch = tuple[Sequence[tuple[Who, str, Any]], contextvars.Context | None]  # lines, and where to write them
 
