@@ -271,7 +271,7 @@ class StreamSplitter:
 
     def _flush_err(self, events: list) -> None:
         if self._err is not None:
-            _add(events, "errlines", [text for kind, text in self._err.flush() if kind == "line"])
+            _add(events, "errlines", [str(text) for kind, text in self._err.flush() if kind == "line"])
 
     def _flush_partial(self, events: list) -> None:
         self._flush_err(events)
