@@ -21,9 +21,10 @@ __all__ = ["ReadPacer", "FLOOD_RATE", "FLOOD_PAUSE"]
 FLOOD_RATE = 1 << 20
 """Bytes a second of output, all ranks together, from which the reader rests between reads (a flood)."""
 
-FLOOD_PAUSE = 0.004
+FLOOD_PAUSE = 0.01
 """Seconds the reader rests between two looks at the pipes while output floods in (the most a line of a flood
-waits for it; a pipe fills in about 60 ms at the rate of a flood of short prints)."""
+waits for it; a pipe fills in about 40 ms at the rate of a flood of short prints, and a faster writer fills it: then
+the reader does not rest)."""
 
 
 class ReadPacer:
