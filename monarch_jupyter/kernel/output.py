@@ -191,7 +191,7 @@ def _write_streams(lines: Sequence[tuple[Who, str, Any]]) -> None:
         other = sys.stderr if stream == "stdout" else sys.stdout
         if _last_written[0] is other:
             _flush(other)  # what the other stream holds came first: it is shown first
-        _write_capped(target, text)
+        _write_capped(target, text, FLOOD_MESSAGE if _flushes_itself(target) else MESSAGE_LIMIT)
         _last_written[0] = target
         if not _flushes_itself(target):
             _flush(target)
@@ -205,15 +205,22 @@ lines is sent as several messages, cut at line ends where it can be (a kernel's 
 as one message when flushed). One line is at most ``output_line_limit`` bytes and a note."""
 
 
-def _write_capped(target: Any, text: str) -> None:
-    """``target.write(text)``, as messages of at most ``MESSAGE_LIMIT`` characters."""
-    if len(text) <= MESSAGE_LIMIT:
+FLOOD_MESSAGE = 1 << 16
+"""Characters of one stream message to a kernel's frontend when a batch of lines is longer (a flood): it is sent as
+several messages of at most this size, each flushed at once, rather than left for the kernel's output stream to send
+as one message of up to a second's output. Encoding a message holds the GIL from start to end; a smaller one lets
+the kernel's control channel in sooner."""
+
+
+def _write_capped(target: Any, text: str, limit: int = MESSAGE_LIMIT) -> None:
+    """``target.write(text)``, as messages of at most ``limit`` characters."""
+    if len(text) <= limit:
         target.write(text)
         return
     _flush(target)  # what it holds goes first, in a message of its own
     start, n = 0, len(text)
     while start < n:
-        end = min(start + MESSAGE_LIMIT, n)
+        end = min(start + limit, n)
         if end < n:
             cut = text.rfind("\n", start, end)
             end = cut + 1 if cut > start else end  # a line longer than the limit (no line limit): cut inside it
