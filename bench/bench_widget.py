@@ -1,7 +1,7 @@
 """Cost of the live per-rank dashboard, measured through a real Jupyter kernel (what a notebook user feels).
 
     python bench/bench_widget.py [--n 4] [--cells 60] [--lines 10000] [--no-peers] [--reference DIR] [--trivial-only]
-                                 [--json PATH]
+                                 [--repeat R] [--json PATH]
 
 For a mesh of N ranks in one ipykernel, driven by jupyter_client:
 - trivial cell (`x = 1`) round trip, execute request to idle, median of interleaved runs:
@@ -11,6 +11,8 @@ For a mesh of N ranks in one ipykernel, driven by jupyter_client:
   (each rank's lines counted and checked in order: none lost), dashboard updates sent, and the kernel's
   responsiveness during the flood (max and median round trip of kernel_info on the control channel, sampled
   every 100 ms). Then the same lines paced over ~2 s, where the dashboard ticks (at most 4 updates a second).
+  ``--repeat R`` floods each variant R times, the variants interleaved, and pools the round trips of all R (the
+  goal line compares the medians of ours and ipyparallel's).
 - peer, same kernel, same run: ipyparallel's `%%px` with N engines for the trivial cell and the flood.
 - reference (``--reference DIR``, e.g. a checkout of main): the trivial-cell measurements again, in the same run,
   in a second kernel that imports monarch_jupyter from DIR; cells alternate between the two kernels so that load
@@ -144,7 +146,29 @@ def flood(kernel: Kernel, magic: str, n: int, lines: int, body: str = FLOOD) -> 
     updates, nbytes = widget_updates(msgs)
     return {"s": seconds, "lines": got, "in_order": in_order, "updates": updates, "bytes": nbytes,
             "control_max_s": max(samples) if samples else float("nan"),
-            "control_median_s": statistics.median(samples) if samples else float("nan")}
+            "control_median_s": statistics.median(samples) if samples else float("nan"), "control_s": samples}
+
+
+def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One figure for repeated floods of one variant: the median time, the fewest lines (in order only if every run
+    was), the median updates, and the control channel's round trips of all runs together (their median and max)."""
+    samples = [x for r in runs for x in r["control_s"]]
+    return {"s": statistics.median(r["s"] for r in runs), "lines": min(r["lines"] for r in runs),
+            "in_order": all(r["in_order"] for r in runs), "updates": statistics.median(r["updates"] for r in runs),
+            "bytes": statistics.median(r["bytes"] for r in runs),
+            "control_max_s": max(samples) if samples else float("nan"),
+            "control_median_s": statistics.median(samples) if samples else float("nan"),
+            "runs": [{k: v for k, v in r.items() if k != "control_s"} for r in runs]}
+
+
+def repeated(variants: dict[str, tuple[Kernel, str, str]], n: int, lines: int, repeat: int) -> dict[str, dict]:
+    """Each variant (kernel, magic, body) ``repeat`` times, the variants interleaved so that load from elsewhere hits
+    them alike; pooled per variant."""
+    runs: dict[str, list[dict[str, Any]]] = {key: [] for key in variants}
+    for _ in range(repeat):
+        for key, (kernel, magic, body) in variants.items():
+            runs[key].append(flood(kernel, magic, n, lines, body))
+    return {key: pooled(r) for key, r in runs.items()}
 
 
 def trivial(kernel: Kernel, magics: dict[str, str], cells: int, other: Kernel | None = None) -> dict[str, float]:
@@ -208,6 +232,8 @@ def main() -> None:
     ap.add_argument("--no-peers", action="store_true", help="skip ipyparallel")
     ap.add_argument("--reference", default=None, help="a checkout (folder) of monarch_jupyter to compare with")
     ap.add_argument("--trivial-only", action="store_true", help="only the trivial-cell measurements")
+    ap.add_argument("--repeat", type=int, default=1, help="floods of each variant, interleaved; the control channel's "
+                    "round trips of all of them are pooled (a shared machine's load comes and goes)")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write every figure (seconds) to PATH as JSON")
     args = ap.parse_args()
     n, lines = args.n, args.lines
@@ -241,15 +267,17 @@ def main() -> None:
         floods: dict[str, dict[str, Any]] = {}
         paced: dict[str, dict[str, Any]] = {}
         if not args.trivial_only:
-            floods = {"on": flood(kernel, "%%mesh", n, lines), "off": flood(kernel, "%%mesh --no-widget", n, lines)}
+            variants = {"on": (kernel, "%%mesh", FLOOD), "off": (kernel, "%%mesh --no-widget", FLOOD)}
             if peer_up:
-                floods["ipyparallel"] = flood(kernel, "%%px", n, lines)
+                variants["ipyparallel"] = (kernel, "%%px", FLOOD)
             if ref is not None:
-                floods["before:on"] = flood(ref, "%%mesh", n, lines)
-            paced = {"on": flood(kernel, "%%mesh", n, lines, PACED),
-                     "off": flood(kernel, "%%mesh --no-widget", n, lines, PACED)}
+                variants["before:on"] = (ref, "%%mesh", FLOOD)
+                variants["before:off"] = (ref, "%%mesh --no-widget", FLOOD)
+            floods = repeated(variants, n, lines, args.repeat)
+            variants = {"on": (kernel, "%%mesh", PACED), "off": (kernel, "%%mesh --no-widget", PACED)}
             if ref is not None:
-                paced["before:on"] = flood(ref, "%%mesh", n, lines, PACED)
+                variants["before:on"] = (ref, "%%mesh", PACED)
+            paced = repeated(variants, n, lines, args.repeat)
     finally:
         try:
             if peer_up:
@@ -290,12 +318,13 @@ def main() -> None:
         print(f"  figures written to {args.json}")
     if args.trivial_only:
         return
-    for title, runs in ((f"flood: {lines} lines per rank ({want} lines) as fast as they come", floods),
-                        ("paced flood: the same lines in 20 bursts over ~2 s", paced)):
+    times = f", each {args.repeat} times (interleaved; medians of all their round trips)" if args.repeat > 1 else ""
+    for title, runs in ((f"flood: {lines} lines per rank ({want} lines) as fast as they come{times}", floods),
+                        (f"paced flood: the same lines in 20 bursts over ~2 s{times}", paced)):
         print(f"  {title}")
         for key, f in runs.items():
             lost = "none lost, in order" if f["lines"] == want and f["in_order"] else f"LOST {want - f['lines']}"
-            extra = (f"; {f['updates']} dashboard updates, {f['bytes'] / 1024:.0f} KiB" if key.endswith("on")
+            extra = (f"; {f['updates']:.0f} dashboard updates, {f['bytes'] / 1024:.0f} KiB" if key.endswith("on")
                      else "")
             print(f"    {key:<12} {f['s']:7.2f} s  lines {f['lines']} ({lost}); control channel round trip "
                   f"median {f['control_median_s'] * 1e3:.1f} ms, max {f['control_max_s'] * 1e3:.1f} ms{extra}")
@@ -304,6 +333,14 @@ def main() -> None:
                  if "ipyparallel" in runs else "")
               + (f"; on: after/before = {runs['on']['s'] / runs['before:on']['s']:.2f}x"
                  if "before:on" in runs else ""))
+    if "ipyparallel" in floods:
+        peer = floods["ipyparallel"]["control_median_s"]
+        goal = max(2 * peer, 0.004)
+        for key in [k for k in ("on", "off", "before:on", "before:off") if k in floods]:
+            ours = floods[key]["control_median_s"]
+            print(f"  goal (issue 30): control round trip median during the flood <= 2x ipyparallel's "
+                  f"({2 * peer * 1e3:.1f} ms) or <= 4 ms: {key} {ours * 1e3:.1f} ms = {ours / peer:.2f}x theirs: "
+                  + ("met" if ours <= goal else "NOT met"))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ __all__ = [
 #: a cell it rejoins (kernel/healing.py); a Regroup makes the group once that cell has ended.
 NO_GROUP = -2
 
-PROTOCOL_VERSION = 7  # checked at the handshake (Hello, AgentHello); raise it when a message changes
+PROTOCOL_VERSION = 8  # checked at the handshake (Hello, AgentHello); raise it when a message changes
 
 # ``payload`` fields carry user values and travel pickled outside the header.
 

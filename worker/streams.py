@@ -76,6 +76,13 @@ class StreamSplitter:
         ("msg", (flags, body)) for a record (protocol.RECORD_PREFIX: a message the rank wrote into the stream), and,
         on a stdout, ("errline", text) for a line of the rank's Python-level stderr embedded in it, in order with
         the stdout lines around it (protocol.ERR_PREFIX)."""
+        return _one_per_line(self.feed_runs(data))
+
+    def feed_runs(self, data: bytes) -> list[tuple[str, object]]:
+        """``feed``, with consecutive lines as one event: ("lines", [text, ...]) and ("errlines", [text, ...]) in
+        place of runs of ("line", text) and ("errline", text). A flood of output costs a few events per read, not
+        one per line (the lines are split in C: no Python work per line unless a line holds a carriage return or
+        may be over the limit)."""
         if not self._raw and not self._line and not self._decoder.getstate()[0] and (
                 self._err is None or not self._err.pending()):
             # The common cases: one marker or one record, nothing else.
@@ -184,7 +191,7 @@ class StreamSplitter:
             self._spill_write(data if j < 0 else data[:j])
             if j < 0:
                 return
-            events.append(("line", self._end_long()))
+            _add(events, "lines", [self._end_long()])
             data = data[j + 1:]
             if not data:
                 return
@@ -193,17 +200,19 @@ class StreamSplitter:
         limit = self.line_limit
         if limit and lines and max(map(len, lines)) * 4 > limit:  # only then can a line be over the limit
             rest = self._line
+            shown = []
             for line in lines:
                 line = _collapse(line)
                 if len(line) * 4 > limit and len(line.encode()) > limit:
                     self._start_long(line, complete=True)
-                    events.append(("line", self._end_long()))
+                    shown.append(self._end_long())
                 else:
-                    events.append(("line", terminal_view(line)))
+                    shown.append(terminal_view(line))
+            _add(events, "lines", shown)
             self._line = rest
-        else:
-            for line in lines:
-                events.append(("line", terminal_view(line)))
+        elif lines:
+            # Carriage returns (progress bars) are rare: only then is a line looked at one by one.
+            _add(events, "lines", list(map(terminal_view, lines)) if "\r" in text else lines)
         if limit and len(self._line) * 4 > limit:
             self._line = _collapse(self._line)  # a progress bar's updates: only its last one shows
             if len(self._line.encode()) > limit:
@@ -253,24 +262,26 @@ class StreamSplitter:
         return text
 
     def _embedded(self, body: bytes, events: list) -> None:
-        """A piece of the rank's stderr embedded in this stdout: its complete lines as ("errline", text)."""
+        """A piece of the rank's stderr embedded in this stdout: its complete lines as ("errlines", texts)."""
         if self._err is None:
             self._err = StreamSplitter(records=False, line_limit=self.line_limit, sink=self._sink)
-        events.extend(("errline", text) for kind, text in self._err.feed(body) if kind == "line")
+        for kind, texts in self._err.feed_runs(body):
+            if kind == "lines":
+                _add(events, "errlines", texts)  # type: ignore[arg-type]
 
     def _flush_err(self, events: list) -> None:
         if self._err is not None:
-            events.extend(("errline", text) for kind, text in self._err.flush() if kind == "line")
+            _add(events, "errlines", [str(text) for kind, text in self._err.flush() if kind == "line"])
 
     def _flush_partial(self, events: list) -> None:
         self._flush_err(events)
         if self._spill_bytes:
-            events.append(("line", self._end_long()))
+            _add(events, "lines", [self._end_long()])
             return
         rest = self._line + self._decoder.decode(b"", final=True)
         self._line = ""
         if rest:
-            events.append(("line", terminal_view(rest)))
+            _add(events, "lines", [terminal_view(rest)])
 
     def end_line(self) -> list[tuple[str, object]]:
         """The line written so far without a newline, as a ("line", text) event (its cell ended): bytes held back
@@ -282,7 +293,7 @@ class StreamSplitter:
         self._text(self._raw, events)
         self._raw = b""
         self._flush_partial(events)
-        return events
+        return _one_per_line(events)
 
     def pending(self) -> bool:
         """Bytes of a line without its newline are held (or of a marker not complete yet)."""
@@ -295,7 +306,32 @@ class StreamSplitter:
         self._text(self._raw, events)
         self._raw = b""
         self._flush_partial(events)
-        return events
+        return _one_per_line(events)
+
+
+def _add(events: list, kind: str, texts: list[str]) -> None:
+    """Append lines ``texts`` as a ``kind`` run ("lines", "errlines"), to the last event if it is one of that kind."""
+    if not texts:
+        return
+    if events and events[-1][0] == kind:
+        events[-1][1].extend(texts)
+    else:
+        events.append((kind, texts))
+
+
+_SINGLE = {"lines": "line", "errlines": "errline"}
+
+
+def _one_per_line(events: list[tuple[str, object]]) -> list[tuple[str, object]]:
+    """Events of ``feed_runs`` as ``feed`` gives them: one ("line", text) or ("errline", text) per line."""
+    out: list[tuple[str, object]] = []
+    for kind, value in events:
+        single = _SINGLE.get(kind)
+        if single is None:
+            out.append((kind, value))
+        else:
+            out.extend((single, text) for text in value)  # type: ignore[attr-defined]
+    return out
 
 
 def long_line_note(size: int, shown: int, path: str) -> str:

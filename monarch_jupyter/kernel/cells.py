@@ -23,7 +23,7 @@ from monarch_worker.serialize import loads
 
 from ..errors import MonarchError, RankDiedError, RemoteError
 from ..ranks import RankMap, format_ranks
-from .output import FOLD_WINDOW, OutputWriter, fold_lines
+from .output import FOLD_WINDOW, LINE_BATCH, OutputWriter, fold_lines
 from .records import CellRecord, Line
 from .spans import span_of
 from .state import MeshState
@@ -455,29 +455,37 @@ class CellTable:
     def emit(self, rec: CellRecord, rank: int, stream: str, item: Any) -> None:
         """One line (or, stream "display", a rich output) of ``rank``."""
         self.state.assert_locked()
-        self.emit_lines(rec, rank, stream, [item])
+        self._emit(rec, rank, (rank, stream, item))
 
-    def emit_lines(self, rec: CellRecord, rank: int, stream: str, texts: list[Any]) -> None:
-        """Under the lock: lines the cell's ``rank`` wrote, in order: held for the waiter, or queued to be written."""
+    def emit_lines(self, rec: CellRecord, rank: int, stream: str, texts: list[str]) -> None:
+        """Under the lock: lines the cell's ``rank`` wrote, in order: held for the waiter, or queued to be written
+        (as one run, ``records.Line``: no object per line)."""
         self.state.assert_locked()
+        self._emit(rec, rank, (rank, stream, texts))
+
+    def _emit(self, rec: CellRecord, rank: int, line: Line) -> None:
         if rec.order == "rank" and not self._released(rec, rank):
-            rec.held.setdefault(rank, []).extend((rank, stream, text) for text in texts)
-        else:
-            if not rec.lines:
-                rec.lines_since = time.monotonic()
-            rec.lines.extend((rank, stream, text) for text in texts)
+            rec.held.setdefault(rank, []).append(line)  # nothing to write yet: nobody is woken
+            return
+        now = time.monotonic()
+        if not rec.lines:
+            rec.lines_since = now
+        rec.lines.append(line)
         if not rec.waiting:
             self._deliver(rec)
-        else:
+        elif now >= rec.lines_due:  # else the waiter comes for them at lines_due (wake_wait): one wake per batch
             rec.wake.notify()
 
     def pop_lines(self, rec: CellRecord) -> list[Line]:
         """Under the lock: the lines collected for the waiter, now taken (folded where the cell folds; the lines of
         a folding cell are held until they are ``FOLD_WINDOW`` seconds old or the cell is done)."""
         self.state.assert_locked()
-        if rec.fold and rec.lines and not rec.all_done and time.monotonic() - rec.lines_since < FOLD_WINDOW:
+        now = time.monotonic()
+        if rec.fold and rec.lines and not rec.all_done and now - rec.lines_since < FOLD_WINDOW:
             return []
         lines, rec.lines = rec.lines, []
+        if lines:
+            rec.lines_due = now + LINE_BATCH
         return fold_lines(lines) if rec.fold else list(lines)  # type: ignore[arg-type]
 
     def set_waiting(self, rec: CellRecord, waiting: bool) -> None:
@@ -502,6 +510,10 @@ class CellTable:
             rec.wake.wait(timeout)
         elif rec.fold:  # lines wait for the same line from other ranks
             left = rec.lines_since + FOLD_WINDOW - time.monotonic()
+            if left > 0:
+                rec.wake.wait(min(timeout, left))
+        else:  # lines came soon after the last ones written: they are written together at lines_due
+            left = rec.lines_due - time.monotonic()
             if left > 0:
                 rec.wake.wait(min(timeout, left))
 

@@ -24,6 +24,8 @@ import sys
 import threading
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
+from itertools import groupby, repeat
+from operator import itemgetter
 from typing import Any
 
 from monarch_worker.streams import StreamSplitter, temp_file_sink
@@ -31,8 +33,8 @@ from monarch_worker.streams import StreamSplitter, temp_file_sink
 from ..ranks import format_ranks
 from .records import Who
 
-__all__ = ["StreamSplitter", "temp_file_sink", "label", "write_lines", "fold_lines", "OutputWriter", "FOLD_WINDOW",
-           "MESSAGE_LIMIT", "OUTPUT_SINK", "OutputSink", "PLACE_HOLDER", "hold_place"]
+__all__ = ["StreamSplitter", "temp_file_sink", "label", "write_lines", "fold_lines", "one_per_line", "OutputWriter",
+           "FOLD_WINDOW", "LINE_BATCH", "MESSAGE_LIMIT", "OUTPUT_SINK", "OutputSink", "PLACE_HOLDER", "hold_place"]
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +42,18 @@ log = logging.getLogger(__name__)
 FOLD_WINDOW = 0.1
 """Seconds the lines of a folding cell wait for the same line from other ranks before they are shown."""
 
+LINE_BATCH = 0.05
+"""Seconds between two writes of a cell's lines by the thread that waits for it, while lines keep coming: the first
+line after a quiet spell wakes it at once, the lines of a flood are written in batches (one wake of that thread per
+batch, not per read of a rank's pipe; a kernel's output stream sends what it holds every 0.2 s anyway)."""
+
 Batch = tuple[Sequence[tuple[Who, str, Any]], contextvars.Context | None]  # lines, and where to write them
 
 OutputSink = Callable[[Sequence[tuple[Who, str, Any]]], bool]
-"""Takes a batch of (rank, stream, text) items as ``write_lines`` would write them (stream "display": a rich output,
-``kernel.rich.RichOutput``); returns False to have them written as usual (e.g. its view has ended). Called from any
-thread (never under the mesh lock): it must only record them, never block or call into the mesh."""
+"""Takes a batch of (rank, stream, text) items as ``write_lines`` would write them (``text``: one line, or a run of
+lines as a list, see ``records.Line``; stream "display": a rich output, ``kernel.rich.RichOutput``); returns False to
+have them written as usual (e.g. its view has ended). Called from any thread (never under the mesh lock): it must
+only record them, never block or call into the mesh."""
 
 OUTPUT_SINK: contextvars.ContextVar[OutputSink | None] = contextvars.ContextVar("monarch_output_sink", default=None)
 """Where the output written in this context goes instead of the notebook's streams (None: the streams)."""
@@ -76,13 +84,25 @@ def label(rank: Who) -> str:
     return f"[rank{rank}]:"
 
 
+def one_per_line(lines: Sequence[tuple[Who, str, Any]]) -> list[tuple[Who, str, Any]]:
+    """``lines`` with every run of lines (a list as the text, ``records.Line``) made one item per line."""
+    out: list[tuple[Who, str, Any]] = []
+    for item in lines:
+        if type(item[2]) is list:
+            out.extend(zip(repeat(item[0]), repeat(item[1]), item[2]))
+        else:
+            out.append(item)
+    return out
+
+
 def fold_lines(lines: list[tuple[int, str, Any]]) -> list[tuple[Who, str, Any]]:
     """Lines (rank, stream, text) with byte-identical lines of several ranks made one line with all their ranks (a
     tuple). Lines that differ never fold, and each rank's own lines keep their order; within that, lines come in
     the order they arrived, and a line is shown as soon as every rank that will print it in this batch is at it
     (a rank's own different lines, like its loss, go first and the common line then shows once). Rich outputs
-    (stream "display") never fold.
+    (stream "display") never fold. A run of lines (``records.Line``) counts as its lines.
     """
+    lines = one_per_line(lines)  # type: ignore[assignment]
     seqs: dict[int, deque[tuple[int, tuple[str, Any]]]] = {}
     items: dict[tuple[str, Any], Any] = {}  # the display items, by their own key
     for i, (rank, stream, text) in enumerate(lines):
@@ -133,8 +153,8 @@ def fold_lines(lines: list[tuple[int, str, Any]]) -> list[tuple[Who, str, Any]]:
 
 def write_lines(lines: Sequence[tuple[Who, str, Any]], ctx: contextvars.Context | None = None) -> None:
     """Write (rank, stream, text) lines to sys.stdout / sys.stderr, labelled, inside ``ctx`` if given (``rank`` a
-    tuple: a folded line, see ``fold_lines``). Where that context has an ``OUTPUT_SINK`` that takes them, they go
-    there instead.
+    tuple: a folded line, see ``fold_lines``; ``text`` a list: a run of lines, see ``records.Line``). Where that
+    context has an ``OUTPUT_SINK`` that takes them, they go there instead.
 
     An item whose stream is "display" carries a rich output (``kernel.rich.RichOutput``) in place of the text: it
     is published there, in order with the lines around it.
@@ -152,7 +172,7 @@ def _write_here(lines: Sequence[tuple[Who, str, Any]]) -> None:
     sink = OUTPUT_SINK.get()
     if sink is not None and sink(lines):
         return
-    if any(stream == "display" for _, stream, _ in lines):
+    if "display" in map(_STREAM, lines):  # (C: no Python work per line)
         start = 0
         for i, (_, stream, item) in enumerate(lines):
             if stream == "display":
@@ -171,7 +191,7 @@ def _write_streams(lines: Sequence[tuple[Who, str, Any]]) -> None:
         other = sys.stderr if stream == "stdout" else sys.stdout
         if _last_written[0] is other:
             _flush(other)  # what the other stream holds came first: it is shown first
-        _write_capped(target, text)
+        _write_capped(target, text, FLOOD_MESSAGE if _flushes_itself(target) else MESSAGE_LIMIT)
         _last_written[0] = target
         if not _flushes_itself(target):
             _flush(target)
@@ -185,15 +205,22 @@ lines is sent as several messages, cut at line ends where it can be (a kernel's 
 as one message when flushed). One line is at most ``output_line_limit`` bytes and a note."""
 
 
-def _write_capped(target: Any, text: str) -> None:
-    """``target.write(text)``, as messages of at most ``MESSAGE_LIMIT`` characters."""
-    if len(text) <= MESSAGE_LIMIT:
+FLOOD_MESSAGE = 1 << 16
+"""Characters of one stream message to a kernel's frontend when a batch of lines is longer (a flood): it is sent as
+several messages of at most this size, each flushed at once, rather than left for the kernel's output stream to send
+as one message of up to a second's output. Encoding a message holds the GIL from start to end; a smaller one lets
+the kernel's control channel in sooner."""
+
+
+def _write_capped(target: Any, text: str, limit: int = MESSAGE_LIMIT) -> None:
+    """``target.write(text)``, as messages of at most ``limit`` characters."""
+    if len(text) <= limit:
         target.write(text)
         return
     _flush(target)  # what it holds goes first, in a message of its own
     start, n = 0, len(text)
     while start < n:
-        end = min(start + MESSAGE_LIMIT, n)
+        end = min(start + limit, n)
         if end < n:
             cut = text.rfind("\n", start, end)
             end = cut + 1 if cut > start else end  # a line longer than the limit (no line limit): cut inside it
@@ -203,14 +230,28 @@ def _write_capped(target: Any, text: str) -> None:
 
 
 def _by_stream(lines: Sequence[tuple[Who, str, Any]]) -> list[tuple[str, str]]:
-    """Labelled text per run of consecutive lines of one stream, in order."""
+    """Labelled text per run of consecutive lines of one stream, in order. The lines of one rank that come together
+    are labelled with one join (no Python work per line: a flood of lines costs a few operations per batch)."""
     runs: list[tuple[str, list[str]]] = []
-    for rank, stream, text in lines:
+    for (rank, stream), group in groupby(lines, _RANK_STREAM):
         stream = "stdout" if stream == "stdout" else "stderr"
-        if not runs or runs[-1][0] != stream:
-            runs.append((stream, []))
-        runs[-1][1].append(f"{label(rank)} {text}\n")
+        texts: list[str] = []
+        for _, _, text in group:
+            if type(text) is list:
+                texts += text
+            else:
+                texts.append(str(text))
+        prefix = label(rank) + " "
+        text = prefix + ("\n" + prefix).join(texts) + "\n"
+        if runs and runs[-1][0] == stream:
+            runs[-1][1].append(text)
+        else:
+            runs.append((stream, [text]))
     return [(stream, "".join(parts)) for stream, parts in runs]
+
+
+_RANK_STREAM = itemgetter(0, 1)  # (rank, stream) of a line
+_STREAM = itemgetter(1)  # its stream
 
 
 def _flushes_itself(stream: Any) -> bool:

@@ -28,7 +28,10 @@ from .spans import RankSpans
 __all__ = ["CellRecord", "Who", "Line"]
 
 Who = int | tuple[int, ...]  # a line's rank, or the ranks of a folded line
-Line = tuple[Who, str, Any]  # (rank, stream, text); stream "display" carries a rich output instead of text
+Line = tuple[Who, str, Any]
+"""(rank, stream, text): ``text`` is one line (str), or a run of that rank's consecutive lines on that stream
+(list[str], as they came in one read: a flood costs one item per read, not one per line); stream "display" carries a
+rich output instead of text (output.py)."""
 
 
 class CellRecord:
@@ -39,8 +42,8 @@ class CellRecord:
                  "members", "values", "has_value", "errors", "results_in", "synced", "finished", "durations",
                  "duration_batches", "result_seen_at", "unmarked",
                  "death_at", "collective_released", "released", "collective_hint", "interrupted", "abandoned",
-                 "queued_on", "keep_outcome", "final", "lines", "lines_since", "held", "waiting", "wake", "handle",
-                 "rejoin", "left")
+                 "queued_on", "keep_outcome", "final", "lines", "lines_since", "lines_due", "held", "waiting", "wake",
+                 "handle", "rejoin", "left")
 
     def __init__(self, cell_id: int, ranks: list[int], what: str, order: str, fold: bool, tracks_failures: bool,
                  background: bool) -> None:
@@ -77,6 +80,9 @@ class CellRecord:
         self.final: tuple[Any, BaseException | None] | None = None  # the outcome, once computed (waiting.py)
         self.lines: list[Line] = []  # lines for the thread that waits for it
         self.lines_since = 0.0  # when the oldest of ``lines`` came
+        # Lines that come before this time.monotonic() do not wake the waiter: it takes them when this time comes
+        # (it writes at most every output.LINE_BATCH seconds while lines keep coming; cells.pop_lines sets it).
+        self.lines_due = 0.0
         self.held: dict[int, list[Line]] = {}  # order "rank": lines of ranks not yet released (ranks that wrote)
         self.waiting = False  # a thread waits for it (and writes its lines)
         self.wake: Any = None  # threading.Condition on the mesh lock: lines came, or it is done (set by the table)

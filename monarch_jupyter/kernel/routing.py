@@ -68,27 +68,21 @@ class OutputRouter:
         info = state.ranks.get(rank)
         if info is None:
             return
-        events = info.splitters[stream].feed(data)
+        events = info.splitters[stream].feed_runs(data)
         i, n = 0, len(events)
         while i < n:
             with state.lock:
                 # A run of lines between two sync markers goes to one cell: it is routed as one batch (the rank's
-                # stderr lines embedded in its stdout, "errline", as runs of their own, in place).
-                run: list[str] = []
-                run_kind = "line"
+                # stderr lines embedded in its stdout, "errlines", as runs of their own, in place).
                 while i < n and events[i][0] != "msg":
                     kind, value = events[i]
                     i += 1
-                    if kind in ("line", "errline"):
-                        if kind != run_kind:
-                            self._route_run(info, stream, run_kind, run)
-                            run, run_kind = [], kind
-                        run.append(str(value))
-                        continue
-                    self._route_run(info, stream, run_kind, run)
-                    run = []
-                    self.cells.on_sync(rank, stream, int(value))  # type: ignore[call-overload]
-                self._route_run(info, stream, run_kind, run)
+                    if kind == "lines":
+                        self.route_lines(info, stream, value)  # type: ignore[arg-type]
+                    elif kind == "errlines":
+                        self.route_lines(info, "stderr", value, via=stream)  # type: ignore[arg-type]
+                    else:
+                        self.cells.on_sync(rank, stream, int(value))  # type: ignore[call-overload]
             if i == n:
                 return
             part: Any = events[i][1]  # (flags, body) of a record
@@ -153,14 +147,6 @@ class OutputRouter:
                 self.route_line(info, "stderr", str(text))
             self.cells.end_output(rec, info.rank)
 
-    def _route_run(self, info: RankInfo, stream: str, kind: str, texts: list[str]) -> None:
-        """Lines read from ``stream``: its own ("line"), or stderr lines embedded in it ("errline"), which belong to
-        the cell whose output ``stream`` carries now."""
-        if kind == "errline":
-            self.route_lines(info, "stderr", texts, via=stream)
-        else:
-            self.route_lines(info, stream, texts)
-
     def route_line(self, info: RankInfo, stream: str, text: str) -> None:
         """One line of ``info``'s output to its cell."""
         self.state.assert_locked()
@@ -182,9 +168,9 @@ class OutputRouter:
         info.last_lines.extend(reversed(kept))
         info.last_line_cells.extend([-1 if target is None else target.cell_id] * len(kept))
         if target is None and self.state.held_output is not None:  # a start of many ranks: folded later
-            self.state.held_output.extend((info.rank, stream, text) for text in texts)
+            self.state.held_output.append((info.rank, stream, texts))
         elif target is None:
-            self.writer.put([(info.rank, stream, text) for text in texts], None)
+            self.writer.put([(info.rank, stream, texts)], None)
         else:
             self.cells.emit_lines(target, info.rank, stream, texts)
         self.state.events.emit("output", rank=info.rank, stream=stream, lines=texts, text="\n".join(texts),

@@ -213,7 +213,7 @@ class MeshState:
         self.failures: dict[int, tuple[int, int]] = {}
         # Lines of ranks that belong to no cell, held while a start of many ranks runs, to be shown folded
         # (identical lines of several ranks once: Lifecycle.release_held); None: written as they come.
-        self.held_output: list[tuple[int, str, str]] | None = None
+        self.held_output: list[tuple[int, str, Any]] | None = None
 
     def new_generation(self, secret: bytes) -> None:
         """Fresh rank handles and secret for a start or restart (under no lock: nothing else runs yet)."""

@@ -44,7 +44,7 @@ from ..ranks import format_ranks, ranks_text
 from .dashboard import HEAD_STYLE, STYLE, DashboardView, html_page, render_body, render_header, shared
 from .model import ATTENTION_STATES, FAILED_STATES, MeshMonitor, RowView, Summary, stragglers
 from .outputs import render_charts, render_failure, render_item, render_items
-from .record import LINES_KEPT, CellOutput, Item, last_lines
+from .record import LINES_KEPT, CellOutput
 
 __all__ = ["CellDashboardView", "DEFER", "OUTPUT_TICK", "TABS_FOLDED", "SEGMENT_ITEMS"]
 
@@ -240,10 +240,9 @@ class CellDashboardView(DashboardView):
         """The final state as static HTML: the header, the table (not for a quick cell), charts and the output."""
         cell = self.cell_id if self.cell_id is not None else -1
         charts = render_charts(self.monitor.metrics(cell, [r.rank for r in rows]), self.uid)
-        _, items = self.output.items()
+        _, hidden, items = self.output.tail(LINES_SHOWN)
         body = render_header(summary, self.title) if compact else render_body(rows, summary, self.title, self.folded)
-        first, hidden = last_lines(items, LINES_SHOWN)
-        out = _hidden_note(hidden + self.output.dropped) + render_items(items[first:])
+        out = _hidden_note(hidden + self.output.dropped) + render_items(items)
         out += self._failures_html(rows, final=True)
         style = HEAD_STYLE if compact and not out and not charts else STYLE
         return html_page(body + charts + (f'<div class="mj-outputs">{out}</div>' if out else ""), True, style)
@@ -306,22 +305,21 @@ class CellDashboardView(DashboardView):
         if version == self._output_seen or (not final and now - self._output_time < OUTPUT_TICK):
             return
         self._output_seen, self._output_time = version, now
-        _, items = self.output.items()
         if self.folded:
             self._fold_tabs(rows, ranks)
-        self._set_segments(items)
+        self._set_segments()
         if self.picker is not None and self.picked is not None and self.picker.value is not None:
             self._show_picked(self.picker.value)
 
-    def _set_segments(self, items: list[Item]) -> None:
+    def _set_segments(self) -> None:
         """Put the last ``LINES_SHOWN`` lines' items into the HTML widgets of the output, ``SEGMENT_ITEMS`` items a
         widget: only a widget whose items changed is sent again (as output grows, the last one)."""
         assert self.segments is not None
-        first, hidden = last_lines(items, LINES_SHOWN, SEGMENT_ITEMS)
+        first, hidden, tail = self.output.tail(LINES_SHOWN, SEGMENT_ITEMS)
         hidden += self.output.dropped
         old, self._segments = self._segments, {}
-        for start in range(first, len(items), SEGMENT_ITEMS):
-            chunk = items[start:start + SEGMENT_ITEMS]
+        for start in range(first, first + len(tail), SEGMENT_ITEMS):
+            chunk = tail[start - first:start - first + SEGMENT_ITEMS]
             key = (hidden if start == first else 0, *((i.seq, i.changed, len(i.lines)) for i in chunk))
             k = start // SEGMENT_ITEMS
             was = old.pop(k, None)

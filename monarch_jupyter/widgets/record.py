@@ -21,6 +21,8 @@ import itertools
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import groupby
+from operator import itemgetter
 from typing import Any
 
 from monarch_worker.options import NotebookOptions
@@ -54,6 +56,8 @@ class Item:
         return Item(self.seq, self.ranks, self.kind, list(self.lines), self.data, self.display_id, self.changed)
 
 
+_WHO_STREAM = itemgetter(0, 1)  # (rank or ranks, stream) of a batch's item
+
 RUN_LINES = 200  # lines of one run at most: a long run is several items, so a view re-renders only the last one
 
 
@@ -73,15 +77,24 @@ class CellOutput:
 
     def take(self, batch: Sequence[tuple[Any, str, Any]]) -> bool:
         """Record a batch of (rank or ranks, stream, text or rich output) as ``kernel.output.write_lines`` would
-        write it; False (nothing recorded) once the record is closed, so the output is written as usual."""
+        write it (``text`` a list: a run of lines); False (nothing recorded) once the record is closed, so the output
+        is written as usual. The lines of one rank that come together are recorded at once (no Python work per
+        line)."""
         with self._lock:
             if self.closed:
                 return False
-            for who, stream, what in batch:
+            for (who, stream), group in groupby(batch, _WHO_STREAM):
                 if stream == "display":
-                    self._display(what)
+                    for _, _, what in group:
+                        self._display(what)
                 else:
-                    self._line(who if isinstance(who, tuple) else (who,), stream, what)
+                    texts: list[str] = []
+                    for _, _, text in group:
+                        if type(text) is list:  # a run of lines (kernel.records.Line)
+                            texts += text
+                        else:
+                            texts.append(text)
+                    self._run(who if isinstance(who, tuple) else (who,), stream, texts)
             if self._lines > self.lines_kept:
                 self._drop(self._lines - self.lines_kept)
             self.version += 1
@@ -92,14 +105,18 @@ class CellOutput:
         with self._lock:
             self.closed = True
 
-    def _line(self, ranks: tuple[int, ...], stream: str, text: str) -> None:
+    def _run(self, ranks: tuple[int, ...], stream: str, texts: list[str]) -> None:
+        """Lines of ``ranks`` on ``stream``, in order: the last item takes what it has room for, then new items of
+        ``RUN_LINES`` lines each."""
         kind = "stdout" if stream == "stdout" else "stderr"
         last = self._items[-1] if self._items else None
+        start = 0
         if last is not None and last.kind == kind and last.ranks == ranks and len(last.lines) < RUN_LINES:
-            last.lines.append(text)
-        else:
-            self._items.append(Item(next(_SEQ), ranks, kind, [text]))
-        self._lines += 1
+            start = RUN_LINES - len(last.lines)
+            last.lines.extend(texts[:start])
+        for i in range(start, len(texts), RUN_LINES):
+            self._items.append(Item(next(_SEQ), ranks, kind, texts[i:i + RUN_LINES]))
+        self._lines += len(texts)
 
     def _display(self, rich: Any) -> None:
         rank, kind = int(rich.rank), rich.kind
@@ -136,6 +153,14 @@ class CellOutput:
         with self._lock:
             return self.version, [i.copy() for i in self._items]
 
+    def tail(self, lines: int, align: int = 1) -> tuple[int, int, list[Item]]:
+        """(first, hidden, copies of the items from index ``first`` on): the items that hold the last ``lines``
+        lines, as ``last_lines`` tells, copied without the older ones (a view re-renders the tail of a long output
+        at each tick: its cost does not grow with the output)."""
+        with self._lock:
+            first, hidden = last_lines(self._items, lines, align)
+            return first, hidden, [i.copy() for i in self._items[first:]]
+
     def empty(self) -> bool:
         with self._lock:
             return not self._items
@@ -155,8 +180,9 @@ class CellOutput:
                 if item.kind == "display":
                     out.append(str(item.data.get("text/plain", "")))
                 else:
-                    who = label(item.ranks if len(item.ranks) > 1 else item.ranks[0])
-                    out.extend(f"{who} {line}" for line in item.lines)
+                    prefix = label(item.ranks if len(item.ranks) > 1 else item.ranks[0]) + " "
+                    if item.lines:  # one join per item, not a string per line
+                        out.append(prefix + ("\n" + prefix).join(item.lines))
             return "\n".join(out)
 
 

@@ -135,7 +135,7 @@ def test_a_host_that_comes_later_waits_and_the_next_scale_admits_it(fake_hosts: 
         hosts = m.state.launcher.hosts  # type: ignore[union-attr]
         assert hosts is not None
         deadline = time.monotonic() + 120
-        while not hosts.waiting and time.monotonic() < deadline:
+        while not hosts.waiting_hosts() and time.monotonic() < deadline:
             time.sleep(0.1)
         assert [a.host for a, _ in hosts.waiting_hosts()] == [h2]
         time.sleep(2 * m.state.options.heartbeat_interval)  # it stays, pinged, outside the mesh

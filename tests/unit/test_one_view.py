@@ -175,3 +175,29 @@ def test_the_final_view_of_a_rank_done_before_its_result_reached_the_view_has_no
     view._on_mesh_event("cell_started", {"cell_id": 3, "ranks": [0, 1], "handle": Handle()})
     rows, summary = view._reconcile(*view.snapshot())
     assert [(r.state, r.error, r.elapsed) for r in rows] == [("done", "", 0.5), ("done", "", 8.7)]
+
+
+def test_runs_of_lines_are_recorded_and_written_as_their_lines_in_order(monkeypatch) -> None:
+    """The router hands on the lines of a read as one run ((rank, stream, [lines]), records.Line): the record keeps
+    them in order in items of at most RUN_LINES lines, and the streams get them labelled one per line, exactly as
+    the same lines one by one."""
+    from monarch_jupyter.widgets.record import RUN_LINES
+
+    runs = [(0, "stdout", [f"a{i}" for i in range(450)]), (0, "stdout", ["b0", "b1"]), (1, "stderr", ["c0"]),
+            (1, "stderr", "c1"), (0, "stdout", [f"d{i}" for i in range(RUN_LINES)])]
+    single = [(rank, stream, t) for rank, stream, texts in runs for t in ([texts] if isinstance(texts, str) else texts)]
+    a, b = CellOutput(), CellOutput()
+    assert a.take(runs) and b.take(single)
+    assert a.text() == b.text() and a.text().splitlines()[:2] == ["[rank0]: a0", "[rank0]: a1"]
+    _, items = a.items()
+    assert [len(i.lines) for i in items] == [RUN_LINES, RUN_LINES, 52, 2, RUN_LINES]
+    assert [i.lines[0] for i in items] == ["a0", f"a{RUN_LINES}", f"a{2 * RUN_LINES}", "c0", "d0"]
+    written = {}
+    for name, batch in (("runs", runs), ("single", single)):
+        out, err = io.StringIO(), io.StringIO()
+        monkeypatch.setattr(sys, "stdout", out)
+        monkeypatch.setattr(sys, "stderr", err)
+        write_lines(batch)
+        written[name] = (out.getvalue(), err.getvalue())
+    assert written["runs"] == written["single"]
+    assert written["runs"][1] == "[rank1]: c0\n[rank1]: c1\n"

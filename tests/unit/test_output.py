@@ -149,3 +149,25 @@ def test_text_that_only_looks_like_embedded_stderr_is_text() -> None:
     # On a stderr pipe the prefix is text too.
     assert StreamSplitter(records=False).feed(b"".join(P.err_pieces(b"x\n"))) == [
         ("line", "\x1b]monarch-err;0002x")]
+
+
+def test_a_flood_comes_as_runs_of_lines_with_embedded_stderr_in_its_place() -> None:
+    """``feed_runs``: the lines of a read come as one ("lines", [...]) event (no event per line), embedded stderr as
+    ("errlines", [...]) in place; flattened, they are exactly what ``feed`` gives, however the reads cut the bytes."""
+    data = (b"".join(f"L {i}\n".encode() for i in range(5000)) + b"".join(P.err_pieces(b"e1\ne2\n"))
+            + b"bar 10%\r bar 99%\r\nafter\n" + sync_marker(7) + b"next\n")
+    whole = StreamSplitter().feed_runs(data)
+    assert [k for k, _ in whole] == ["lines", "errlines", "lines", "sync", "lines"]
+    assert whole[0][1] == [f"L {i}" for i in range(5000)] and whole[1][1] == ["e1", "e2"]
+    assert whole[2][1] == [" bar 99%", "after"] and whole[4][1] == ["next"]
+    for step in (3, 4096, 1 << 16):
+        runs, single = StreamSplitter(), StreamSplitter()
+        flat, expected = [], []
+        for i in range(0, len(data), step):
+            for kind, value in runs.feed_runs(data[i:i + step]):
+                if kind in ("lines", "errlines"):
+                    flat += [(kind[:-1], text) for text in value]
+                else:
+                    flat.append((kind, value))
+            expected += single.feed(data[i:i + step])
+        assert flat == expected, step

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from monarch_jupyter.kernel.launch.agents import Agent
 from monarch_jupyter.kernel.launch.capacity import IDLE_RANK_BYTES, RANKS_PER_CORE
-from monarch_jupyter.kernel.launch.hosts import Agent
 from monarch_jupyter.kernel.launch.placement import place
 
 GIB = 1 << 30

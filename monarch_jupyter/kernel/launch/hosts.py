@@ -26,7 +26,6 @@ import logging
 import threading
 import time
 from bisect import bisect_left
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -35,6 +34,7 @@ from monarch_worker import protocol as P
 
 from ...ranks import ranks_text
 from ..state import MeshState
+from .agents import Agent, WaitingHosts, pseudo_identity
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -47,35 +47,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["HostLinks", "Agent", "pseudo_identity"]
+__all__ = ["HostLinks", "Agent", "pseudo_identity"]  # Agent, pseudo_identity: from launch/agents.py
 
 ALL = [-1]  # a Forward's or Signal's ranks: every rank of the agent (hostmessages.Forward)
-
-
-def pseudo_identity(rank: int) -> bytes:
-    """The identity the controller files a rank held by an agent under (never a ZeroMQ peer's: those are either
-    set by our peers, which never start with a zero byte, or 5 bytes long)."""
-    return b"\x00host-rank-%d" % rank
-
-
-@dataclass
-class Agent:
-    """One admitted host agent."""
-
-    identity: bytes
-    host: str
-    pid: int
-    addr: str  # its address toward the controller
-    ranks: list[int]
-    launcher_env: dict
-    srcfd: int = -1  # the controller's end of its TCP connection (for the disconnect monitor)
-    alive: bool = True
-    last_heard: float = 0.0
-    group_rank: int = 0  # its host's place among the mesh's hosts (torchrun's GROUP_RANK)
-    lost: str = ""  # why it is gone, once it is
-    failed: str = ""  # why it could not start its ranks
-    pending_welcome: set[int] = field(default_factory=set)  # ranks that said hello before the store was up
-    limits: list = field(default_factory=list)  # [cores, available bytes, open-file limit] (AgentHello.limits)
 
 
 class HostLinks:
@@ -106,9 +80,7 @@ class HostLinks:
         self._last_frame: Any = None
         self.bad_peers: dict[str, int] = {}  # address -> messages that failed verification
         self._monitor: zmq.Socket | None = None
-        # Agents that came after the mesh was complete (a listening mesh): held until a %mesh scale admits them
-        self.waiting: dict[bytes, Agent] = {}
-        self._hellos: dict[bytes, P.AgentHello] = {}
+        self.late = WaitingHosts()  # agents that came after the mesh was complete, until a %mesh scale admits them
 
     # ------------------------------------------------------------------ generation
 
@@ -117,7 +89,7 @@ class HostLinks:
         with self._lock:
             self.agents, self._rank_agent, self._pseudo, self._by_fd = {}, {}, {}, {}
             self._spans, self._unjoined = [], set()
-            self.waiting, self._hellos = {}, {}
+            self.late = WaitingHosts()
         self.use_env, self.store, self.bad_peers = False, None, {}
         self._monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
 
@@ -473,7 +445,7 @@ class HostLinks:
         for agent in self.agents.values():
             if agent.alive:
                 self._post(agent.identity, P.Shutdown())
-        for identity in list(self.waiting):
+        for identity in list(self.late.agents):
             self._post(identity, P.Rejected("the mesh stopped before a %mesh scale admitted this host"))
 
     def live_agents(self) -> list[Agent]:
@@ -501,58 +473,30 @@ class HostLinks:
     # ------------------------------------------------------------------ hosts that come later (%mesh scale)
 
     def hold(self, identity: bytes, hello: P.AgentHello, srcfd: int) -> None:
-        """(I/O) An agent that came after the mesh was complete: held (pinged, so that it waits) until a
-        ``%mesh scale`` admits it (``admit_late``), as torchrun's ``--nnodes MIN:MAX`` holds a node that comes until
-        the next membership change."""
-        now = time.monotonic()
-        agent = Agent(identity, hello.host, hello.pid, hello.addr, [], dict(hello.launcher_env), srcfd,
-                      last_heard=now, group_rank=1 << 30, limits=list(hello.limits))
-        with self._lock:  # new dicts, swapped in whole: other threads read them without the lock
-            self.waiting = {**self.waiting, identity: agent}
-            self._hellos = {**self._hellos, identity: hello}
-        log.info("the host agent of %s (pid %d, %d ranks) waits: %%mesh scale admits it", hello.host, hello.pid,
-                 hello.nproc)
+        """(I/O) An agent that came after the mesh was complete: held until a ``%mesh scale`` admits it
+        (agents.WaitingHosts)."""
+        self.late.hold(identity, hello, srcfd)
         self.state.events.emit("host_waiting", host=hello.host, pid=hello.pid, nproc=hello.nproc)
 
     def heard_waiting(self, identity: bytes, msg: P.Message) -> bool:
         """(I/O) A message from a held agent (True), else False; one that leaves is forgotten."""
-        agent = self.waiting.get(identity)
-        if agent is None:
-            return False
-        agent.last_heard = time.monotonic()
-        if isinstance(msg, (P.Goodbye, P.StartFailed)):
-            self._drop_waiting(identity, "left")
-        return True
+        return self.late.heard(identity, isinstance(msg, (P.Goodbye, P.StartFailed)))
 
     def tick_waiting(self, now: float, silence: float) -> None:
         """(I/O, once per heartbeat interval) Ping the held agents (they wait while they hear from us); forget those
         silent for ``silence`` seconds."""
-        for identity, agent in list(self.waiting.items()):
-            if now - agent.last_heard > silence:
-                self._drop_waiting(identity, f"went silent for {silence:g} s")
-            else:
-                self._send(identity, P.Ping())
-
-    def _drop_waiting(self, identity: bytes, why: str) -> None:
-        with self._lock:
-            agent = self.waiting.get(identity)
-            self.waiting = {k: a for k, a in self.waiting.items() if k != identity}
-            self._hellos = {k: h for k, h in self._hellos.items() if k != identity}
-        if agent is not None:
-            log.warning("the waiting host agent of %s (pid %d) %s", agent.host, agent.pid, why)
+        for identity in self.late.pinged(now, silence):
+            self._send(identity, P.Ping())
 
     def waiting_hosts(self) -> list[tuple[Agent, int]]:
         """The held agents with the ranks each brings (its --nproc-per-node), in the order they came."""
-        with self._lock:
-            return [(a, self._hellos[k].nproc) for k, a in self.waiting.items()]
+        return self.late.hosts()
 
     def admit_late(self, identity: bytes, ranks: list[int]) -> None:
         """(any thread) Admit held agent ``identity`` for global ``ranks``: its host is the next GROUP_RANK; it forks
         them when the welcome reaches it."""
+        held, hello = self.late.take(identity)
         with self._lock:
-            held, hello = self.waiting[identity], self._hellos[identity]
-            self.waiting = {k: a for k, a in self.waiting.items() if k != identity}
-            self._hellos = {k: h for k, h in self._hellos.items() if k != identity}
             group_rank = len(self.agents)
             agent = Agent(identity, hello.host, hello.pid, hello.addr, list(ranks), dict(hello.launcher_env),
                           held.srcfd, last_heard=time.monotonic(), group_rank=group_rank, limits=list(hello.limits))

@@ -237,7 +237,7 @@ class Listener:
         listens waits for a ``%mesh scale`` to admit it (HostLinks.hold)."""
         if (self._complete and self.state.running and self.hosts is not None and self.hosts.agents
                 and not self.launcher.starts_ranks and msg.version == P.PROTOCOL_VERSION
-                and identity not in self.hosts.waiting):
+                and identity not in self.hosts.late):
             self.hosts.hold(identity, msg, srcfd)
             return
         reason = agent_refusal(identity, msg, self.state.nproc, self._pending, self._complete, self.failed)
@@ -400,7 +400,7 @@ class Listener:
 
     def check(self, now: float) -> None:
         """(I/O, once per heartbeat interval) Drop waiting joiners that went silent; give up at the deadline."""
-        if self.hosts is not None and self.hosts.waiting:
+        if self.hosts is not None and self.hosts.late.agents:
             self.hosts.tick_waiting(now, max(PENDING_SILENCE, 5 * self.state.options.heartbeat_interval))
         if not self.is_open or self.failed or self.state.running:
             return

@@ -30,10 +30,13 @@ from monarch_worker.reaper import END_WAIT
 from ..state import owner_check
 from .base import Launcher, LauncherEvents, LaunchError, WorkPipe
 from .isolation import spawn_unpatched, without_debugger_env
+from .pacing import ReadPacer
 
 log = logging.getLogger(__name__)
 
 __all__ = ["LocalLauncher", "ForkServer", "prewarm", "preload", "shutdown", "fork_server_pid"]
+
+READ_SIZE = 1 << 16  # bytes of one read of a rank's output pipe (its default capacity)
 
 
 class ForkServer:
@@ -85,6 +88,7 @@ class ForkServer:
         self._alive: set[int] = set()
         self._cond = threading.Condition()
         self._ready = threading.Event()
+        self._pacer = ReadPacer()  # the reader thread's: it rests between reads while output floods in (pacing.py)
         self._reader = threading.Thread(target=self._read_loop, name="monarch-forkserver", daemon=True)
         self._reader.start()
         self._start_timeout = start_timeout
@@ -169,6 +173,7 @@ class ForkServer:
         self._selector.register(self._ctl, selectors.EVENT_READ, None)
         alive = True
         while alive:
+            self._pacer.before_select()
             for key, _ in self._selector.select():
                 if key.data is not None:  # a rank's output pipe
                     if self._selector.get_map().get(key.fd) is key:  # not closed by an earlier key of this batch
@@ -220,7 +225,7 @@ class ForkServer:
         sink, rank = self._sinks.get(sid, (None, -1))
         for _ in range(256 if until_empty else 1):  # bounded: a process the rank started may write on and on
             try:
-                data = os.read(fd, 1 << 16)
+                data = os.read(fd, READ_SIZE)
             except BlockingIOError:
                 return
             except OSError:
@@ -228,6 +233,7 @@ class ForkServer:
             if not data:  # every writer closed it: the rank (and anything it started) exited
                 self._close_output(sid, fd)
                 return
+            self._pacer.read(len(data), len(data) == READ_SIZE)
             if stream == "stdout":
                 pipes = self._outputs.get(sid)
                 if pipes is not None and pipes[1] >= 0:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from .capacity import IDLE_RANK_BYTES, RANKS_PER_CORE, host_room, world_fds_problem
 
 if TYPE_CHECKING:
-    from .hosts import Agent
+    from .agents import Agent
 
 __all__ = ["Placement", "place"]
 
