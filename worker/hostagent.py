@@ -26,7 +26,7 @@ from . import shm
 from .addresses import address_toward
 from .agentconfig import AgentConfig, rank_environment
 from .channel import recv_frames, send_frames
-from .hostlimits import host_limits
+from .hostlimits import host_limits, visible_gpus
 from .hostlink import EventBatch, ForkServerClient, LocalRank, drain, read_output, read_segment, take_record
 from .pipes import WorkPipe
 from .reaper import END_WAIT
@@ -99,7 +99,7 @@ class HostAgent:
         addr = address_toward(self.cfg.controller)
         self.send(P.AgentHello(host=self.host, pid=os.getpid(), nproc=self.cfg.nproc, addr=addr,
                                group_rank=self.cfg.group_rank, group_world_size=self.cfg.group_world_size,
-                               launcher_env=self.cfg.launcher_env, limits=list(host_limits())))
+                               launcher_env=self.cfg.launcher_env, limits=[*host_limits(), visible_gpus()]))
         join_deadline = time.monotonic() + self.cfg.join_timeout
         next_beat = time.monotonic() + self.interval
         try:

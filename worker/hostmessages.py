@@ -25,8 +25,9 @@ class AgentHello(Message):
     """Agent -> controller: a host agent for ``nproc`` ranks. ``group_rank`` / ``group_world_size``: the host's
     number and the number of hosts as its launcher gave them (-1: unknown; the controller numbers hosts then);
     ``addr``: its address toward the controller (where its rank 0 may host the c10d store); ``limits``: what the
-    host can carry, ``[cores, available memory in bytes, open-file limit]`` as ``monarch_worker.hostlimits``
-    measured it when the agent started (``[]``: unknown; ``%mesh scale`` places ranks by it)."""
+    host can carry, ``[cores, available memory in bytes, open-file limit, CUDA devices]`` as
+    ``monarch_worker.hostlimits`` measured it when the agent started (``[]``: unknown; ``%mesh scale`` places
+    ranks by it)."""
 
     TYPE: ClassVar[str] = "agent_hello"
     host: str

@@ -20,6 +20,7 @@ from traitlets import Bool, CaselessStrEnum, Float, Int, TraitType, Unicode
 from monarch_worker.options import MeshOptions, NotebookOptions, check_value, option_fields
 
 from ..errors import MeshStartError
+from .launch.capacity import check_local_gpus
 
 __all__ = ["MeshOptions", "NotebookOptions", "traits", "make_options", "OptionAttribute", "options_table",
            "mesh_signature", "trait_value"]
@@ -178,13 +179,8 @@ def options_markdown() -> str:
 
 
 def check_gpus(nproc: int) -> None:
-    """Raise MeshStartError when the nccl backend cannot have one CUDA device per rank."""
+    """Raise MeshStartError when the nccl backend cannot have one CUDA device per rank (launch.capacity)."""
     try:
-        import torch
-    except ImportError:
-        raise MeshStartError("backend 'nccl' needs torch with CUDA; torch is not importable here") from None
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if n < nproc:
-        raise MeshStartError(
-            f"backend 'nccl' needs one GPU per rank: {nproc} ranks but {n} CUDA device(s) visible; "
-            "use --backend gloo or fewer ranks")
+        check_local_gpus(nproc)
+    except ValueError as e:
+        raise MeshStartError(str(e)) from None

@@ -41,7 +41,7 @@ from ..errors import MeshStartError, MonarchError, describe_returncode
 from ..ranks import format_ranks, ranks_text
 from .ftscale import FtScaler, torchft_loops
 from .healing import Healer
-from .launch.capacity import check_host_capacity
+from .launch.capacity import check_host_capacity, check_local_gpus
 from .launch.hosts import HostLinks
 from .launch.join import JoinLauncher
 from .launch.local import LocalLauncher
@@ -138,9 +138,13 @@ class Resizer:
         placed: Placement | None = None
         if n > before:
             if hosts is not None:
-                placed = place(hosts.live_agents(), before, n, state.options.oversubscribe, hosts.waiting_hosts())
-            elif not state.options.oversubscribe:
-                check_host_capacity(n)
+                placed = place(hosts.live_agents(), before, n, state.options.oversubscribe, hosts.waiting_hosts(),
+                               gpus=state.options.backend == "nccl")
+            else:
+                if state.options.backend == "nccl":
+                    check_local_gpus(n)
+                if not state.options.oversubscribe:
+                    check_host_capacity(n)
         with state.lock:
             busy = sorted(r for r, i in state.ranks.items() if i.cells)
             dead = sorted(r for r, i in state.ranks.items() if i.state is RankState.DEAD)

@@ -54,3 +54,38 @@ def test_waiting_hosts_are_admitted_first_with_all_their_ranks_and_the_next_grou
     assert plan.ranks == {b"a": [0, 3, 4], b"late": [1, 2]}
     assert plan.hosts == {1: "late", 2: "late", 3: "a", 4: "a"} and plan.admitted == {1, 2}
     assert late.ranks == [] and late.group_rank == 99  # the held agent itself is left as it was
+
+
+def test_under_nccl_a_host_carries_no_more_ranks_than_its_cuda_devices_even_oversubscribed() -> None:
+    two_gpus = [8, 64 * GIB, 1 << 20, 2]
+    plan = place([agent("a", 0, [0], two_gpus), agent("b", 1, [1], [8, 64 * GIB, 1 << 20, 1])], 2, 3,
+                 oversubscribe=False, gpus=True)
+    assert plan.ranks == {b"a": [0, 2], b"b": [1]}  # b's one device is taken
+    for oversubscribe in (False, True):
+        with pytest.raises(ValueError, match="one CUDA device per rank"):
+            place([agent("a", 0, [0, 1], two_gpus)], 2, 3, oversubscribe=oversubscribe, gpus=True)
+    # gloo: the devices do not count; an older agent (3 limits) is not limited by devices
+    assert len(place([agent("a", 0, [0, 1], two_gpus)], 2, 4, oversubscribe=False).hosts) == 2
+    assert len(place([agent("a", 0, [0], [8, 64 * GIB, 1 << 20])], 1, 4, oversubscribe=False, gpus=True).hosts) == 3
+
+
+@pytest.mark.parametrize(("value", "count"), [("0,1", 2), ("", 0), ("-1", 0), ("3", 1), ("0,-1,2", 1),
+                                              ("GPU-8d2f,GPU-11aa", 2)])
+def test_the_cuda_devices_an_agent_reports_follow_cuda_visible_devices(monkeypatch: pytest.MonkeyPatch,
+                                                                         value: str, count: int) -> None:
+    from monarch_worker.hostlimits import visible_gpus
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", value)
+    assert visible_gpus() == count
+
+
+def test_local_nccl_ranks_past_the_cuda_devices_are_refused_with_the_way_out() -> None:
+    import torch
+
+    from monarch_jupyter.kernel.launch.capacity import check_local_gpus
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(ValueError) as info:
+        check_local_gpus(n + 1)
+    assert f"{n + 1} ranks but {n} CUDA device(s) visible" in str(info.value)
+    assert "--backend gloo" in str(info.value)

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from monarch_worker.hostlimits import host_limits
 
-__all__ = ["host_limits", "check_host_capacity", "host_room", "world_fds_problem", "RANKS_PER_CORE", "IDLE_RANK_BYTES",
-           "FDS_PER_PEER"]
+__all__ = ["host_limits", "check_host_capacity", "check_local_gpus", "host_room", "world_fds_problem",
+           "RANKS_PER_CORE", "IDLE_RANK_BYTES", "FDS_PER_PEER"]
 
 RANKS_PER_CORE = 32
 """Local ranks per CPU core this process may use before a start is refused (64 on 2 cores starts in 5.5 s)."""
@@ -57,6 +57,25 @@ def check_host_capacity(nproc: int, limits: tuple[int, int, int] | None = None) 
             "minutes (the process group connects every rank with every other) and may fail at the start timeout. "
             "Start fewer ranks (ranks on other hosts join with  %mesh listen  or --launcher torchrun/slurm), or "
             "start anyway with  %mesh start --force  (Mesh(..., oversubscribe=True)).")
+
+
+def check_local_gpus(nproc: int) -> None:
+    """Refuse ``nproc`` local ranks of backend nccl (one CUDA device per rank) beyond this host's CUDA devices.
+
+    Raises
+    ------
+    ValueError
+        Fewer CUDA devices than ``nproc`` (or torch is not importable); the message names the count and the way
+        out.
+    """
+    try:
+        import torch
+    except ImportError:
+        raise ValueError("backend 'nccl' needs torch with CUDA; torch is not importable here") from None
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if nproc > n:
+        raise ValueError(f"backend 'nccl' needs one GPU per rank: {nproc} ranks but {n} CUDA device(s) visible on "
+                         "this host; use --backend gloo or fewer ranks")
 
 
 def host_room(limits: tuple[int, int, int] | list[int]) -> int | None:

@@ -1,10 +1,11 @@
 """Where ``%mesh scale`` puts new ranks on a mesh whose ranks are behind host agents (launch/hosts.py).
 
-Growing from N to M ranks numbers the new ranks N..M-1 (every rank keeps its number, so ranks stay numbered
-0..M-1) and gives them, one at a time in rank order, to the live host agent that holds the fewest ranks and still
-has room, ties going to the host with the lower GROUP_RANK: the hosts fill evenly. A host's room is what its agent
-measured when it started (``AgentHello.limits``: cores and memory, by the rules of a local mesh,
-launch/capacity.py); ``oversubscribe`` (``%mesh start --force``) lifts it. Shrinking stops the highest ranks,
+Growing from N to M ranks numbers the new ranks N..M-1 (every rank keeps its number, so ranks stay numbered 0..M-1)
+and gives them, one at a time in rank order, to the live host agent that holds the fewest ranks and still has room,
+ties going to the host with the lower GROUP_RANK: the hosts fill evenly. A host's room is what its agent measured
+when it started (``AgentHello.limits``: cores and memory, by the rules of a local mesh, launch/capacity.py);
+``oversubscribe`` (``%mesh start --force``) lifts it. Under the nccl backend (one CUDA device per rank) a host also
+carries no more ranks than the CUDA devices its agent saw, oversubscribed or not. Shrinking stops the highest ranks,
 wherever they are. A host that came to a listening mesh after it started (its agent waits: HostLinks.hold) is
 admitted by the next grow first, in the order they came, each with the ranks its ``--nproc-per-node`` asked for
 (when they fit in the growth) and the next GROUP_RANK, as torchrun's ``--nnodes MIN:MAX`` admits a node at the next
@@ -42,9 +43,9 @@ class Placement:
 
 
 def place(agents: list[Agent], before: int, n: int, oversubscribe: bool,
-          waiting: Sequence[tuple[Agent, int]] = ()) -> Placement:
+          waiting: Sequence[tuple[Agent, int]] = (), gpus: bool = False) -> Placement:
     """Place ranks ``before``..``n``-1 on ``agents`` (the live ones) and hosts ``waiting`` (held agents, each with
-    the ranks it brings), see the module docstring.
+    the ranks it brings), see the module docstring; ``gpus``: one CUDA device per rank (backend nccl).
 
     Raises
     ------
@@ -65,6 +66,8 @@ def place(agents: list[Agent], before: int, n: int, oversubscribe: bool,
                          "Start the mesh again with  %mesh listen  and its hosts' commands.")
     held = {a.identity: sorted(r for r in a.ranks if r < before) for a in agents}
     room = {a.identity: None if oversubscribe else host_room(a.limits) for a in agents}
+    if gpus:
+        room = {a.identity: gpu_room(room[a.identity], a.limits) for a in agents}
     files = min((int(a.limits[2]) for a in agents if len(a.limits) > 2), default=0)
     why = "" if oversubscribe or not files else world_fds_problem(n, files)
     out = Placement({k: list(v) for k, v in held.items()}, admit=admit)
@@ -92,5 +95,12 @@ def place(agents: list[Agent], before: int, n: int, oversubscribe: bool,
     return out
 
 
+def gpu_room(room: int | None, limits: list) -> int | None:
+    """``room`` bounded by the CUDA devices of a host with ``limits`` (its 4th entry; unknown for an older agent)."""
+    if len(limits) < 4:
+        return room
+    return int(limits[3]) if room is None else min(room, int(limits[3]))
+
+
 RULE = (f"room: {RANKS_PER_CORE} ranks per core and {IDLE_RANK_BYTES >> 20} MiB of memory per rank, as the host's "
-        "agent measured them when it started")
+        "agent measured them when it started; under backend nccl, one CUDA device per rank")
