@@ -20,7 +20,8 @@ and ``world_size`` in every namespace, RANK/WORLD_SIZE and the default process g
 running cell has ended (healing.Healer.regroup_when_idle, on a thread of its own): a process group cannot be made
 again beneath a cell. Until then the group shows "down" in ``%mesh status``, and cells for the new ranks wait.
 
-A new rank that dies before it runs the cell: with ``on_rank_death="restart"`` the healer starts it again and it
+A loop's ranks change once: a second scale under the same loop is refused (``scaled_under``; a shrink then a grow
+under one loop left a rank waiting in the old loop's quorum). A new rank that dies before it runs the cell: with ``on_rank_death="restart"`` the healer starts it again and it
 rejoins the cell (within ``restart_limit``); otherwise the scale is undone for it (the mesh is N ranks again, the
 loop runs on) and MonarchError says so. One that dies once it runs the cell is any rank dying in a torchft loop.
 """
@@ -75,6 +76,11 @@ class FtScaler:
         self.restarts = restarts
         self.healer = healer
         self.replay = replay
+        self.scaled: set[int] = set()  # the loops' cell ids this mesh was scaled under
+
+    def scaled_under(self, loops: list[CellRecord]) -> int | None:
+        """The cell id of one of ``loops`` the mesh was scaled under already (a loop's ranks change once), or None."""
+        return next((rec.cell_id for rec in loops if rec.cell_id in self.scaled), None)
 
     def check(self, before: int, n: int) -> None:
         """Raise ValueError when ``n`` replica groups are fewer than the loop's ``torchft_min_replicas``;
@@ -97,6 +103,7 @@ class FtScaler:
         got, what happens to the default process group, in words). Raises MonarchError when a new rank failed to
         start (the scale is undone for it; the loop runs on)."""
         started, stopped, sent, healer = list(range(before, n)), list(range(n, before)), "", False
+        self.scaled.update(rec.cell_id for rec in loops)
         if stopped:
             self._shrink(n, stopped, loops)
         else:

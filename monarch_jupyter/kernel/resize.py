@@ -71,12 +71,12 @@ class ScaleReport:
     @property
     def text(self) -> str:
         if self.before == self.after:
-            return f"the mesh has {self.after} ranks already: nothing to do"
+            return f"the mesh has {self.after} {_ranks(self.after)} already: nothing to do"
         how = (f"started {ranks_text(self.started)}" if self.started else f"stopped {ranks_text(self.stopped)}")
         kept = min(self.before, self.after)
-        out = (f"scaled from {self.before} to {self.after} ranks in {self.seconds:.1f} s: {how}; "
+        out = (f"scaled from {self.before} to {self.after} {_ranks(self.after)} in {self.seconds:.1f} s: {how}; "
                f"{ranks_text(list(range(kept)))} kept {'their namespaces' if kept > 1 else 'its namespace'}; "
-               f"{self.group or f'a fresh process group of {self.after} ranks'}")
+               f"{self.group or f'a fresh process group of {self.after} {_ranks(self.after)}'}")
         if self.sent:
             out += f"; the new ranks got {self.sent}"
         return out
@@ -86,6 +86,10 @@ class ScaleReport:
 
     def _repr_pretty_(self, p: object, cycle: bool) -> None:
         p.text(self.text)  # type: ignore[attr-defined]
+
+
+def _ranks(n: int) -> str:
+    return "rank" if n == 1 else "ranks"
 
 
 class Resizer:
@@ -152,8 +156,16 @@ class Resizer:
             loops = torchft_loops(state) if busy and hosts is None else []
             if state.resizing:
                 raise MonarchError("another %mesh scale runs on this mesh; wait for it")
-            if not (busy and not loops or dead or healing):
+            again = self.ft.scaled_under(loops)
+            if again is not None and n == before:
+                again = None  # nothing to change: "nothing to do" below
+            if not (busy and not loops or dead or healing or again is not None):
                 state.resizing = True
+        if again is not None:
+            raise MonarchError(
+                f"the mesh was scaled already under the running torchft loop (cell {again}): its ranks change once "
+                "per loop. Scale again when the loop has ended (its default process group of "
+                f"{before} ranks is made then): wait for it (handle.result()), or stop it with  %mesh interrupt")
         if busy and not loops:
             raise MonarchError(
                 f"a cell runs on {ranks_text(busy)}: the mesh is not resized under a running cell (its process "

@@ -188,6 +188,9 @@ class MeshMonitor:
         handler = self._handlers.get(kind)
         if handler is None:
             return
+        rank = data.get("rank")
+        if isinstance(rank, int) and rank >= self.world_size:
+            return  # a rank a %mesh scale stopped, whose exit came after the "resized" event (or one it starts)
         with self._lock:
             handler(data, time.monotonic())
             self.version += 1

@@ -112,6 +112,10 @@ def test_scale_2_to_3_under_a_torchft_loop_the_new_replica_heals_from_a_peer(tmp
         assert "joined the running torchft loop" in report.text and "when the running cell ends" in report.text, \
             report.text
         assert m.status()[2]["state"] in ("running", "idle")
+        # Its ranks change once per loop: a second scale under it is refused with why (it cannot end before rank 2
+        # committed 10 steps in the quorum of 3). A fresh user's shrink then grow under one loop hung the mesh.
+        with pytest.raises(MonarchError, match="scaled already under the running torchft loop"):
+            m.scale(2)
         result = handle.result(timeout=WAIT)  # type: ignore[attr-defined]
         last = int(open(end).read())
         assert result == {0: last, 1: last, 2: last}

@@ -8,6 +8,7 @@ import contextvars
 import io
 import re
 import sys
+from types import SimpleNamespace
 
 from monarch_jupyter.kernel.output import OUTPUT_SINK, write_lines
 from monarch_jupyter.widgets import model
@@ -201,3 +202,21 @@ def test_runs_of_lines_are_recorded_and_written_as_their_lines_in_order(monkeypa
         written[name] = (out.getvalue(), err.getvalue())
     assert written["runs"] == written["single"]
     assert written["runs"][1] == "[rank1]: c0\n[rank1]: c1\n"
+
+
+def test_a_rank_a_scale_stopped_leaves_the_view_even_when_its_exit_comes_after_the_resize() -> None:
+    """``%mesh scale -n 2`` from 3 ranks: the view drops rank 2 at the "resized" event; the stopped rank's exit
+    (its "rank_state" dead, its output) may reach the view after it, and must not bring its row back (a fresh
+    user's ``%mesh status`` showed "2 starting" for the rest of the session)."""
+    mesh = _IdleMesh(3)
+    mesh.state = SimpleNamespace(group_status=lambda: "up")  # type: ignore[attr-defined]
+    mon = model.MeshMonitor(mesh)
+    mesh.nproc = 2
+    mon.on_event("resized", {"before": 3, "after": 2, "started": [], "stopped": [2]})
+    mon.on_event("rank_state", {"rank": 2, "state": "dead", "returncode": -9})
+    mon.on_event("output", {"rank": 2, "lines": ["a last line"], "cell_id": 1})
+    rows, summary = mon.snapshot()
+    assert [r.rank for r in rows] == [0, 1] and [r.state for r in rows] == ["idle", "idle"]
+    mesh.nproc = 3  # and a rank a grow starts shows up from the "resized" event
+    mon.on_event("resized", {"before": 2, "after": 3, "started": [2], "stopped": []})
+    assert [r.rank for r in mon.snapshot()[0]] == [0, 1, 2]
