@@ -21,9 +21,10 @@ running cell has ended (healing.Healer.regroup_when_idle, on a thread of its own
 again beneath a cell. Until then the group shows "down" in ``%mesh status``, and cells for the new ranks wait.
 
 A loop's ranks change once: a second scale under the same loop is refused (``scaled_under``; a shrink then a grow
-under one loop left a rank waiting in the old loop's quorum). A new rank that dies before it runs the cell: with ``on_rank_death="restart"`` the healer starts it again and it
-rejoins the cell (within ``restart_limit``); otherwise the scale is undone for it (the mesh is N ranks again, the
-loop runs on) and MonarchError says so. One that dies once it runs the cell is any rank dying in a torchft loop.
+under one loop left a rank waiting in the old loop's quorum). A new rank that dies before it runs the cell: with
+``on_rank_death="restart"`` the healer starts it again and it rejoins the cell (within ``restart_limit``); otherwise
+the scale is undone for it (the mesh is N ranks again, the loop runs on) and MonarchError says so. One that dies
+once it runs the cell is any rank dying in a torchft loop.
 """
 
 from __future__ import annotations
