@@ -176,7 +176,20 @@ def lighthouse_note(pid: int, returncode: int | None, address: str, error: str) 
             "starts a fresh mesh with a fresh Lighthouse")
 
 
-def split_ended_note(subs: list[str], ranks: list[int], world_size: int) -> str:
-    """What ``%mesh restart --rank`` prints on a split mesh: the regroup was of the whole mesh, so the split ended."""
-    return (f"restarted {ranks_text(ranks)}, which ended the split: {', '.join(subs)} merged into one process group "
-            f"of {world_size} ranks (%mesh split  splits it again)")
+def restarted_note(ranks: list[int], world_size: int, ended: list[str], sent: str, kept: bool) -> str:
+    """The one line of ``%mesh restart --rank``: the fresh ranks, what they got back (``sent``, in words; ``kept``:
+    the mesh keeps what the notebook sent, on_rank_death=restart), and the split it ended (``ended``: sub-meshes)."""
+    it = "they" if len(ranks) > 1 else "it"
+    if ended:
+        out = (f"restarted {ranks_text(ranks)}, which ended the split: {', '.join(ended)} merged into one process "
+               f"group of {world_size} ranks (%mesh split  splits it again)")
+    else:
+        out = (f"restarted {ranks_text(ranks)} (a fresh process); the other ranks kept their namespaces; a fresh "
+               f"process group of {world_size} {'rank' if world_size == 1 else 'ranks'}")
+    if sent:
+        return f"{out}; {it} got back {sent}"
+    if kept:
+        return out
+    return (f"{out}; {it} start{'' if len(ranks) > 1 else 's'} with a fresh namespace: what the notebook pushed or "
+            "ran before is not there (push or run it again; a mesh started with  --on-rank-death restart  sends it "
+            "back)")

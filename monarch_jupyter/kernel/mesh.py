@@ -176,8 +176,8 @@ class Mesh:
 
         ``ranks``: restart only these (e.g. the ones that died): fresh processes for them, while every other
         rank keeps its namespace and joins a fresh process group with them. Objects bound to the old group
-        (DistributedDataParallel wrappers, ``new_group`` handles) must be created again. Only for ranks this
-        controller starts (the local launcher). On a split mesh it ends the split, and prints a line that says so.
+        (DistributedDataParallel wrappers, ``new_group`` handles) must be created again; with on_rank_death="restart"
+        they get back what the notebook sent, as after a death. Ends a split; prints one line saying what happened.
 
         Raises
         ------
@@ -185,11 +185,11 @@ class Mesh:
             Ranks did not start or join within ``start_timeout``.
         MonarchError
             ``ranks`` given but other ranks are dead too, survivors are stuck in a cell, or the ranks were
-            started elsewhere (the message says what to run instead).
+            started one by one elsewhere (the message says what to run instead).
         """
         if ranks is not None:
             self._check_running()
-            self.recovery.restart_ranks(ranks, joined=self.lifecycle.joined)
+            self.parts.resizer.restart_ranks(ranks, joined=self.lifecycle.joined)
             self.events.flush()
             return self
         self.lifecycle.teardown(graceful=True)

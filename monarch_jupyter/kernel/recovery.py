@@ -26,7 +26,7 @@ from ..errors import MeshStartError, MonarchError, mesh_interrupt
 from ..ranks import format_ranks, parse_ranks, plural, ranks_text
 from .cells import CellTable
 from .dispatch import Dispatcher
-from .hints import restart_hint, split_ended_note, stuck_message
+from .hints import restart_hint, stuck_message
 from .interrupts import Interrupter
 from .iothread import post_regroup
 from .lifecycle import Lifecycle
@@ -207,9 +207,9 @@ class Restarts:
 
     # ------------------------------------------------------------------ restart of some ranks
 
-    def restart_ranks(self, ranks: str | int | Iterable[int], joined: bool) -> None:
+    def restart_ranks(self, ranks: str | int | Iterable[int], joined: bool) -> tuple[list[int], list[str]]:
         """Fresh processes for ``ranks``; the others keep their namespaces and join a fresh process group (on a split
-        mesh, one of the whole mesh: the split ends, and a printed line says so).
+        mesh, one of the whole mesh: the split ends). Returns the ranks restarted and the sub-meshes that ended.
 
         Raises MonarchError when the ranks were started elsewhere (``joined``), other ranks are dead too, or
         survivors do not stop; MeshStartError when a rank fails to join.
@@ -250,8 +250,7 @@ class Restarts:
         # Its exit must be in before a fresh process takes its place, or the report would hit the new one.
         self.kill_ranks(live, "killed by %mesh restart --rank")
         self.regroup(chosen, time.monotonic() + state.options.start_timeout)
-        if ended:  # what the user sees: the one line of %mesh restart --rank
-            print(split_ended_note(ended, chosen, state.nproc))
+        return chosen, ended
 
     def regroup(self, fresh: list[int], deadline: float, only: list[int] | None = None) -> None:
         """Start fresh processes for ``fresh`` and have every other rank join a new process group with them: each

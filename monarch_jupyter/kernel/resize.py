@@ -34,13 +34,14 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ..errors import MeshStartError, MonarchError, describe_returncode
 from ..ranks import format_ranks, ranks_text
 from .ftscale import FtScaler, torchft_loops
 from .healing import Healer
+from .hints import restarted_note
 from .launch.capacity import check_host_capacity, check_local_gpus
 from .launch.hosts import HostLinks
 from .launch.join import JoinLauncher
@@ -211,6 +212,15 @@ class Resizer:
         state.events.emit("resized", before=before, after=n, started=started, stopped=stopped)
         state.events.flush()  # the live views show the new ranks before the report
         return report
+
+    def restart_ranks(self, ranks: str | int | Iterable[int], joined: bool) -> None:
+        """``%mesh restart --rank R`` (recovery.Restarts.restart_ranks), then, on a mesh that keeps what the notebook
+        sent (on_rank_death="restart"), sends the fresh ranks what it sent every rank, as a healing does; prints one
+        line saying what happened. Raises as Restarts.restart_ranks."""
+        chosen, ended = self.restarts.restart_ranks(ranks, joined)
+        kept = self.state.options.on_rank_death == "restart"
+        sent = self._replay(chosen) if kept else ""
+        print(restarted_note(chosen, self.state.nproc, ended, sent, kept))
 
     def waiting_hosts(self) -> dict[str, int]:
         """host name -> ranks it brings, of host agents that came to this listening mesh after it was complete: they

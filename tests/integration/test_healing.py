@@ -64,6 +64,30 @@ def test_a_dead_rank_is_restarted_and_gets_back_what_the_notebook_sent(capfd: py
     assert "got back 2 pushed values, 1 notebook definition, 1 replayed cell and 1 on_rejoin hook" in err
 
 
+def test_a_rank_restarted_by_hand_gets_back_what_the_notebook_sent_on_a_self_healing_mesh(
+        capfd: pytest.CaptureFixture) -> None:
+    """``%mesh restart --rank R`` gives a fresh rank what a healing gives it, on a mesh that keeps it; a mesh that
+    keeps nothing says the rank starts with a fresh namespace (a fresh user's restarted rank failed with NameError,
+    silently different from the others)."""
+    with Mesh(2, on_rank_death="restart", start_timeout=WAIT) as m:
+        m.push(x=41)
+        m.run("import os\ny = 5", replay=True)
+        old = m.status()[1]["pid"]
+        m.restart(ranks=[1])
+        assert m.run("(x, y, os.getpid())")[1][:2] == (41, 5) and m.status()[1]["pid"] != old
+        assert m.run("t = torch.ones(1); dist.all_reduce(t); t.item()") == {0: 2.0, 1: 2.0}
+    out = capfd.readouterr().out
+    assert "restarted rank 1 (a fresh process); the other ranks kept their namespaces; a fresh process group of 2 " \
+           "ranks; it got back 1 pushed value and 1 replayed cell" in out, out
+    with Mesh(2, start_timeout=WAIT) as m:
+        m.push(x=41)
+        m.restart(ranks=[1])
+        assert m.run("'x' in globals()") == {0: True, 1: False}
+    out = capfd.readouterr().out
+    assert "restarted rank 1 (a fresh process)" in out and "it starts with a fresh namespace" in out and \
+        "--on-rank-death restart" in out, out
+
+
 def test_a_cell_running_when_a_rank_dies_fails_as_before_then_the_rank_comes_back() -> None:
     with Mesh(2, on_rank_death="restart", start_timeout=WAIT) as m:
         with pytest.raises(MeshError) as info:
