@@ -149,7 +149,7 @@ class Resizer:
                 if state.options.backend == "nccl":
                     check_local_gpus(n)
                 if not state.options.oversubscribe:
-                    check_host_capacity(n)
+                    check_host_capacity(n, scaling=True)
         with state.lock:
             busy = sorted(r for r, i in state.ranks.items() if i.cells)
             dead = sorted(r for r, i in state.ranks.items() if i.state is RankState.DEAD)

@@ -32,6 +32,9 @@ def test_past_a_limit_the_message_says_which_what_to_expect_and_the_way_out(
     assert message.startswith(f"{nproc} local ranks are more than this host can carry: "), message
     assert says in message, message
     assert "takes minutes" in message and "%mesh start --force  (Mesh(..., oversubscribe=True))" in message
+    with pytest.raises(ValueError) as info:  # %mesh scale has no --force: its way out is another size
+        check_host_capacity(nproc, limits, scaling=True)
+    assert "Scale to fewer ranks" in str(info.value) and "start anyway" not in str(info.value)
 
 
 def test_lines_many_starting_ranks_print_alike_show_once(capsys: pytest.CaptureFixture[str]) -> None:

@@ -27,10 +27,11 @@ FDS_PER_PEER = 2
 _FDS_BASE = 64  # a rank's own: pipes, sockets, shared libraries
 
 
-def check_host_capacity(nproc: int, limits: tuple[int, int, int] | None = None) -> None:
+def check_host_capacity(nproc: int, limits: tuple[int, int, int] | None = None, scaling: bool = False) -> None:
     """Refuse ``nproc`` local ranks that this host cannot carry (see the module docstring).
 
-    ``limits``: (cores, available memory in bytes, open-file limit), default ``host_limits()``.
+    ``limits``: (cores, available memory in bytes, open-file limit), default ``host_limits()``; ``scaling``: the
+    ranks come from ``%mesh scale`` (the way out is then another size, or a mesh started with ``--force``).
 
     Raises
     ------
@@ -55,8 +56,11 @@ def check_host_capacity(nproc: int, limits: tuple[int, int, int] | None = None) 
         raise ValueError(
             f"{nproc} local ranks are more than this host can carry: {'; '.join(problems)}. A start like this takes "
             "minutes (the process group connects every rank with every other) and may fail at the start timeout. "
-            "Start fewer ranks (ranks on other hosts join with  %mesh listen  or --launcher torchrun/slurm), or "
-            "start anyway with  %mesh start --force  (Mesh(..., oversubscribe=True)).")
+            + ("Scale to fewer ranks (ranks on other hosts join with  %mesh listen), or scale a mesh started with  "
+               "%mesh start --force  (Mesh(..., oversubscribe=True)), which is not held to this."
+               if scaling else
+               "Start fewer ranks (ranks on other hosts join with  %mesh listen  or --launcher torchrun/slurm), or "
+               "start anyway with  %mesh start --force  (Mesh(..., oversubscribe=True))."))
 
 
 def check_local_gpus(nproc: int) -> None:

@@ -90,8 +90,8 @@ def place(agents: list[Agent], before: int, n: int, oversubscribe: bool,
         raise ValueError(
             f"{n} ranks are more than the hosts of this mesh can carry"
             + (f": {why}" if why else f" (ranks held of the room each has: {rooms}; {RULE})")
-            + ". Scale to fewer ranks, add hosts (a mesh started with more hosts:  %mesh listen), or place them "
-              "anyway with  %mesh start --force  (Mesh(..., oversubscribe=True)).")
+            + ". Scale to fewer ranks, add hosts (a mesh started with more hosts:  %mesh listen), or scale a mesh "
+              "started with  --force  (Mesh(..., oversubscribe=True)), which is not held to the room.")
     return out
 
 
