@@ -22,7 +22,7 @@ from monarch_worker.hostmessages import unpack_durations
 from monarch_worker.serialize import loads
 
 from ..errors import MonarchError, RankDiedError, RemoteError
-from ..ranks import RankMap, format_ranks
+from ..ranks import RankMap, format_ranks, ranks_text
 from .output import FOLD_WINDOW, LINE_BATCH, OutputWriter, fold_lines
 from .records import CellRecord, Line
 from .spans import span_of
@@ -104,7 +104,9 @@ class CellHandle:
         return self._waiter.outcome(self.record)
 
     def __repr__(self) -> str:
-        state = "done" if self.done() else "running"
+        with self._state.lock:
+            done, failed = self.record.all_done, sorted(self.record.errors)
+        state = ("running" if not done else f"failed on {ranks_text(failed)}" if failed else "done")
         return f"<CellHandle {self.what} on ranks {format_ranks(self.ranks)}: {state}>"
 
 

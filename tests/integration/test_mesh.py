@@ -109,6 +109,10 @@ def test_exception_on_some_ranks(mesh: Mesh, capsys: pytest.CaptureFixture[str])
     out = capsys.readouterr().out
     assert all(f"[rank{r}]: before {r}" in out for r in range(4))
     assert run(mesh, "rank") == {r: r for r in range(4)}  # the mesh stays usable
+    handle = mesh.run("1 / 0 if rank in (1, 2) else rank", block=False)  # its handle says it failed, and where
+    assert handle.wait(60)
+    assert repr(handle).endswith(": failed on ranks 1,2>"), repr(handle)
+    assert repr(mesh.run("rank", block=False)).endswith((": running>", ": done>"))
 
 
 def test_syntax_error_reported_once_before_anything_runs(mesh: Mesh, capsys: pytest.CaptureFixture[str]) -> None:
