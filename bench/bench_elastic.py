@@ -119,8 +119,9 @@ dist.destroy_process_group()
 """
 
 
-#: Seconds torchft's Manager gives a collective (monarch_worker.ft.manager's ``timeout``): on CPU, gloo does not always
-#: notice a peer SIGKILLed during an allreduce, and the survivors then wait this long (docs/fault_tolerance.md).
+#: Seconds torchft's Manager gives a collective (monarch_worker.ft.manager's ``timeout``): the bound on a survivor's
+#: wait in an allreduce with a dead peer; with ft.manager aborting a failed rank's group, survivors fail within 0.05 s
+#: when traced (docs/fault_tolerance.md).
 FT_TIMEOUT = 5.0
 #: The goodput goal: steps per second under failures, as a fraction of the failure-free run's.
 GOAL = 0.9

@@ -106,8 +106,30 @@ def manager(pg: Any = None, *, state_dict: Callable[[], Any], load_state_dict: C
     options = {**replica_group(), "timeout": timedelta(seconds=timeout),
                "quorum_timeout": timedelta(seconds=10 * timeout), "connect_timeout": timedelta(seconds=timeout),
                **kwargs}
-    return torchft.Manager(pg=pg, state_dict=state_dict, load_state_dict=load_state_dict,
-                           min_replica_size=min_replica_size, **options)
+    manager = torchft.Manager(pg=pg, state_dict=state_dict, load_state_dict=load_state_dict,
+                              min_replica_size=min_replica_size, **options)
+    if isinstance(pg, torchft.ProcessGroupGloo):
+        _abort_on_error(manager, pg)
+    return manager
+
+
+def _abort_on_error(manager: Any, pg: Any) -> None:
+    """Make ``manager`` abort its gloo process group as soon as it records an error (``report_error``).
+
+    A peer SIGKILLed during an allreduce breaks only its neighbours' sockets in gloo's ring; the other survivors
+    wait on neighbours that are alive but have given the collective up, and torchft closes their sockets only at
+    its next reconfigure. That reconfigure needs a quorum, which (the dead replica's heartbeat still counting for
+    ``HEARTBEAT_TIMEOUT_MS``) waits for the stuck survivors or for the replacement: measured on 4 CPU ranks, a
+    survivor stuck 1.05 s in the allreduce while its neighbours had failed in 0.02 s. Aborting closes this rank's
+    sockets at once, so every peer still in the collective fails at once too (the step is discarded all the same:
+    torchft commits no step that recorded an error); the next quorum configures a fresh group, as before."""
+    report = manager.report_error
+
+    def report_error(e: Exception) -> None:
+        report(e)
+        pg.abort()
+
+    manager.report_error = report_error
 
 
 def report(manager: Any, total: float | None = None, **metrics: Any) -> None:

@@ -54,6 +54,29 @@ manager.current_step()
 """
 
 
+# Rank 2 gives one step up (torchft's report_error, as after a failed collective) without joining the allreduce its
+# peers are waiting in; the collective's timeout (TIMEOUT) is far longer than the test waits.
+GIVE_UP = """
+manager = ft.manager(timeout=TIMEOUT, state_dict=lambda: {"model": model.state_dict(), "opt": opt.state_dict()},
+                     load_state_dict=lambda sd: (model.load_state_dict(sd["model"]), opt.load_state_dict(sd["opt"])))
+ddp, optim = ft.DistributedDataParallel(manager, model), Optimizer(manager, opt)
+while manager.current_step() < STEPS:
+    step = manager.current_step()
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(32, 16, generator=g), torch.randn(32, 4, generator=g)
+    optim.zero_grad()
+    if rank == 2 and step == GIVE_UP_AT and not os.path.exists(FLAG):
+        open(FLAG, "w").close()
+        manager.wait_quorum()  # the step's process group is configured: the peers' allreduce waits on this rank
+        time.sleep(1)
+        manager.report_error(RuntimeError("rank 2 gives this step up"))
+    else:
+        ((ddp(x) - y) ** 2).mean().backward()
+    optim.step()
+manager.shutdown()
+manager.current_step()
+"""
+
 @pytest.fixture()
 def flag(tmp_path: object) -> str:
     return os.path.join(str(tmp_path), "died")
@@ -92,6 +115,19 @@ def test_a_rank_sigkilled_at_a_known_step_heals_from_its_peer_and_trains_on(flag
             time.sleep(0.05)
         assert m.run("t = torch.ones(1); dist.all_reduce(t); t.item()") == {0: 2.0, 1: 2.0}
     assert lighthouse.poll() is not None, "the Lighthouse outlived its mesh"
+
+
+def test_a_rank_that_gives_a_step_up_frees_its_peers_at_once(flag: str) -> None:
+    """A rank whose step failed aborts its gloo group (ft.manager): the peers waiting on it in the allreduce fail at
+    once instead of after the collective's timeout (600 s here; the test waits 120 s), and all train on."""
+    with Mesh(3, torchft=True, start_timeout=WAIT) as m:
+        m.push(STEPS=20, GIVE_UP_AT=8, FLAG=flag, TIMEOUT=600.0)
+        m.run(SETUP)
+        assert m.run(GIVE_UP, timeout=WAIT) == {0: 20, 1: 20, 2: 20}
+        assert os.path.exists(flag), "rank 2 did not give its step up"
+        weights = m.pull("model")
+        first = weights[0].state_dict()
+        assert all(all(first[k].equal(w.state_dict()[k]) for k in first) for w in weights.values())
 
 
 def test_the_lighthouse_is_started_again_when_it_dies(capfd: pytest.CaptureFixture) -> None:
