@@ -80,6 +80,11 @@ def ranks_text(ranks: Iterable[int]) -> str:
     return f"rank{'s' if len(rs) != 1 else ''} {format_ranks(rs)}"
 
 
+def n_ranks(n: int) -> str:
+    """``n`` with its noun: "1 rank", "4 ranks"."""
+    return f"{n} rank{'' if n == 1 else 's'}"
+
+
 def plural(ranks: Iterable[int], many: str, one: str) -> str:
     """``one`` when ``ranks`` holds one rank, else ``many``: the words that follow ``ranks_text(ranks)``."""
     return one if len(set(ranks)) == 1 else many

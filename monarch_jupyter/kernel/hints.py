@@ -20,7 +20,7 @@ import types
 from typing import Any
 
 from ..errors import MeshError, RemoteError
-from ..ranks import format_ranks, plural, ranks_text
+from ..ranks import format_ranks, n_ranks, plural, ranks_text
 
 __all__ = ["name_hints", "hint_for", "restart_hint", "busy_message", "group_down_note", "stuck_message",
            "healed_note", "give_up_note", "not_restartable_note", "heal_failed_note", "replay_failed_note",
@@ -185,7 +185,7 @@ def restarted_note(ranks: list[int], world_size: int, ended: list[str], sent: st
                f"group of {world_size} ranks (%mesh split  splits it again)")
     else:
         out = (f"restarted {ranks_text(ranks)} (a fresh process); the other ranks kept their namespaces; a fresh "
-               f"process group of {world_size} {'rank' if world_size == 1 else 'ranks'}")
+               f"process group of {n_ranks(world_size)}")
     if sent:
         return f"{out}; {it} got back {sent}"
     if kept:

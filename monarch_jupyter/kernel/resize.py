@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ..errors import MeshStartError, MonarchError, describe_returncode
-from ..ranks import format_ranks, ranks_text
+from ..ranks import format_ranks, n_ranks, ranks_text
 from .ftscale import FtScaler, torchft_loops
 from .healing import Healer
 from .hints import restarted_note
@@ -72,12 +72,12 @@ class ScaleReport:
     @property
     def text(self) -> str:
         if self.before == self.after:
-            return f"the mesh has {self.after} {_ranks(self.after)} already: nothing to do"
+            return f"the mesh has {n_ranks(self.after)} already: nothing to do"
         how = (f"started {ranks_text(self.started)}" if self.started else f"stopped {ranks_text(self.stopped)}")
         kept = min(self.before, self.after)
-        out = (f"scaled from {self.before} to {self.after} {_ranks(self.after)} in {self.seconds:.1f} s: {how}; "
+        out = (f"scaled from {self.before} to {n_ranks(self.after)} in {self.seconds:.1f} s: {how}; "
                f"{ranks_text(list(range(kept)))} kept {'their namespaces' if kept > 1 else 'its namespace'}; "
-               f"{self.group or f'a fresh process group of {self.after} {_ranks(self.after)}'}")
+               f"{self.group or f'a fresh process group of {n_ranks(self.after)}'}")
         if self.sent:
             out += f"; the new ranks got {self.sent}"
         return out
@@ -87,10 +87,6 @@ class ScaleReport:
 
     def _repr_pretty_(self, p: object, cycle: bool) -> None:
         p.text(self.text)  # type: ignore[attr-defined]
-
-
-def _ranks(n: int) -> str:
-    return "rank" if n == 1 else "ranks"
 
 
 class Resizer:
@@ -157,9 +153,7 @@ class Resizer:
             loops = torchft_loops(state) if busy and hosts is None else []
             if state.resizing:
                 raise MonarchError("another %mesh scale runs on this mesh; wait for it")
-            again = self.ft.scaled_under(loops)
-            if again is not None and n == before:
-                again = None  # nothing to change: "nothing to do" below
+            again = self.ft.scaled_under(loops) if n != before else None  # n == before: "nothing to do" below
             if not (busy and not loops or dead or healing or again is not None):
                 state.resizing = True
         if again is not None:

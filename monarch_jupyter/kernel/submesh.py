@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ..errors import MonarchError
-from ..ranks import RankMap, format_ranks, parse_ranks, plural, ranks_text
+from ..ranks import RankMap, format_ranks, n_ranks, parse_ranks, plural, ranks_text
 from .cells import CellHandle
 from .lifecycle import Lifecycle
 from .resize import Resizer
@@ -214,7 +214,7 @@ class SubMesh:
 
     def __repr__(self) -> str:
         where = f"mesh ranks {format_ranks(self.ranks)}" if self.alive else "merged"
-        return f"<SubMesh {self.name}: {self.nproc} {'rank' if self.nproc == 1 else 'ranks'}, {where}>"
+        return f"<SubMesh {self.name}: {n_ranks(self.nproc)}, {where}>"
 
 
 class Splitter:
