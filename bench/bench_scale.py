@@ -10,7 +10,9 @@ Rows, each printed with its goal:
   (2 relays of 2 agents, 4 of 4, 4 of 16; a relay's agents share one process):
   the controller's CPU (this process, every thread) per trivial cell (``x = 1``), its latency, and the time to
   ready. Goal: <= 1.5 ms at 1,024 and at 4,096 ranks (the better layout), and 4,096 within 1.5x of 256;
-- a local mesh (``Mesh(N)``) of 4 and 32 ranks: the controller's CPU per trivial cell. Goal: 32 within 1.5x of 4.
+- a local mesh of 4 and 32 ranks: the controller's CPU per trivial cell, forked by the fork server (``Mesh(N)``) and
+  behind one host agent on this host (``Mesh(N, launcher="agent")``, the layout of a host of a larger mesh). Goal: 32
+  within 1.5x of 4. (A reference from before the "agent" launcher has no "before" in the agent rows.)
 
 Each row runs in a fresh interpreter; with ``--reference DIR`` (a checkout of the old code, e.g. /work/main) every
 row runs there too, alternating with this checkout, so that load from elsewhere hits both alike: "before" is DIR,
@@ -89,14 +91,23 @@ def sim_row(world: int, relays: int, cells: int, seconds: float) -> dict[str, fl
                 p.wait()
 
 
-def local_row(n: int, cells: int, seconds: float) -> dict[str, float]:
+def local_row(n: int, cells: int, seconds: float, launcher: str = "local") -> dict[str, float]:
     from monarch_jupyter import Mesh
 
-    m = Mesh(n, start_timeout=600)
+    m = Mesh(n, start_timeout=600, launcher=launcher)
     try:
         return timed(m, cells, seconds)
     finally:
         m.stop()
+
+
+def has_agent_launcher(package: str) -> bool:
+    """The checkout at ``package`` has ``launcher="agent"`` (one host agent on this host)."""
+    try:
+        with open(os.path.join(package, "monarch_jupyter", "kernel", "launch", "__init__.py")) as f:
+            return '"agent"' in f.read()
+    except OSError:
+        return False
 
 
 def run_row(package: str | None, kind: str, *args: int | float) -> dict[str, float]:
@@ -121,7 +132,7 @@ def row_main(kind: str, args: list[str]) -> None:
     if kind == "sim":
         res = sim_row(int(args[0]), int(args[1]), int(args[2]), float(args[3]))
     else:
-        res = local_row(int(args[0]), int(args[1]), float(args[2]))
+        res = local_row(int(args[0]), int(args[1]), float(args[2]), "agent" if kind == "agent" else "local")
     res["package"] = os.path.dirname(os.path.dirname(monarch_jupyter.__file__))
     print("ROW" + json.dumps(res), flush=True)
 
@@ -141,6 +152,7 @@ def main() -> None:
     ap.add_argument("--reference", default=None, help="a checkout (folder) of monarch_jupyter: the 'before'")
     ap.add_argument("--json", default=None, metavar="PATH", help="write every figure to PATH as JSON")
     ap.add_argument("--no-local", action="store_true", help="skip the local 4- and 32-rank rows")
+    ap.add_argument("--no-agent", action="store_true", help="local rows: skip those behind one host agent")
     ap.add_argument("--no-sim", action="store_true", help="skip the simulated rows")
     ap.add_argument("--no-flat", action="store_true", help="simulated rows: only the tree")
     args = ap.parse_args()
@@ -155,6 +167,9 @@ def main() -> None:
         rows[name] = {}
         order = versions if len(rows) % 2 else versions[::-1]  # alternate who goes first
         for label, package in order:
+            if kind == "agent" and package and not has_agent_launcher(package):
+                rows[name][label] = None  # a reference from before the "agent" launcher
+                continue
             try:
                 rows[name][label] = run_row(package, kind, *a)
             except RuntimeError as e:
@@ -179,9 +194,12 @@ def main() -> None:
             measure(f"{world} tree ({relays} relays x {world // PER_AGENT // relays} agents)", "sim", world, relays,
                     args.cells, args.row_seconds)
     if not args.no_local:
-        print("local meshes (Mesh(N): ranks on this host):", flush=True)
+        print("local meshes (ranks on this host: forked by the fork server, or behind one host agent):", flush=True)
         for n in (4, 32):
             measure(f"local {n}", "local", n, args.cells, args.row_seconds)
+        if not args.no_agent:
+            for n in (4, 32):
+                measure(f"local {n} behind one agent", "agent", n, args.cells, args.row_seconds)
 
     print("goals:")
     for label, _ in versions:
@@ -200,11 +218,12 @@ def main() -> None:
             ratio = best[4096] / best[256]
             goals["ratio_4096_256"] = ratio
             parts.append(f"4,096 / 256: {ratio:.2f}x (goal <= {GOAL_RATIO}x)")
-        loc = rows.get("local 4", {}).get(label), rows.get("local 32", {}).get(label)
-        if loc[0] and loc[1]:
-            ratio = loc[1]["cpu_s"] / loc[0]["cpu_s"]
-            goals["local_32_4"] = ratio
-            parts.append(f"local 32 / 4: {ratio:.2f}x (goal <= {GOAL_RATIO}x)")
+        for key, suffix in (("local_32_4", ""), ("agent_32_4", " behind one agent")):
+            loc = rows.get(f"local 4{suffix}", {}).get(label), rows.get(f"local 32{suffix}", {}).get(label)
+            if loc[0] and loc[1]:
+                ratio = loc[1]["cpu_s"] / loc[0]["cpu_s"]
+                goals[key] = ratio
+                parts.append(f"local 32 / 4{suffix}: {ratio:.2f}x (goal <= {GOAL_RATIO}x)")
         figures["goals"][label] = goals
         print(f"  {label}: controller CPU per trivial cell, best layout: " + "; ".join(parts), flush=True)
     if args.json:

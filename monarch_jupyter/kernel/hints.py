@@ -139,8 +139,8 @@ def give_up_note(rank: int, deaths: int, limit: int, window: float) -> str:
 def not_restartable_note(ranks: list[int], why: str) -> str:
     """``ranks`` died under on_rank_death="restart", but their launcher cannot start them again (``why``)."""
     return (f"{ranks_text(ranks)} died and cannot be restarted from here ({why}); on_rank_death=restart needs a "
-            "launcher that starts ranks (local, or host agents: %mesh start --launcher torchrun|slurm, or the agent "
-            "command  %mesh listen  prints). %mesh restart  starts a fresh mesh.")
+            "launcher that starts ranks (local, or host agents: %mesh start --launcher agent|torchrun|slurm, or the "
+            "agent command  %mesh listen  prints). %mesh restart  starts a fresh mesh.")
 
 
 def heal_failed_note(ranks: list[int], error: str, world_size: int) -> str:

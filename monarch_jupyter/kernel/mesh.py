@@ -41,8 +41,8 @@ class Mesh:
         Start at once (default). Otherwise call ``start()``.
     launcher:
         "local" (default: a fork server on this host), "join" (ranks started elsewhere join; see ``listen``),
-        "torchrun" (torchrun on this host), "slurm" (srun inside an allocation), or a launcher object (``JoinLauncher``,
-        ``TorchrunLauncher(...)``, ``SlurmLauncher(nodes=..., srun_args=...)``); docs/multihost.md explains each.
+        "torchrun" (torchrun on this host), "agent" (one host agent here, no torchrun: the controller pays per host),
+        "slurm" (srun in an allocation), or a ``JoinLauncher`` object; docs/multihost.md explains each.
     **options:
         Any option of ``monarch_worker.options.MeshOptions`` (docs/configuration.md lists them with units and
         defaults: ``backend``, ``start_timeout``, ``on_rank_death``, ``torchft``, ...). Each is also an attribute:
@@ -70,8 +70,8 @@ class Mesh:
         join_launcher = launcher_for(launcher, nproc)
         if join_launcher is None and (self.options.address not in (None, "", "127.0.0.1", "localhost")
                                       or self.options.encrypt):
-            raise ValueError("address and encrypt are for ranks that join (launcher 'join', 'torchrun' or 'slurm'); "
-                             "local ranks always talk to the controller over loopback")
+            raise ValueError("address and encrypt are for ranks that join (launcher 'join', 'torchrun', 'agent' or "
+                             "'slurm'); local ranks always talk to the controller over loopback")
         self.parts = parts = build(nproc, self.options, join_launcher)
         # The parts a user or a tool may want (each module's docstring says what it owns).
         self.state, self.events, self.listener = parts.state, parts.events, parts.listener

@@ -128,8 +128,8 @@ class Resizer:
         if hosts is None and (self.lifecycle.joined or not isinstance(state.launcher, LocalLauncher)):
             raise MonarchError(
                 "%mesh scale grows and shrinks ranks this kernel starts: its own (%mesh start -n N) or those of host "
-                "agents (python -m monarch_worker.agent, as %mesh listen and --launcher torchrun/slurm start them); "
-                "these ranks were started one process per rank elsewhere, whose launcher owns their processes. "
+                "agents (python -m monarch_worker.agent, as %mesh listen and --launcher agent/torchrun/slurm start "
+                "them); these ranks were started one process per rank elsewhere, whose launcher owns their processes. "
                 "Start the mesh with  %mesh start -n N  or host agents to scale it, or  %mesh restart  with the new "
                 "size from the launcher.")
         if state.partition is not None:

@@ -162,15 +162,16 @@ class MeshMagics(Magics):
               help="number of ranks: the world size (default: default_nproc)")
     @argument("--backend", choices=["auto", "gloo", "nccl"], default=None, help="torch.distributed backend")
     @argument("--timeout", type=float, default=None, help="seconds for every rank to start and join")
-    @argument("--launcher", choices=["local", "torchrun", "slurm"], default="local",
-              help="local: fork server on this host; torchrun: torchrun on this host; slurm: srun (in an allocation)")
+    @argument("--launcher", choices=["local", "torchrun", "agent", "slurm"], default="local",
+              help="local: fork server on this host; torchrun: torchrun on this host; agent: one host agent on this "
+                   "host (the controller pays per host); slurm: srun (in an allocation)")
     @argument("--nodes", type=int, default=None, help="slurm: nodes for srun (--nodes)")
     @argument("--srun-args", default="", help='slurm: extra srun arguments, quoted: --srun-args "--partition gpu"')
     @argument("--nnodes", type=int, default=1, help="torchrun: must be 1 (use %%mesh listen for several hosts)")
-    @argument("--nproc-per-node", type=int, default=None, help="torchrun/slurm: ranks per node")
-    @argument("--address", default=None, help="slurm/torchrun: interface or address the ranks connect to")
-    @argument("--port", type=int, default=0, help="slurm/torchrun: TCP port to listen on (0: any)")
-    @argument("--encrypt", action="store_true", help="slurm/torchrun: encrypt connections (CurveZMQ)")
+    @argument("--nproc-per-node", type=int, default=None, help="torchrun/agent/slurm: ranks per node")
+    @argument("--address", default=None, help="slurm/torchrun/agent: interface or address the ranks connect to")
+    @argument("--port", type=int, default=0, help="slurm/torchrun/agent: TCP port to listen on (0: any)")
+    @argument("--encrypt", action="store_true", help="slurm/torchrun/agent: encrypt connections (CurveZMQ)")
     @argument("--force", action="store_true",
               help="local: start even more ranks than this host can carry (oversubscribe)")
     @argument("--on-rank-death", choices=["report", "restart"], default=None,
@@ -178,20 +179,20 @@ class MeshMagics(Magics):
                    "(default: on_rank_death)")
     @argument("--torchft", action="store_true", help="run a torchft Lighthouse; each rank is one replica group")
     def _start(self, rest: str) -> Mesh:
-        """%mesh start [-n N] [--backend gloo|nccl] [--timeout S] [--launcher local|torchrun|slurm] [...]: start N
-        ranks on this host, under torchrun, or with srun inside a SLURM allocation."""
+        """%mesh start [-n N] [--backend gloo|nccl] [--timeout S] [--launcher local|torchrun|agent|slurm] [...]:
+        start N ranks on this host, under torchrun, behind one host agent, or with srun inside a SLURM allocation."""
         args = self.parse_args(self._start, rest, "start")
         self._check_none_running()
         world_size = args.world_size
         if world_size is None:
-            per_node = args.nproc_per_node if args.launcher == "torchrun" else None
+            per_node = args.nproc_per_node if args.launcher in ("torchrun", "agent") else None
             world_size = (per_node or self.setting("default_nproc")) * args.nnodes
         if world_size < 1:
             raise UsageError(f"-n must be at least 1 rank, got {world_size}")
         address = args.address if args.address is not None else self.option("address")
         if args.launcher == "local" and (args.address is not None or args.port or args.encrypt):
-            raise UsageError("--address/--port/--encrypt are for --launcher torchrun or slurm (local ranks use the "
-                             "fork server over loopback)")
+            raise UsageError("--address/--port/--encrypt are for --launcher torchrun, agent or slurm (local ranks use "
+                             "the fork server over loopback)")
         if args.launcher == "slurm" and address is None:
             raise UsageError("--launcher slurm starts ranks on other hosts: give --address with an interface or "
                              "address of this host that they reach (e.g. --address ib0; --address 127.0.0.1 when "

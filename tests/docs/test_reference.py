@@ -69,7 +69,7 @@ def test_chinese_configuration_tables_have_the_shape_of_the_generated_english_pa
 def test_the_chinese_references_are_in_chinese() -> None:
     zh = reference.render_magics("zh")
     assert "选项" in zh and "rank 的数量：即 world size" in zh
-    assert "`--launcher`" in zh and "`{local,torchrun,slurm}`" in zh  # flags and choices stay as they are
+    assert "`--launcher`" in zh and "`{local,torchrun,agent,slurm}`" in zh  # flags and choices stay as they are
     config = reference.render_config("zh", "magics")
     assert "说明" in config and "不带 -n 的 `%mesh start` 启动的 rank 数。" in config
 

@@ -366,7 +366,8 @@ def test_start_options_that_do_not_fit_are_usage_errors() -> None:
     try:
         for line, match in [
             ("start --launcher slurm -n 2", "give --address"),
-            ("start -n 2 --address eth0", "are for --launcher torchrun or slurm"),
+            ("start -n 2 --address eth0", "are for --launcher torchrun, agent or slurm"),
+            ("start --launcher agent -n 2 --nnodes 2", "one host agent on this host"),
             ("start --launcher torchrun --nnodes 2 --nproc-per-node 2", "--nnodes 1"),
             ("start --launcher torchrun -n 3 --nproc-per-node 2 --address no-such-nic0", "neither an interface"),
             ("listen --world-size 0", "nproc must be a positive"),

@@ -4,6 +4,7 @@
 - ``join`` (launch/join.py): nobody here starts them; ``%mesh listen`` prints the torchrun, sbatch and plain
   commands that do, and the ranks join (admitted by launch/listener.py).
 - ``torchrun`` (launch/torchrun.py): torchrun's elastic agent on this host.
+- ``agent`` (launch/torchrun.py): one host agent on this host, without torchrun (the controller pays per host).
 - ``slurm`` (launch/slurm.py): srun inside a SLURM allocation.
 """
 
@@ -14,18 +15,18 @@ from typing import Any
 from .base import Launcher, LauncherEvents, LaunchError, WorkPipe
 from .join import JoinCommands, JoinLauncher, ProcessLauncher
 from .slurm import SlurmLauncher
-from .torchrun import TorchrunLauncher
+from .torchrun import AgentLauncher, TorchrunLauncher
 
 __all__ = ["Launcher", "LauncherEvents", "LaunchError", "WorkPipe", "JoinLauncher", "ProcessLauncher",
-           "JoinCommands", "TorchrunLauncher", "SlurmLauncher", "LAUNCHERS", "launcher_for"]
+           "JoinCommands", "TorchrunLauncher", "AgentLauncher", "SlurmLauncher", "LAUNCHERS", "launcher_for"]
 
-LAUNCHERS = ("local", "join", "torchrun", "slurm")
+LAUNCHERS = ("local", "join", "torchrun", "agent", "slurm")
 
 
 def launcher_for(spec: Any, world_size: int, *, nproc_per_node: int | None = None, nnodes: int = 1,
                  nodes: int | None = None, srun_args: str = "") -> JoinLauncher | None:
     """The launcher for ``Mesh(launcher=spec)`` and ``%mesh start --launcher``: None for "local" (the fork
-    server), a new launcher for "join", "torchrun" or "slurm", or ``spec`` itself when it is a JoinLauncher.
+    server), a new launcher for "join", "torchrun", "agent" or "slurm", or ``spec`` itself when it is a JoinLauncher.
 
     ``nproc_per_node`` (torchrun, slurm: ranks per node), ``nnodes`` (torchrun: must be 1), ``nodes`` and
     ``srun_args`` (slurm) configure the engine.
@@ -40,8 +41,8 @@ def launcher_for(spec: Any, world_size: int, *, nproc_per_node: int | None = Non
     engine_options = (nproc_per_node, nnodes, nodes, srun_args) != (None, 1, None, "")
     if spec == "local":
         if engine_options:
-            raise ValueError("--nodes/--srun-args/--nnodes/--nproc-per-node are for --launcher torchrun or slurm "
-                             "(local ranks use the fork server)")
+            raise ValueError("--nodes/--srun-args/--nnodes/--nproc-per-node are for --launcher torchrun, agent or "
+                             "slurm (local ranks use the fork server)")
         return None
     if spec == "join":
         return JoinLauncher(nproc_per_node)
@@ -49,6 +50,11 @@ def launcher_for(spec: Any, world_size: int, *, nproc_per_node: int | None = Non
         if nodes is not None or srun_args:
             raise ValueError("--nodes and --srun-args are for --launcher slurm")
         return TorchrunLauncher(nproc_per_node if nproc_per_node is not None else world_size, nnodes)
+    if spec == "agent":
+        if nodes is not None or srun_args or nnodes != 1:
+            raise ValueError("--launcher agent starts one host agent on this host: --nodes, --srun-args and --nnodes "
+                             "are for --launcher slurm or torchrun")
+        return AgentLauncher(nproc_per_node if nproc_per_node is not None else world_size)
     if spec == "slurm":
         if nnodes != 1:
             raise ValueError("--nnodes is for --launcher torchrun; with slurm use --nodes")

@@ -1,9 +1,14 @@
-"""Ranks on this host under torchrun's elastic agent: ``%mesh start --launcher torchrun --nproc-per-node N``.
+"""Ranks on this host behind one host agent: under torchrun's elastic agent (``%mesh start --launcher torchrun``), or
+the agent alone (``%mesh start --launcher agent``).
 
 torchrun (``python -m torch.distributed.run --standalone``) starts one host agent (``python -m monarch_worker.agent``),
 which forks the ranks from one import of torch and speaks for them over one connection (launch/hosts.py); they get
 torchrun's variables as torchrun would give N workers, and its store for their rendezvous. For ranks on several
 hosts, run the torchrun command that ``%mesh listen`` prints on each host.
+
+``--launcher agent`` starts the same host agent without torchrun: the layout of each host of a larger mesh, on this
+host. The controller then pays per host, not per rank (docs/scale.md, "Per-cell cost"): at 32 ranks a trivial cell
+costs it about a third of what 32 forked local ranks cost, for a slower start (the agent's own interpreter).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from monarch_worker import join as wjoin
 from .base import LaunchError
 from .join import JoinCommands, ProcessLauncher
 
-__all__ = ["TorchrunLauncher"]
+__all__ = ["TorchrunLauncher", "AgentLauncher"]
 
 
 class TorchrunLauncher(ProcessLauncher):
@@ -59,3 +64,24 @@ class TorchrunLauncher(ProcessLauncher):
 
     def extra_env(self) -> dict[str, str]:
         return {wjoin.ENV_PDEATHSIG: "1"}  # the host agent (and its ranks) go with torchrun, even on SIGKILL
+
+
+class AgentLauncher(ProcessLauncher):
+    """One host agent (``python -m monarch_worker.agent``) on this host, started by the controller, forks every rank.
+
+    The ranks get the variables of ranks started by hand (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE; the
+    process group's store is rank 0's, as in docs/multihost.md), restarts and ``%mesh scale`` go through the agent,
+    and the agent and its ranks die with the kernel (``MONARCH_PDEATHSIG``).
+    """
+
+    name = "agent"
+
+    def command(self, commands: JoinCommands) -> list[str]:
+        world = commands.world_size
+        if self.nproc_per_node not in (None, world):
+            raise LaunchError(f"--nproc-per-node {self.nproc_per_node} differs from the world size {world} (-n); "
+                              "--launcher agent starts one agent on this host for every rank")
+        return [sys.executable, "-m", "monarch_worker.agent", "--nproc-per-node", str(world)]
+
+    def extra_env(self) -> dict[str, str]:
+        return {wjoin.ENV_PDEATHSIG: "1"}  # the host agent (and its ranks) go with the kernel, even on SIGKILL

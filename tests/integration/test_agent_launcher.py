@@ -1,0 +1,105 @@
+"""``--launcher agent`` (issue 30, item 1, "local meshes get the same treatment"): one host agent on this host,
+started by the controller without torchrun, forks every rank; the controller talks to the agent only, so its cost
+per cell follows hosts, not ranks (bench/bench_scale.py's "local behind one agent" rows). The ranks get the
+variables of ranks started by hand, scale and stop through the agent, and nothing they or the agent started outlives
+the mesh or the process that holds it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from monarch_jupyter import Mesh, MeshError, RankDiedError
+from monarch_jupyter.kernel import registry
+from monarch_jupyter.kernel.launch import AgentLauncher
+from tests.conftest import magic_shell, wait_gone, worker_pids
+
+pytestmark = pytest.mark.slow
+
+WAIT = 120.0
+ENV = ("import os\nt = torch.ones(1)\ndist.all_reduce(t)\n"
+       "(t.item(), tuple(os.environ.get(k) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE')), "
+       "os.getppid())")
+
+
+def parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def test_one_agent_forks_every_rank_which_scale_and_stop_through_it() -> None:
+    before = worker_pids()
+    with Mesh(3, launcher="agent", start_timeout=WAIT) as m:
+        assert isinstance(m.state.launcher, AgentLauncher)
+        agent = m.state.launcher.proc.pid
+        got = m.run(ENV)
+        forkservers = {got[r][2] for r in range(3)}
+        assert len(forkservers) == 1, "every rank is forked by the agent's one fork server"
+        assert parent_of(forkservers.pop()) == agent
+        assert parent_of(agent) == os.getpid()  # no torchrun underneath
+        for r in range(3):
+            assert got[r][:2] == (3.0, (str(r), str(r), "3", "3")), got[r]
+        m.run("kept = rank * 10")
+        assert m.scale(4).started == [3]
+        assert m.run("t = torch.ones(1); dist.all_reduce(t); (t.item(), globals().get('kept'))") == {
+            0: (4.0, 0), 1: (4.0, 10), 2: (4.0, 20), 3: (4.0, None)}
+        assert m.scale(2).stopped == [2, 3]
+        assert m.run("t = torch.ones(1); dist.all_reduce(t); t.item()") == {0: 2.0, 1: 2.0}
+        started = worker_pids() - before
+        assert agent in started and len(started) >= 4  # the agent, its fork server and two ranks
+    assert not wait_gone(started | {agent}, timeout=30)
+
+
+def test_a_killed_agent_takes_its_ranks_and_fails_the_cell() -> None:
+    m = Mesh(2, launcher="agent", start_timeout=WAIT)
+    try:
+        pids = {m.status()[r]["pid"] for r in range(2)}
+        handle = m.run("import time; time.sleep(60)", block=False)
+        os.kill(m.state.launcher.proc.pid, signal.SIGKILL)
+        with pytest.raises(MeshError) as info:
+            handle.result(timeout=60)
+        assert all(isinstance(e, RankDiedError) for e in info.value.errors.values())
+        assert not wait_gone(pids, timeout=30)
+    finally:
+        m.stop()
+
+
+def test_nothing_outlives_a_killed_process_that_held_an_agent_mesh() -> None:
+    before = worker_pids()
+    code = textwrap.dedent("""
+        from monarch_jupyter import Mesh
+        m = Mesh(2, launcher="agent", start_timeout=120)
+        m.run("x = 1")
+        print("ready", flush=True)
+        import time; time.sleep(600)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        started = worker_pids() - before
+        assert len(started) >= 4, started  # the agent, its fork server, two ranks
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not wait_gone(started, timeout=30)
+
+
+def test_the_magic_starts_an_agent_mesh() -> None:
+    shell = magic_shell()
+    saved = registry.peek_current()
+    registry.set_current(None)
+    try:
+        shell.run_line_magic("mesh", "start -n 2 --launcher agent --timeout 120")
+        mesh = registry.peek_current()
+        assert mesh is not None and isinstance(mesh.state.launcher, AgentLauncher)
+        assert mesh.run("rank + 1") == {0: 1, 1: 2}
+        shell.run_line_magic("mesh", "stop")
+    finally:
+        if registry.peek_current() is not None:
+            registry.peek_current().stop()
+        registry.set_current(saved)
