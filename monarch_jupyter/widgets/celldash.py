@@ -177,16 +177,20 @@ class CellDashboardView(DashboardView):
 
     def render(self, rows: list[RowView], summary: Summary, final: bool) -> None:
         if self.widget_made is None:
-            if final:  # a quick cell (or nobody watches): one display of its final state
+            # A cell still running at ``defer`` gets the live widget, even where the ticker was late to make it and
+            # the cell ended first: what a person sees depends on how long the cell ran, not on the ticker's timing.
+            quick = self._quick()
+            late = self.live and not quick
+            if final and not late:  # a quick cell (or nobody watches): one display of its final state
                 self._output_seen = self.output.version
-                if self._quick() and self._clean(summary):
+                if quick and self._clean(summary):
                     if not self._shown:  # else the placeholder says it all: no message at all
                         self._send(self._compact_bundle())
                 else:
-                    self._send(self._final_bundle(rows, summary, compact=self._quick()))
+                    self._send(self._final_bundle(rows, summary, compact=quick))
                 self._close_if_unwaited()
                 return
-            if not self.live or time.monotonic() - self._born < self.defer:
+            if not late:
                 return
             self._make_live(rows, summary)
         super().render(rows, summary, final)

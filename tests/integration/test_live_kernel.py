@@ -97,6 +97,35 @@ def test_live_cell_widget_then_final_state(kernel):
     assert 'data-final="true"' in final["data"]["text/html"]
 
 
+def test_a_cell_that_outlives_defer_gets_the_live_widget_even_when_the_ticker_is_late():
+    """What a person sees follows how long the cell ran, not when the ticker thread got to run: a cell still running
+    at DEFER gets the live widget (its rank tabs), made at its end if the ticker has not made it by then. The ticker
+    is held asleep here (its own kernel: it stays asleep), so the cell ends first; were it to tick anyway, the
+    widget would be there all the same."""
+    from jupyter_client.manager import start_new_kernel
+
+    km, kc = start_new_kernel(kernel_name="python3", startup_timeout=60)
+    try:
+        execute(kc, "%load_ext monarch")
+        execute(kc, "%mesh start -n 2")
+        execute(kc, "import time\nimport monarch_jupyter.widgets.view as _view\n_view.TICK = 3600.0\ntime.sleep(1.0)")
+        msgs = execute(kc, "%%mesh\nimport time\nprint('ran', rank)\ntime.sleep(1.0)")
+        shown = kinds(msgs)
+        assert shown[0] == "display_data" and set(shown[1:]) <= {"update_display_data"}, shown
+        first = [m["content"]["data"] for m in msgs if m["msg_type"] == "display_data"][0]
+        assert WIDGET in first and WIDGET in last_view(msgs)
+        titles = [tuple(m["content"]["data"]["state"]["titles"]) for m in msgs if m["msg_type"] in ("comm_open",
+                  "comm_msg") and "titles" in m["content"]["data"].get("state", {})]
+        assert ("all ranks", "rank 0", "rank 1") in titles, titles  # the tab strip, a tab per rank
+        assert sorted(last_view(msgs)["text/plain"].splitlines()[1:]) == ["[rank0]: ran 0", "[rank1]: ran 1"]
+    finally:
+        try:
+            execute(kc, "%mesh stop", timeout=30)
+        finally:
+            kc.stop_channels()
+            km.shutdown_kernel(now=False)
+
+
 def test_output_shows_once_in_the_view_and_flat_in_its_text_plain(kernel):
     msgs = execute(kernel, "%%mesh\nimport sys, time\nprint('early', rank)\ntime.sleep(0.6)\n"
                            "print('late', rank, file=sys.stderr)\n")
