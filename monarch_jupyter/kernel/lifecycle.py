@@ -115,7 +115,7 @@ class Lifecycle:
                 if not wait:
                     return False
                 if not self.listener.wait_ready(deadline):
-                    raise MeshStartError(f"the ranks did not join within {state.options.start_timeout:g} s; "
+                    raise MeshStartError(f"the mesh did not start within {state.options.start_timeout:g} s; "
                                          f"{self.listener.missing_report()}")
                 self.mark_started(t0)
                 return True

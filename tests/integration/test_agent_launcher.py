@@ -55,6 +55,23 @@ def test_one_agent_forks_every_rank_which_scale_and_stop_through_it() -> None:
     assert not wait_gone(started | {agent}, timeout=30)
 
 
+@pytest.mark.parametrize("launcher", ["agent", "torchrun"])
+def test_a_restart_after_scale_starts_the_scaled_world(launcher: str) -> None:
+    """One host: a restart starts as many ranks as the mesh has now (it kept the start's rank count, and a restart
+    after a scale failed with the mesh already stopped)."""
+    with Mesh(2, launcher=launcher, start_timeout=WAIT) as m:
+        m.scale(3)
+        m.restart()
+        got = m.run(ENV)
+        assert sorted(got) == [0, 1, 2]
+        for r in range(3):
+            assert got[r][:2] == (3.0, (str(r), str(r), "3", "3")), got[r]
+        m.scale(1)
+        m.restart()
+        assert m.run("import os; t = torch.ones(1); dist.all_reduce(t); (t.item(), os.environ['WORLD_SIZE'])") == {
+            0: (1.0, "1")}
+
+
 def test_a_killed_agent_takes_its_ranks_and_fails_the_cell() -> None:
     m = Mesh(2, launcher="agent", start_timeout=WAIT)
     try:

@@ -369,7 +369,8 @@ def test_start_options_that_do_not_fit_are_usage_errors() -> None:
             ("start -n 2 --address eth0", "are for --launcher torchrun, agent or slurm"),
             ("start --launcher agent -n 2 --nnodes 2", "one host agent on this host"),
             ("start --launcher torchrun --nnodes 2 --nproc-per-node 2", "--nnodes 1"),
-            ("start --launcher torchrun -n 3 --nproc-per-node 2 --address no-such-nic0", "neither an interface"),
+            ("start --launcher torchrun -n 3 --address no-such-nic0", "neither an interface"),
+            ("start --launcher agent -n 3 --nproc-per-node 2", "leave --nproc-per-node out"),
             ("listen --world-size 0", "nproc must be a positive"),
             ("listen", "required"),
         ]:

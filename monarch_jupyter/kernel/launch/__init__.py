@@ -49,14 +49,22 @@ def launcher_for(spec: Any, world_size: int, *, nproc_per_node: int | None = Non
     if spec == "torchrun":
         if nodes is not None or srun_args:
             raise ValueError("--nodes and --srun-args are for --launcher slurm")
-        return TorchrunLauncher(nproc_per_node if nproc_per_node is not None else world_size, nnodes)
+        return _one_host(TorchrunLauncher(world_size, nnodes), nproc_per_node, world_size)
     if spec == "agent":
         if nodes is not None or srun_args or nnodes != 1:
             raise ValueError("--launcher agent starts one host agent on this host: --nodes, --srun-args and --nnodes "
                              "are for --launcher slurm or torchrun")
-        return AgentLauncher(nproc_per_node if nproc_per_node is not None else world_size)
+        return _one_host(AgentLauncher(world_size), nproc_per_node, world_size)
     if spec == "slurm":
         if nnodes != 1:
             raise ValueError("--nnodes is for --launcher torchrun; with slurm use --nodes")
         return SlurmLauncher(nodes, srun_args, nproc_per_node)
     raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)} or a JoinLauncher object, got {spec!r}")
+
+
+def _one_host(launcher: JoinLauncher, nproc_per_node: int | None, world_size: int) -> JoinLauncher:
+    """``launcher`` (torchrun, agent: every rank on this host), once ``--nproc-per-node`` is checked against it."""
+    if nproc_per_node not in (None, world_size):
+        raise ValueError(f"--nproc-per-node {nproc_per_node} differs from the world size {world_size} (-n): "
+                         f"--launcher {launcher.name} starts every rank on this host; leave --nproc-per-node out")
+    return launcher

@@ -268,6 +268,11 @@ class JoinLauncher(Launcher):
         self._ranks: dict[int, tuple[int, str]] = {}  # rank -> (pid, host)
         self._killed = False
 
+    def ranks_per_host(self, world_size: int) -> int:
+        """Ranks per host of a start with ``world_size`` ranks: ``nproc_per_node``, else the largest divisor of the
+        world size up to 8."""
+        return self.nproc_per_node or default_nproc_per_node(world_size)
+
     def bind(self, hosts: HostLinks | None, exited: Callable[[float], bool],
              placement: Callable[[], dict[int, dict[str, Any]]]) -> None:
         """The generation about to start: its host agents (launch/hosts.py), what waits until every admitted rank

@@ -42,7 +42,6 @@ from .join import (
     JoinCommands,
     JoinLauncher,
     ProcessLauncher,
-    default_nproc_per_node,
     open_rdzv_store,
     resolve_address,
     write_secret_file,
@@ -162,7 +161,7 @@ class Listener:
         self._secret_path = write_secret_file(self.secret_file_option, secret)
         atexit.register(self._remove_secret)  # also when the kernel exits without stopping the mesh
         world = self.state.nproc
-        per_node = self.launcher.nproc_per_node or default_nproc_per_node(world)
+        per_node = self.launcher.ranks_per_host(world)
         if world % per_node:
             raise ValueError(f"nproc_per_node {per_node} does not divide the world size {world}")
         rdzv = ""
@@ -417,7 +416,9 @@ class Listener:
                 self.failed = report
                 self.state.cond.notify_all()
                 waiting = self.waiting
-            if not waiting:  # %mesh listen returned long ago: say it in that cell's output
+            # %mesh listen returned long ago: say it in that cell's output (a start that launches its ranks waits
+            # for them, and its error says it)
+            if not waiting and not self.launcher.starts_ranks:
                 self._ctx.run(lambda: sys.stderr.write(f"mesh: {report}\n"))
 
     def reject_pending(self, reason: str) -> None:
@@ -441,10 +442,13 @@ class Listener:
         if self._complete:  # everyone came; some did not get through the process group's rendezvous
             late = [r for r, i in self.state.ranks.items() if i.state is not RankState.IDLE]
             where = ", ".join(f"{r} on {self._placement[r].hello.host}" for r in late if r in self._placement)
-            return (f"all {world} ranks joined, but rank(s) {where} did not join the process group within "
-                    f"{self.state.options.start_timeout:g} s: can the hosts reach each other (rank 0's store, gloo: "
-                    "set "
-                    "GLOO_SOCKET_IFNAME to the right interface)? See docs/multihost.md")
+            timeout = self.state.options.start_timeout
+            hosts = {j.hello.host for j in self._placement.values()}
+            why = (f"raise the start timeout (now {timeout:g} s:  %mesh start --timeout S,  Mesh(start_timeout=S))"
+                   if len(hosts) <= 1 else
+                   "can the hosts reach each other (rank 0's store, gloo: set GLOO_SOCKET_IFNAME to the right "
+                   f"interface)? See docs/multihost.md; or raise the start timeout (now {timeout:g} s)")
+            return (f"all {world} ranks came, but rank(s) {where} did not join the process group in time: {why}")
         bad = self.hosts.bad_peers if self.hosts is not None else {}
         return waiting_report(world, self.state.options.start_timeout, self._pending, self.rejected, bad,
                               self.state.address, self.launcher)

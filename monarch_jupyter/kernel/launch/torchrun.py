@@ -18,7 +18,6 @@ import sys
 
 from monarch_worker import join as wjoin
 
-from .base import LaunchError
 from .join import JoinCommands, ProcessLauncher
 
 __all__ = ["TorchrunLauncher", "AgentLauncher"]
@@ -30,7 +29,8 @@ class TorchrunLauncher(ProcessLauncher):
     Parameters
     ----------
     nproc_per_node:
-        Ranks (default: the mesh's world size; anything else is an error since there is one node).
+        Ranks at the start: the mesh's world size (``launcher_for`` refuses any other number, since there is one
+        node); a restart after ``%mesh scale`` starts the new world size.
     nnodes:
         Must be 1: torchrun started from the notebook runs on the notebook's host.
     torchrun_args:
@@ -52,11 +52,12 @@ class TorchrunLauncher(ProcessLauncher):
         super().__init__(nproc_per_node)
         self.torchrun_args = torchrun_args
 
+    def ranks_per_host(self, world_size: int) -> int:
+        """One node: every rank, at every start (also a restart after ``%mesh scale``)."""
+        return world_size
+
     def command(self, commands: JoinCommands) -> list[str]:
         world = commands.world_size
-        if self.nproc_per_node not in (None, world):
-            raise LaunchError(f"--nproc-per-node {self.nproc_per_node} differs from the world size {world} (-n); "
-                              "with one node they are the same number")
         # One host agent (it forks the ranks from one import of torch), as on every host of a larger mesh.
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
                 "--nproc-per-node", "1", "--max-restarts", "0", *shlex.split(self.torchrun_args),
@@ -76,11 +77,12 @@ class AgentLauncher(ProcessLauncher):
 
     name = "agent"
 
+    def ranks_per_host(self, world_size: int) -> int:
+        """One host: every rank, at every start (also a restart after ``%mesh scale``)."""
+        return world_size
+
     def command(self, commands: JoinCommands) -> list[str]:
         world = commands.world_size
-        if self.nproc_per_node not in (None, world):
-            raise LaunchError(f"--nproc-per-node {self.nproc_per_node} differs from the world size {world} (-n); "
-                              "--launcher agent starts one agent on this host for every rank")
         return [sys.executable, "-m", "monarch_worker.agent", "--nproc-per-node", str(world)]
 
     def extra_env(self) -> dict[str, str]:
