@@ -532,6 +532,14 @@ class HostLinks:
 
     # ------------------------------------------------------------------ loss
 
+    def all_gone(self, why: str) -> None:
+        """(any thread) Every agent is gone with the process that started them (``--launcher agent`` or
+        torchrun exited): their ranks are lost, and the reason names the agent (``why``: what became of it)."""
+        with self._lock:
+            agents = [a for a in self.agents.values() if a.alive]
+        for agent in agents:
+            self._agent_gone(agent, f"its host agent (pid {agent.pid} on {agent.host}) {why}")
+
     def _agent_gone(self, agent: Agent, reason: str) -> None:
         """``agent`` disconnected or said goodbye: its ranks that were not reported gone are lost with it."""
         with self._lock:

@@ -260,7 +260,7 @@ class JoinLauncher(Launcher):
 
     def __init__(self, nproc_per_node: int | None = None) -> None:
         if nproc_per_node is not None and nproc_per_node < 1:
-            raise ValueError(f"nproc_per_node must be at least 1, got {nproc_per_node}")
+            raise ValueError(f"--nproc-per-node (nproc_per_node) must be at least 1, got {nproc_per_node}")
         self.nproc_per_node = nproc_per_node
         self._links: HostLinks | None = None  # the mesh's host agents, while a generation runs (bind)
         self._exited: Callable[[float], bool] | None = None  # waits until every admitted rank exited (bind)

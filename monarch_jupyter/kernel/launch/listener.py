@@ -382,6 +382,10 @@ class Listener:
             self._launcher_rc = returncode
             ranks = list(self.state.ranks)
             self.state.cond.notify_all()
+        if self.hosts is not None:  # the ranks died of their agent's end: say so (else: "died (signal SIGKILL)")
+            code = describe_returncode(returncode)
+            self.hosts.all_gone(f"exited ({code})" if self.launcher.name == "agent"
+                                else f"ended with {self.launcher.name}, which exited ({code})")
         for r in ranks:
             self._rank_exited(r, returncode)
 
