@@ -81,6 +81,7 @@ def test_a_killed_agent_takes_its_ranks_and_fails_the_cell() -> None:
         with pytest.raises(MeshError) as info:
             handle.result(timeout=60)
         assert all(isinstance(e, RankDiedError) for e in info.value.errors.values())
+        assert "its host agent" in str(info.value), str(info.value)  # the cause, not "died (signal SIGKILL)"
         assert not wait_gone(pids, timeout=30)
     finally:
         m.stop()
