@@ -86,8 +86,9 @@ class Parts:
 def build(nproc: int, options: MeshOptions, join_launcher: JoinLauncher | None) -> Parts:
     """Make and wire the parts of a mesh of ``nproc`` ranks; ``join_launcher``: None for local ranks.
 
-    Raises ValueError for more local ranks than this host can carry, unless ``options.oversubscribe``."""
-    if join_launcher is None and not options.oversubscribe:
+    Raises ValueError for more ranks than this host can carry (local ranks, or a launcher that starts every rank
+    on this host), unless ``options.oversubscribe``."""
+    if (join_launcher is None or join_launcher.on_this_host) and not options.oversubscribe:
         check_host_capacity(nproc)
     events = EventBus()
     state = MeshState(nproc, options, events)

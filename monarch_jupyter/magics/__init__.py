@@ -173,7 +173,7 @@ class MeshMagics(Magics):
     @argument("--port", type=int, default=0, help="slurm/torchrun/agent: TCP port to listen on (0: any)")
     @argument("--encrypt", action="store_true", help="slurm/torchrun/agent: encrypt connections (CurveZMQ)")
     @argument("--force", action="store_true",
-              help="local: start even more ranks than this host can carry (oversubscribe)")
+              help="local/torchrun/agent: start (or scale to) more ranks than the host can carry (oversubscribe)")
     @argument("--on-rank-death", choices=["report", "restart"], default=None,
               help="restart: a rank that dies is started again and gets back what the notebook sent "
                    "(default: on_rank_death)")

@@ -257,6 +257,8 @@ class JoinLauncher(Launcher):
     name = "join"
     #: True when the controller starts the ranks itself (start() then waits until they joined)
     starts_ranks = False
+    #: True when every rank runs on this host (torchrun and agent): a start checks this host's room, as a local one
+    on_this_host = False
 
     def __init__(self, nproc_per_node: int | None = None) -> None:
         if nproc_per_node is not None and nproc_per_node < 1:

@@ -43,6 +43,7 @@ class TorchrunLauncher(ProcessLauncher):
     """
 
     name = "torchrun"
+    on_this_host = True
 
     def __init__(self, nproc_per_node: int | None = None, nnodes: int = 1, torchrun_args: str = "") -> None:
         if nnodes != 1:
@@ -76,6 +77,7 @@ class AgentLauncher(ProcessLauncher):
     """
 
     name = "agent"
+    on_this_host = True
 
     def ranks_per_host(self, world_size: int) -> int:
         """One host: every rank, at every start (also a restart after ``%mesh scale``)."""
