@@ -308,7 +308,7 @@ class IOThread:
     def _on_store_ready(self, rank: int, msg: P.StoreReady, payload: bytes, bufs: list) -> None:
         state = self.state
         sends: list[tuple[bytes, P.Message]] = []
-        if state.regrouping:  # a new process group for survivors and restarted ranks (recovery.py)
+        if state.regroup_active:  # a new process group for survivors and restarted ranks (recovery.py)
             addr = msg.addr or "127.0.0.1"
             with state.lock:
                 group = state.group_of(rank)  # the leader ``rank`` hosts its group's store (a sub-mesh's, or all's)

@@ -274,6 +274,7 @@ class Restarts:
         with state.lock:
             state.store_port = None
             state.regrouping = set(survivors)
+            state.regroup_active = True
             for r in fresh:
                 state.ranks[r] = state.rank_info(r)
                 state.killing.pop(r, None)
@@ -302,6 +303,7 @@ class Restarts:
         finally:
             with state.lock:
                 state.regrouping = set()
+                state.regroup_active = False
         with state.lock:
             if only is None:
                 state.down = {}  # the whole mesh regrouped (a scale may have dropped ranks that were down)

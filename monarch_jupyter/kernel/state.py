@@ -190,6 +190,8 @@ class MeshState:
         # rank -> why its process group (the mesh's; split: its sub-mesh's) is broken; absent when it is fine
         self.down: dict[int, str] = {}
         self.regrouping: set[int] = set()  # surviving ranks that get Regroup once the new store is up
+        # a regroup runs (recovery.py): fresh ranks get the new store, never the last one (also with no survivor)
+        self.regroup_active = False
         self.killing: dict[int, str] = {}  # rank -> why the controller killed it on purpose
         # LOCAL_WORLD_SIZE a Regroup gives survivors (-1: their own; resize.py sets it; BY_HOST: numbered per host)
         self.local_world = -1
@@ -226,6 +228,7 @@ class MeshState:
         self.store_port = None
         self.down = {}
         self.regrouping = set()
+        self.regroup_active = False
         self.killing = {}
         self.local_world = -1
         self.partition = None

@@ -72,6 +72,16 @@ def test_a_restart_after_scale_starts_the_scaled_world(launcher: str) -> None:
             0: (1.0, "1")}
 
 
+@pytest.mark.parametrize("launcher", ["agent", "torchrun", "local"])
+def test_restarting_every_rank_by_name_makes_a_fresh_group(launcher: str) -> None:
+    """``restart --rank`` naming every rank: fresh processes whose new group has a fresh store (with no survivor,
+    the ranks behind an agent were sent the last generation's store, and the group never formed)."""
+    with Mesh(2, launcher=launcher, start_timeout=60) as m:
+        for ranks in ([1], [0, 1], [0, 1]):
+            m.restart(ranks=ranks)
+            assert m.run("t = torch.ones(1); dist.all_reduce(t); t.item()") == {0: 2.0, 1: 2.0}
+
+
 def test_a_killed_agent_takes_its_ranks_and_fails_the_cell() -> None:
     m = Mesh(2, launcher="agent", start_timeout=WAIT)
     try:

@@ -328,7 +328,7 @@ class HostLinks:
             info.identity, info.host, info.pid = identity, agent.host, msg.pid
             info.last_heard = time.monotonic()
             by_identity[identity] = rank
-            regrouping = bool(state.regrouping)
+            regrouping = state.regroup_active
             solo = rank in state.solo  # a replacement that joins the group later (kernel/healing.py)
             # During a regroup the old store is gone until rank 0 reports the new one (state.store_port).
             store = self.store if not regrouping or state.store_port is not None else None
