@@ -89,6 +89,7 @@ class HostAgent:
         self.connected = False
         self.exit_code: int | None = None
         self.exit_note = ""
+        self.signalled: int | None = None  # the signal that stopped this agent (SIGTERM, SIGINT)
         self.interval = 1.0
         self.heartbeat_timeout = 30.0
         self.tee = cfg.tee
@@ -166,6 +167,8 @@ class HostAgent:
                                  "host's ranks")
 
     def on_sigterm(self, signum: int, frame: Any) -> None:
+        if self.signalled is None:
+            self.signalled = signum
         self.stop(128 + signum, f"stopped by signal {signal.Signals(signum).name}; ending this host's ranks")
 
     def stop(self, code: int, note: str) -> None:
@@ -480,6 +483,11 @@ class HostAgent:
         code = self.exit_code if self.exit_code is not None else 0
         if self.exit_note:
             sys.stderr.write(f"monarch agent on {self.host}: {self.exit_note}\n")
+        if self.signalled is not None and self.welcome is not None:
+            try:  # before its ranks' exits: they are lost with this agent, and the controller says so (and why)
+                self.send(P.Goodbye(returncode=-self.signalled))
+            except zmq.ZMQError:
+                pass
         self.fork.close(END_WAIT + 2)  # the fork server kills every rank, ends their trees and reaps it all
         for r in list(self.by_sid.values()):
             self._rank_exited(r, -signal.SIGKILL)

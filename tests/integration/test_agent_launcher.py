@@ -82,16 +82,19 @@ def test_restarting_every_rank_by_name_makes_a_fresh_group(launcher: str) -> Non
             assert m.run("t = torch.ones(1); dist.all_reduce(t); t.item()") == {0: 2.0, 1: 2.0}
 
 
-def test_a_killed_agent_takes_its_ranks_and_fails_the_cell() -> None:
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_a_killed_agent_takes_its_ranks_and_fails_the_cell(sig: signal.Signals) -> None:
     m = Mesh(2, launcher="agent", start_timeout=WAIT)
     try:
         pids = {m.status()[r]["pid"] for r in range(2)}
         handle = m.run("import time; time.sleep(60)", block=False)
-        os.kill(m.state.launcher.proc.pid, signal.SIGKILL)
+        os.kill(m.state.launcher.proc.pid, sig)
         with pytest.raises(MeshError) as info:
             handle.result(timeout=60)
         assert all(isinstance(e, RankDiedError) for e in info.value.errors.values())
         assert "its host agent" in str(info.value), str(info.value)  # the cause, not "died (signal SIGKILL)"
+        if sig == signal.SIGTERM:  # it says goodbye first, with the signal that stopped it
+            assert "exited (signal SIGTERM)" in str(info.value), str(info.value)
         assert not wait_gone(pids, timeout=30)
     finally:
         m.stop()

@@ -32,6 +32,7 @@ import zmq
 
 from monarch_worker import protocol as P
 
+from ...errors import describe_returncode
 from ...ranks import ranks_text
 from ..state import MeshState
 from .agents import Agent, WaitingHosts, pseudo_identity
@@ -245,7 +246,8 @@ class HostLinks:
                     info.start_error = info.start_error or msg.error
                 self.state.cond.notify_all()
         elif isinstance(msg, P.Goodbye):
-            self._agent_gone(agent, f"its host agent (pid {agent.pid} on {agent.host}) exited")
+            self._agent_gone(agent, f"its host agent (pid {agent.pid} on {agent.host}) exited "
+                                    f"({describe_returncode(msg.returncode)})")
         return True
 
     def _on_events(self, agent: Agent, msg: P.HostEvents, payload: bytes, bufs: list,
