@@ -140,8 +140,10 @@ class Deaths:
         elif not cells and notify and target is not None:
             # Nobody waits on this rank: say so where the user last looked.
             status = str(RankDiedError(rank, rc, reason=reason)).split("] ", 1)[1]
-            self.writer.put([(rank, "stderr", f"{status} while idle. {restart_hint([rank], state.nproc)}")],
-                            target.ctx)
+            alone = state.launcher.restartable([rank]) if state.launcher is not None else ""
+            hint = (f"It cannot be restarted alone ({alone}):  %mesh restart  starts a fresh mesh." if alone
+                    else restart_hint([rank], state.nproc))
+            self.writer.put([(rank, "stderr", f"{status} while idle. {hint}")], target.ctx)
         state.events.emit("rank_died", rank=rank, returncode=rc, reason=reason)
 
     def check_heartbeats(self, now: float) -> None:

@@ -219,8 +219,8 @@ class Restarts:
         why = state.launcher.restartable(chosen) if joined and state.launcher is not None else ""
         if why:
             raise MonarchError(
-                f"{why}, so they cannot be restarted one by one from here. Run  %mesh restart  (a fresh mesh: a "
-                "listening one listens again and prints the commands to start it).")
+                f"cannot restart {ranks_text(chosen)} one by one: {why}. Run  %mesh restart  (a fresh mesh; one "
+                "that listens for its hosts prints their commands again).")
         with state.lock:
             others_dead = [r for r, i in state.ranks.items() if r not in chosen and i.state is RankState.DEAD]
         if others_dead:

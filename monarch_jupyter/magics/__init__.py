@@ -184,6 +184,8 @@ class MeshMagics(Magics):
         args = self.parse_args(self._start, rest, "start")
         self._check_none_running()
         world_size = args.world_size
+        if args.nproc_per_node is not None and args.nproc_per_node < 1:
+            raise UsageError(f"--nproc-per-node must be at least 1, got {args.nproc_per_node}")
         if world_size is None:
             per_node = args.nproc_per_node if args.launcher in ("torchrun", "agent") else None
             world_size = (per_node or self.setting("default_nproc")) * args.nnodes

@@ -372,6 +372,8 @@ def test_start_options_that_do_not_fit_are_usage_errors() -> None:
             ("start --launcher torchrun -n 3 --address no-such-nic0", "neither an interface"),
             ("start --launcher agent -n 3 --nproc-per-node 2", "leave --nproc-per-node out"),
             ("start --launcher agent -n 100000", "--force"),  # this host's room, as for local ranks
+            ("start --launcher agent --nproc-per-node 0", "--nproc-per-node must be at least 1"),
+            ("start --launcher torchrun --nproc-per-node -2", "--nproc-per-node must be at least 1"),
             ("listen --world-size 0", "nproc must be a positive"),
             ("listen", "required"),
         ]:

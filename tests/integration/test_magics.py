@@ -299,7 +299,7 @@ def test_more_ranks_than_the_host_carries_need_force(shell: InteractiveShell, mo
     before = worker_pids()
     with pytest.raises(UsageError) as info:
         shell.run_line_magic("mesh", f"start -n {capacity.RANKS_PER_CORE * cores + 1}")
-    assert "local ranks are more than this host can carry" in str(info.value), str(info.value)
+    assert "ranks on this host are more than it can carry" in str(info.value), str(info.value)
     assert "%mesh start --force" in str(info.value)
     assert worker_pids() - before == set()
     monkeypatch.setattr(capacity, "RANKS_PER_CORE", 1)

@@ -29,7 +29,7 @@ def test_past_a_limit_the_message_says_which_what_to_expect_and_the_way_out(
     with pytest.raises(ValueError) as info:
         check_host_capacity(nproc, limits)
     message = str(info.value)
-    assert message.startswith(f"{nproc} local ranks are more than this host can carry: "), message
+    assert message.startswith(f"{nproc} ranks on this host are more than it can carry: "), message
     assert says in message, message
     assert "takes minutes" in message and "%mesh start --force  (Mesh(..., oversubscribe=True))" in message
     with pytest.raises(ValueError) as info:  # %mesh scale has no --force: its way out is another size

@@ -119,8 +119,12 @@ def waiting_report(world: int, waited: float, pending: dict[bytes, Joiner], reje
     lines += [f"  turned away: {why}" for why in rejected]
     lines += [f"  {n} message(s) from {peer} had a bad signature: that host has another mesh's secret (check "
               "MONARCH_SECRET_FILE / MONARCH_SECRET there)" for peer, n in bad_peers.items()]
-    lines.append(f"Check that the launch ran on every host and that those hosts reach {address} "
-                 "(firewall? an address of the controller that they cannot route to?).")
+    if launcher.on_this_host:  # torchrun or the agent, started here: slowness, or the launcher's own failure
+        lines.append(f"Every rank starts on this host: raise the start timeout (now {waited:g} s:  %mesh start "
+                     "--timeout S,  Mesh(start_timeout=S)).")
+    else:
+        lines.append(f"Check that the launch ran on every host and that those hosts reach {address} "
+                     "(firewall? an address of the controller that they cannot route to?).")
     tail = launcher.log_tail()
     if tail:
         lines.append(f"{launcher.name} output ({getattr(launcher, 'log_path', '')}):")

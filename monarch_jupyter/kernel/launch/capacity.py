@@ -54,12 +54,12 @@ def check_host_capacity(nproc: int, limits: tuple[int, int, int] | None = None, 
                         f"{files}: raise it with  ulimit -n)")
     if problems:
         raise ValueError(
-            f"{nproc} local ranks are more than this host can carry: {'; '.join(problems)}. A start like this takes "
+            f"{nproc} ranks on this host are more than it can carry: {'; '.join(problems)}. A start like this takes "
             "minutes (the process group connects every rank with every other) and may fail at the start timeout. "
             + ("Scale to fewer ranks (ranks on other hosts join with  %mesh listen), or scale a mesh started with  "
                "%mesh start --force  (Mesh(..., oversubscribe=True)), which is not held to this."
                if scaling else
-               "Start fewer ranks (ranks on other hosts join with  %mesh listen  or --launcher torchrun/slurm), or "
+               "Start fewer ranks (ranks on other hosts join with  %mesh listen, or with --launcher slurm), or "
                "start anyway with  %mesh start --force  (Mesh(..., oversubscribe=True))."))
 
 

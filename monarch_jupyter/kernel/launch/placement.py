@@ -63,7 +63,8 @@ def place(agents: list[Agent], before: int, n: int, oversubscribe: bool,
             nxt += count
     if not agents:
         raise ValueError("no host agent is connected any more: there is no host to place new ranks on. "
-                         "Start the mesh again with  %mesh listen  and its hosts' commands.")
+                         "Run  %mesh restart  (a fresh mesh; one that listens for its hosts prints their commands "
+                         "again).")
     held = {a.identity: sorted(r for r in a.ranks if r < before) for a in agents}
     room = {a.identity: None if oversubscribe else host_room(a.limits) for a in agents}
     if gpus:
