@@ -23,5 +23,8 @@ for arg in "$@"; do
     break
   fi
 done
-exec "$PY" -m pytest -p no:cacheprovider --durations=25 --nbval --nbval-sanitize-with notebooks/nbval_sanitize.cfg \
+# nbval's own cell timeout comes before pytest-timeout's (300 s): nbval then interrupts the kernel, so the cell
+# fails with the kernel's traceback and the notebook's later cells still run, instead of each waiting 300 s.
+exec "$PY" -m pytest -p no:cacheprovider --durations=25 --nbval --nbval-cell-timeout 240 \
+  --nbval-sanitize-with notebooks/nbval_sanitize.cfg \
   "${targets[@]}" "$@"

@@ -30,6 +30,7 @@ from .hints import restart_hint, stuck_message
 from .interrupts import Interrupter
 from .iothread import post_regroup
 from .lifecycle import Lifecycle
+from .releases import unmatched
 from .stacks import StackRequests, summarize
 from .state import MeshState, RankState
 
@@ -65,6 +66,7 @@ class InterruptReport:
     killed: list[int] = field(default_factory=list)  # SIGKILLed (force)
     idle: list[int] = field(default_factory=list)  # had nothing to interrupt
     regrouped: bool = False  # force: the process group was re-created
+    realigned: str = ""  # not forced: the ranks had issued unmatched collectives, so the group was re-created
     dead: list[int] = field(default_factory=list)  # force: dead ranks of the mesh, so no group was re-created
     stacks: str = ""  # where the stuck ranks were
     grace: float = 0.0  # seconds the ranks had
@@ -92,6 +94,8 @@ class InterruptReport:
         if self.regrouped:
             out.append("the process group was re-created (collectives in flight were abandoned); "
                        "every rank kept its namespace")
+        if self.realigned:
+            out.append(self.realigned)
         return "\n".join(out)
 
     def __str__(self) -> str:
@@ -166,6 +170,8 @@ class Restarts:
         if not force:
             report.stuck = stuck
             self._abandon({busy[r] for r in stuck})
+            if report.interrupted and not stuck:
+                report.realigned = self.realign(report.interrupted)
             return report
         if stuck:
             self.kill_ranks(stuck, "killed by %mesh interrupt --force")
@@ -177,6 +183,42 @@ class Restarts:
             self.regroup([], time.monotonic() + state.options.start_timeout, group)
             report.regrouped = True
         return report
+
+    def realign(self, ranks: list[int]) -> str:
+        """After an interrupt stopped every rank of ``ranks``: when the ranks of their process group (split: their
+        sub-mesh's) issued different numbers of collectives on it (``releases.unmatched``: one was interrupted
+        between issuing a collective and waiting for it), tear the group down and make a fresh one, as
+        ``interrupt(force=True)`` does, so that no later collective pairs with the abandoned one; every rank keeps
+        its namespace. Returns what was found and done ("" when the numbers agree, or when a rank of the group
+        still runs a cell, is dead or did not answer: nothing is judged then)."""
+        state = self.state
+        with state.lock:
+            peers = state.peers(ranks)
+            if state.stopping or not peers or any(
+                    state.ranks[r].cells or state.ranks[r].state is RankState.DEAD or state.ranks[r].identity is None
+                    for r in peers):
+                return ""
+        try:
+            replies = self.stacks.ask(peers, 2.0).replies
+        except MonarchError:
+            return ""
+        skew = unmatched({r: replies[r].collective for r in peers if r in replies}, peers)
+        if not skew:
+            return ""
+        reason = f"{skew} (interrupted between issuing it and waiting for it)"
+        with state.lock:
+            if any(state.ranks[r].cells for r in peers):  # a cell came meanwhile: it runs in the group as it is
+                return ""
+            state.mark_down(peers, reason)
+        for r in peers:
+            self.dispatcher.post(r, P.Abort(reason=reason))
+        log.info("%s: the process group is re-created", reason)
+        try:
+            self.regroup([], time.monotonic() + state.options.start_timeout, peers if state.partition else None)
+        except MonarchError as e:
+            return f"{reason}; a fresh process group could not be made ({e}):  %mesh restart  starts a fresh mesh"
+        return (f"{reason}: the process group was re-created, so that no later collective pairs with it; every "
+                "rank kept its namespace")
 
     def _abandon(self, cell_ids: set[int]) -> None:
         """The cells that ranks did not stop after ``interrupt``: interrupted and abandoned, as a notebook interrupt

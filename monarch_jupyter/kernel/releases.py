@@ -29,7 +29,7 @@ from .state import MeshState, RankState
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Releases", "waiting_for", "failed_ranks", "COLLECTIVE_CHECK"]
+__all__ = ["Releases", "waiting_for", "unmatched", "failed_ranks", "COLLECTIVE_CHECK"]
 
 COLLECTIVE_CHECK = 0.5
 """Seconds between the questions, to the ranks still running a cell that another rank of it raised in, which
@@ -60,6 +60,33 @@ def waiting_for(failed: dict[int, dict], running: dict[int, dict]) -> dict[int, 
                 out[r] = f"{name or 'collective'} #{seq}"
                 break
     return out
+
+
+def unmatched(collectives: dict[int, dict], peers: list[int]) -> str:
+    """Whether the ranks of one default process group issued different numbers of collectives on a group they
+    share: a rank interrupted between issuing a collective and waiting for it (torch enqueues it, gloo sends this
+    rank's part) leaves it in flight, and its peers' next collective would pair with it: wrong values, then a hang.
+
+    ``collectives``: rank -> its ``last_collective()`` summary (monarch_worker.recovery), for the ranks that
+    answered; ``peers``: the group's mesh ranks, sorted (torch rank i is ``peers[i]``: a sub-mesh numbers its
+    ranks 0..k-1). A group whose members did not all answer is not judged (no evidence). Returns
+    "rank 3 issued gloo:all_reduce #3, which rank 2 never issued" ("" when the numbers agree).
+    """
+    names = sorted({g for c in collectives.values() for g in (c.get("groups") or {})})
+    for name in names:
+        entries = [e for c in collectives.values() if (e := (c.get("groups") or {}).get(name))]
+        known = next((list(e[1]) for e in entries if e[1]), [])
+        members = [peers[i] for i in known if 0 <= i < len(peers)] or sorted(collectives)
+        if any(r not in collectives for r in members):
+            continue
+        seqs = {r: int(((collectives[r].get("groups") or {}).get(name) or [0])[0]) for r in members}
+        top = max(seqs.values())
+        behind = [r for r, n in seqs.items() if n < top]
+        if behind:
+            ahead = [r for r, n in seqs.items() if n == top]
+            what = next((str(e[2]) for e in entries if int(e[0]) == top and e[2]), "a collective")
+            return f"{ranks_text(ahead)} issued {what} #{top}, which {ranks_text(behind)} never issued"
+    return ""
 
 
 def failed_ranks(rec: CellRecord) -> list[int]:

@@ -150,14 +150,12 @@ def sweep(mesh: Any, objective: Callable[[Any, Any], float | None], study: Any, 
                 raise
             raise optuna.TrialPruned(f"pruned at step {watch.pruned_at} of {report}") from None
         finally:
-            router.detach(ranks[0])
+            _quiet(mesh, watch, ranks[0], router)  # the watch never interrupts the sub-mesh once it is back in the pool
             pool.give_back(sub)
         if watch.pruned_at is not None:
             _end(watch, "pruned")
             raise optuna.TrialPruned(f"pruned at step {watch.pruned_at} of {report}")
         if report is not None:
-            mesh.events.flush()
-            watch.stop()
             if watch.last is None and watch.seen:  # report= names a metric the ranks do not report
                 error = _unreported(trial.number, report, watch.seen)
                 _end(watch, "failed", error=str(error))
@@ -233,6 +231,16 @@ def _unreported(number: int, report: str, seen: set[str]) -> MonarchError:
     return MonarchError(f"trial {number}: its ranks reported {names} but never {report!r}, the metric "
                         f"sweep(..., report={report!r}) names; fix report= (one of {names}), or report it on the "
                         f"ranks: progress(step, total, {report}=value). The sweep started no more trials.")
+
+
+def _quiet(mesh: Any, watch: TrialWatch, rank: int, router: MetricRouter) -> None:
+    """End ``watch`` once every report of its trial's last cell reached it (the events thread delivers them in
+    order; the sub-mesh's first rank is ``rank``), and wait for what it is doing: a prune's interrupt may still be
+    re-forming the sub-mesh's process group, which must end before the next trial leases the sub-mesh."""
+    mesh.events.flush()
+    router.detach(rank)
+    state = mesh.state
+    watch.stop(state.options.start_timeout + 2 * state.options.interrupt_grace + HEAL_SLACK)
 
 
 def _end(watch: TrialWatch, state: str, *, value: float | None = None, error: str = "") -> None:

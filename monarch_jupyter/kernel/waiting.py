@@ -264,10 +264,16 @@ class Waiter:
             stopped = {r: e for r, e in rec.errors.items()
                        if r in running and isinstance(e, RemoteError) and e.interrupted}
             failed = {r: rec.errors[r] for r in failed_ranks(rec)}
+        realigned = ""
         if stuck:
             # A second interrupt ends the wait early: say how long the ranks really had.
             waited = min(grace, time.monotonic() - started)
             sys.stderr.write(self.restarts.stuck_message(stuck, round(waited, 1)))
+        elif stopped:  # did one stop between issuing a collective and waiting for it? (a fresh group then)
+            realigned = self.restarts.realign(list(stopped))
+            if realigned:
+                with state.lock:
+                    cells.set_hint(rec, realigned)
         # The cause of a hang is often a rank that raised before a collective the others wait in: name it first,
         # as the root cause.
         cause = [f"{ranks_text([r])} had raised {e.ename}: {e.evalue}" for r, e in failed.items()
@@ -276,6 +282,8 @@ class Waiter:
             cause = [f"{cause[0]} (and {ranks_text(list(failed)[1:])} raised too)"]
         parts = [*cause, f"interrupted {ranks_text(stopped)} ({keep_state(stopped)}): {where_interrupted(stopped)}"
                  if stopped else f"interrupted; {ranks_text(stuck)} did not stop" if stuck else "interrupted"]
+        if realigned:
+            parts.append(realigned)
         if skipped:
             parts.append(f"{ranks_text(skipped)} had not started it ({plural(skipped, 'they', 'it')} still "
                          f"{plural(skipped, 'run', 'runs')} an earlier cell, sent with block=False or --async) and "
@@ -319,7 +327,7 @@ class Waiter:
             if not left:
                 cells.forget(rec)
         hint = (f"%mesh interrupt --force --ranks {format_ranks(stuck)}  stops the ranks still running "
-                "(see the message above)" if stuck else "")
+                "(see the message above)" if stuck else rec.collective_hint)
         raise MeshTimeoutError(errors, results, rec.what, "\n".join(where), timeout, hint, late)
 
     def outcome(self, rec: CellRecord) -> RankMap | None:

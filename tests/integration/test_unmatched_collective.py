@@ -1,0 +1,106 @@
+"""An interrupt that stops a rank between issuing a collective and waiting for it: torch has enqueued it and gloo
+has sent that rank's part, so the collective stays in flight after the cell ended. Every rank stopped, so the
+process group looked fine, and the peers' next collective paired with the abandoned one: wrong values, then one
+rank hung at the cell's last collective (a sweep whose pruned trial left it this way hung the next trial on that
+sub-mesh, CI's notebooks/10_sweeps.ipynb). The mesh compares the ranks' collective numbers after such an
+interrupt and re-creates the group when they differ, whichever way the interrupt came: ``Mesh.interrupt``
+(``%mesh interrupt``, a pruned trial), a cell's timeout, a sub-mesh's. Each rank keeps its namespace."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from monarch_jupyter import Mesh, MeshTimeoutError
+
+pytestmark = pytest.mark.slow
+
+WAIT = 120.0
+# Rank 1 (of the group) issues an all_reduce its peer never issues, does not wait for it, then sleeps: an
+# interrupt stops both ranks in time.sleep, with rank 1 one collective ahead.
+ORPHAN = ("import time, pathlib\nw = torch.zeros(1)\n"
+          "if rank == 1:\n    work = dist.all_reduce(torch.full((1,), 100.0), async_op=True)\n"
+          "pathlib.Path({marks!r}, f'r{{rank}}').touch()\ntime.sleep(600)")
+SUM = "t = torch.tensor([rank + 1.0])\ndist.all_reduce(t)\nt.item()"
+SKEW = re.compile(r"rank 1 issued gloo:all_reduce #\d+, which rank 0 never issued")
+
+
+def both_sleep(marks: Path, ranks: int = 2) -> None:
+    """Wait until every rank reached its sleep (an interrupt before would stop rank 1 before its all_reduce)."""
+    deadline = time.monotonic() + WAIT
+    while len(list(marks.iterdir())) < ranks:
+        assert time.monotonic() < deadline, sorted(p.name for p in marks.iterdir())
+        time.sleep(0.05)
+
+
+def test_interrupt_of_an_unmatched_collective_re_creates_the_group(tmp_path: Path) -> None:
+    with Mesh(2, start_timeout=WAIT, interrupt_grace=5.0) as m:
+        m.run(SUM)  # a collective before: the numbers agree and are not zero
+        handle = m.run(ORPHAN.format(marks=str(tmp_path)), block=False)
+        both_sleep(tmp_path)
+        report = m.interrupt()
+        assert report.interrupted == [0, 1] and not report.stuck, report.text
+        assert SKEW.search(report.text) and "the process group was re-created" in report.text, report.text
+        assert handle.wait(WAIT)
+        # Without the fresh group rank 0's all_reduce paired with rank 1's abandoned one (101.0), and rank 1's hung.
+        assert m.run(SUM, timeout=60) == {0: 3.0, 1: 3.0}
+        assert m.run("w.tolist()") == {0: [0.0], 1: [0.0]}  # namespaces kept
+        # An interrupt that stops every rank at the same collective number leaves the group as it is.
+        marks = tmp_path / "again"
+        marks.mkdir()
+        m.run(f"import pathlib\npathlib.Path({str(marks)!r}, f'r{{rank}}').touch()\ntime.sleep(600)", block=False)
+        both_sleep(marks)
+        report = m.interrupt()
+        assert report.interrupted == [0, 1] and not report.realigned, report.text
+        assert m.run(SUM, timeout=60) == {0: 3.0, 1: 3.0}
+
+
+def test_a_timed_out_cell_with_an_unmatched_collective_says_so_and_re_creates_the_group(tmp_path: Path) -> None:
+    with Mesh(2, start_timeout=WAIT, interrupt_grace=5.0) as m:
+        with pytest.raises(MeshTimeoutError) as caught:
+            m.run(ORPHAN.format(marks=str(tmp_path)), timeout=10)  # ample: the ranks reach their sleep at once
+        hint = caught.value.hint  # shown under the cell's error in a notebook (_render_traceback_)
+        assert SKEW.search(hint) and "the process group was re-created" in hint, hint
+        assert m.run(SUM, timeout=60) == {0: 3.0, 1: 3.0}
+
+
+def test_a_sub_mesh_with_an_unmatched_collective_regroups_alone(tmp_path: Path) -> None:
+    with Mesh(4, start_timeout=WAIT, interrupt_grace=5.0) as m:
+        a, b = m.split(2)
+        handle = b.run(ORPHAN.format(marks=str(tmp_path)), block=False)
+        both_sleep(tmp_path)
+        other = a.run("import time\ntime.sleep(1)\n" + SUM, block=False)  # the other sub-mesh runs on meanwhile
+        report = b.interrupt()
+        assert report.interrupted == [2, 3], report.text
+        assert re.search(r"rank 3 issued gloo:all_reduce #\d+, which rank 2 never issued", report.text), report.text
+        assert handle.wait(WAIT)
+        assert other.result(WAIT) == {0: 3.0, 1: 3.0}
+        assert b.run(SUM, timeout=60) == {0: 3.0, 1: 3.0}
+        m.merge()
+        assert m.run(SUM, timeout=60) == {0: 10.0, 1: 10.0, 2: 10.0, 3: 10.0}
+
+
+def summary(**groups: tuple[int, list[int]]) -> dict:
+    """A ``last_collective()`` summary with these groups: name -> (its newest collective's number, its ranks)."""
+    return {"source": "recorder", "groups": {g: [seq, ranks, "gloo:all_reduce"] for g, (seq, ranks) in groups.items()}}
+
+
+def test_unmatched_compares_the_numbers_of_every_member_of_a_group() -> None:
+    from monarch_jupyter.kernel.releases import unmatched
+
+    same = summary(**{"0": (4, [0, 1])})
+    assert unmatched({0: same, 1: same}, [0, 1]) == ""
+    assert unmatched({0: same, 1: summary(**{"0": (5, [0, 1])})}, [0, 1]) == (
+        "rank 1 issued gloo:all_reduce #5, which rank 0 never issued")
+    # A rank that issued nothing on the group since it was made reports no entry: number 0.
+    assert unmatched({0: {}, 1: summary(**{"0": (1, [0, 1])})}, [0, 1]).startswith("rank 1 issued")
+    # A sub-mesh numbers its ranks 0..k-1: torch rank i of the group is the sub-mesh's i-th mesh rank.
+    assert unmatched({2: summary(**{"0": (3, [0, 1])}), 3: summary(**{"0": (2, [0, 1])})}, [2, 3]) == (
+        "rank 2 issued gloo:all_reduce #3, which rank 3 never issued")
+    # A member that did not answer: no evidence, no judgement. A group of two of three ranks: the third is no member.
+    assert unmatched({0: summary(**{"0": (5, [0, 1])})}, [0, 1]) == ""
+    sub = summary(**{"0": (4, [0, 1, 2]), "1": (2, [0, 1])})
+    assert unmatched({0: sub, 1: sub, 2: summary(**{"0": (4, [0, 1, 2])})}, [0, 1, 2]) == ""
