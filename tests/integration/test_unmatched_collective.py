@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from monarch_jupyter import Mesh, MeshTimeoutError
+from monarch_jupyter import CellHandle, Mesh, MeshTimeoutError
 
 pytestmark = pytest.mark.slow
 
@@ -40,6 +40,7 @@ def test_interrupt_of_an_unmatched_collective_re_creates_the_group(tmp_path: Pat
     with Mesh(2, start_timeout=WAIT, interrupt_grace=5.0) as m:
         m.run(SUM)  # a collective before: the numbers agree and are not zero
         handle = m.run(ORPHAN.format(marks=str(tmp_path)), block=False)
+        assert isinstance(handle, CellHandle)
         both_sleep(tmp_path)
         report = m.interrupt()
         assert report.interrupted == [0, 1] and not report.stuck, report.text
