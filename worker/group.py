@@ -179,7 +179,8 @@ class MeshGroup:
     # ------------------------------------------------------------------ user code's calls
 
     def install(self) -> None:
-        """Wrap torch.distributed's init_process_group and destroy_process_group (see the module docstring)."""
+        """Wrap torch.distributed's init_process_group and destroy_process_group (see the module docstring), and
+        new_group, whose connections ``Abort`` shuts down with the mesh group's (recovery.GroupSockets.record)."""
         import torch.distributed as dist
         from torch.distributed import distributed_c10d as c10d
 
@@ -195,9 +196,18 @@ class MeshGroup:
         def destroy(group: Any = None) -> None:
             self.on_destroy(group)
 
+        original_new = c10d.new_group
+
+        @functools.wraps(original_new)
+        def new_group(*args: Any, **kwargs: Any) -> Any:
+            if self.sockets is None:
+                return original_new(*args, **kwargs)
+            return self.sockets.record(original_new, *args, **kwargs)  # Abort shuts its connections down too
+
         for module in (dist, c10d):
             module.init_process_group = init  # type: ignore[attr-defined]
             module.destroy_process_group = destroy  # type: ignore[attr-defined]
+            module.new_group = new_group  # type: ignore[attr-defined]
         _installed[:] = [self]
 
     def on_init(self, backend: Any = None, init_method: Any = None, timeout: Any = None, world_size: int = -1,

@@ -34,7 +34,7 @@ import os
 import socket
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from . import elastic_env
 from . import protocol as P
@@ -134,6 +134,16 @@ class GroupSockets:
     def __exit__(self, *exc: object) -> None:
         self.inodes = _tcp_inodes() - self._before
 
+    def record(self, make: Any, *args: Any, **kwargs: Any) -> Any:
+        """``make(*args, **kwargs)`` (a group of the user's own: ``dist.new_group``), whose connections ``cut``
+        shuts down too: a collective blocked on such a group is released, and one issued on it after the group it
+        belongs to was re-created fails at once instead of pairing with one left in flight."""
+        before = _tcp_inodes()
+        try:
+            return make(*args, **kwargs)
+        finally:
+            self.inodes |= _tcp_inodes() - before
+
     def cut(self) -> int:
         """Shut down every recorded connection still open (any thread); returns how many."""
         import socket as socketlib
@@ -225,7 +235,8 @@ def regroup(rank: RankSide, msg: P.Regroup, payload: bytes, bufs: list) -> None:
 
 
 def last_collective() -> dict:
-    """What this rank issued on its process groups: {"name", "seq", "group", "state", "groups", "source"} or {}.
+    """What this rank issued on its process groups: {"name", "seq", "group", "state", "groups", "source"} (and
+    "complete" from the recorder) or {}.
 
     ``groups`` maps each process group to ``[seq, ranks, name]``: the sequence number of the newest collective
     this rank issued on it (counted per group as the rank enqueues them, before they complete), the group's global
@@ -239,7 +250,8 @@ def last_collective() -> dict:
     - "recorder": torch.distributed's flight recorder (``collective_seq_id`` of its entries; gloo records from
       torch 2.8 on, with TORCH_FR_BUFFER_SIZE, which the controller sets). Point-to-point operations are left
       out (numbered apart, they pair with one peer only), and "name", "seq", "group" and "state" describe the
-      newest entry, for stack reports.
+      newest entry, for stack reports. "complete" is False when the recorder's ring buffer is full of entries
+      made since the group was: older ones of a group may have been dropped.
     - "sequence": each group's own count (``ProcessGroup._get_sequence_number_for_group``, in every torch this
       package supports), where the recorder has nothing: it counts point-to-point operations too, so the
       controller also asks that the count stood still between two questions. "name" is "gloo:collective".
@@ -258,6 +270,10 @@ def last_collective() -> dict:
         entries = json.loads(dump(True, False)).get("entries") or []
     except Exception:  # noqa: BLE001 - recorder off (TORCH_FR_BUFFER_SIZE=0) or not in this torch build
         entries = []
+    size = int(os.environ.get("TORCH_FR_BUFFER_SIZE") or 0)
+    # Nothing made since the group was dropped from the ring buffer: it still holds an older entry, or is not full.
+    complete = not size or len(entries) < size or any(
+        int(x.get("time_created_ns", 0)) < _group_since_ns for x in entries)
     entries = [x for x in entries if int(x.get("time_created_ns", 0)) >= _group_since_ns]
     if not entries:  # entries of a group destroyed by a regroup share the new one's name, not its numbering
         return _sequence_summary(dist, groups)
@@ -273,7 +289,7 @@ def last_collective() -> dict:
             newest[name] = (seq, str(x.get("profiling_name", "")))
     return {"name": str(e.get("profiling_name", "")), "seq": int(e.get("collective_seq_id", 0)),
             "group": str(group[1] if len(group) > 1 else group[0]), "state": str(e.get("state", "")),
-            "source": "recorder",
+            "source": "recorder", "complete": complete,
             "groups": {name: [seq, groups[name][1] if name in groups else [], what]
                        for name, (seq, what) in newest.items()}}
 

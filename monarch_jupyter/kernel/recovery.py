@@ -205,7 +205,7 @@ class Restarts:
         skew = unmatched({r: replies[r].collective for r in peers if r in replies}, peers)
         if not skew:
             return ""
-        reason = f"{skew} (interrupted between issuing it and waiting for it)"
+        reason = f"{skew} (an interrupt left it in flight)"
         with state.lock:
             if any(state.ranks[r].cells for r in peers):  # a cell came meanwhile: it runs in the group as it is
                 return ""
@@ -218,7 +218,7 @@ class Restarts:
         except MonarchError as e:
             return f"{reason}; a fresh process group could not be made ({e}):  %mesh restart  starts a fresh mesh"
         return (f"{reason}: the process group was re-created, so that no later collective pairs with it; every "
-                "rank kept its namespace")
+                "rank kept its namespace (groups made with dist.new_group, and DDP models, must be made again)")
 
     def _abandon(self, cell_ids: set[int]) -> None:
         """The cells that ranks did not stop after ``interrupt``: interrupted and abandoned, as a notebook interrupt

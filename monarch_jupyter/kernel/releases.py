@@ -69,23 +69,36 @@ def unmatched(collectives: dict[int, dict], peers: list[int]) -> str:
 
     ``collectives``: rank -> its ``last_collective()`` summary (monarch_worker.recovery), for the ranks that
     answered; ``peers``: the group's mesh ranks, sorted (torch rank i is ``peers[i]``: a sub-mesh numbers its
-    ranks 0..k-1). A group whose members did not all answer is not judged (no evidence). Returns
-    "rank 3 issued gloo:all_reduce #3, which rank 2 never issued" ("" when the numbers agree).
+    ranks 0..k-1). Only torch's flight recorder judges (``source`` "recorder", torch 2.8+ for gloo): it leaves
+    point-to-point operations out, which a group's own count holds. A rank with no recorder entry since its group
+    was made issued no collective there. A group is not judged when a member did not answer, or when a member's
+    recorder dropped entries since the group was made (``complete`` False: its ring buffer is full) and holds none
+    of that group. Returns "rank 3 issued gloo:all_reduce #3, which rank 2 never issued" ("" when the numbers agree
+    or cannot be compared).
     """
-    names = sorted({g for c in collectives.values() for g in (c.get("groups") or {})})
-    for name in names:
-        entries = [e for c in collectives.values() if (e := (c.get("groups") or {}).get(name))]
+    recorded = {r: c for r, c in collectives.items() if c.get("source") == "recorder"}
+    if not recorded:  # no flight recorder here: a group's own count holds send/recv too; no evidence
+        return ""
+    for name in sorted({g for c in recorded.values() for g in c.get("groups") or {}}):
+        entries = [e for c in recorded.values() if (e := c["groups"].get(name))]
         known = next((list(e[1]) for e in entries if e[1]), [])
         members = [peers[i] for i in known if 0 <= i < len(peers)] or sorted(collectives)
         if any(r not in collectives for r in members):
             continue
-        seqs = {r: int(((collectives[r].get("groups") or {}).get(name) or [0])[0]) for r in members}
-        top = max(seqs.values())
-        behind = [r for r, n in seqs.items() if n < top]
-        if behind:
-            ahead = [r for r, n in seqs.items() if n == top]
-            what = next((str(e[2]) for e in entries if int(e[0]) == top and e[2]), "a collective")
-            return f"{ranks_text(ahead)} issued {what} #{top}, which {ranks_text(behind)} never issued"
+        seqs: dict[int, int] = {}
+        for r in members:
+            c = recorded.get(r, {})
+            entry = (c.get("groups") or {}).get(name)
+            if entry is None and c and not c.get("complete", True):
+                break  # its entries of this group may have been dropped: unknown
+            seqs[r] = int(entry[0]) if entry else 0
+        else:
+            top = max(seqs.values())
+            behind = [r for r, n in seqs.items() if n < top]
+            if behind:
+                ahead = [r for r, n in seqs.items() if n == top]
+                what = next((str(e[2]) for e in entries if int(e[0]) == top and e[2]), "a collective")
+                return f"{ranks_text(ahead)} issued {what} #{top}, which {ranks_text(behind)} never issued"
     return ""
 
 

@@ -17,7 +17,9 @@ value reported as the trial's value.
 
 Every trial is a row of the experiment table (``monarch_jupyter.experiments``): its parameters, the mesh ranks it
 used (also ``trial.user_attrs["ranks"]``, and ``"sub_mesh"``), every metric its rank 0 reported, the final and best
-values, wall time, and ``trial.user_attrs["checkpoint"]`` when the objective sets it. A trial whose objective raises
+values, wall time, and ``trial.user_attrs["checkpoint"]`` when the objective sets it; ``trial.user_attrs
+["regrouped"]`` says why a pruned trial's sub-mesh got a fresh process group (its interrupt left a collective in
+flight, recovery.Restarts.realign). A trial whose objective raises
 (a MeshError from a rank, a dead rank) is recorded as failed by Optuna (``catch``) and the sweep goes on; a
 MeshError reaches Optuna (and its warning) as a TrialFailedError, one line naming each failed rank (the mesh's
 number) and its error's first line, whose ``__cause__`` is the full MeshError (the table's row has it too). With
@@ -248,6 +250,8 @@ def _end(watch: TrialWatch, state: str, *, value: float | None = None, error: st
     mesh.events.flush()  # the reports of the trial's last cell reach the watch before it ends
     watch.stop()
     trial = watch.trial
+    if watch.regrouped:  # its prune left a collective in flight: the sub-mesh got a fresh process group
+        trial.set_user_attr("regrouped", watch.regrouped)
     watch.run.settings = dict(trial.params)
     watch.table.finish(watch.run, state, value=value, error=error, checkpoint=trial.user_attrs.get("checkpoint"))
 

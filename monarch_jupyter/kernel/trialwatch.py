@@ -38,6 +38,7 @@ class TrialWatch:
         self.pruned_at: int | None = None
         self.last: float | None = None
         self.seen: set[str] = set()  # the names of every metric reported (read once ``stop`` returned)
+        self.regrouped = ""  # why stopping the pruned trial re-created its sub-mesh's process group ("": it did not)
         self._last_step = -1
         self._queue: queue.Queue[tuple[float, dict] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name=f"monarch-trial{trial.number}", daemon=True)
@@ -74,20 +75,24 @@ class TrialWatch:
         self.trial.report(value, at)
         if self.trial.should_prune():
             self.pruned_at = at
-            stop_cells(self.sub)
+            self.regrouped = stop_cells(self.sub)
 
 
-def stop_cells(sub: Any, grace: float = STOP_GRACE) -> None:
+def stop_cells(sub: Any, grace: float = STOP_GRACE) -> str:
     """Stop what ``sub`` (a sub-mesh, or the mesh) runs: KeyboardInterrupt on its ranks; ranks that still run after
     ``grace`` seconds (blocked in a collective whose peer left it) are released by tearing the sub-mesh's process
-    group down and making a new one (``interrupt(force=True)``; a rank that still does not stop is killed). Errors
-    (a dead rank, a sub-mesh merged meanwhile) are logged: the trial's own cell reports them."""
+    group down and making a new one (``interrupt(force=True)``; a rank that still does not stop is killed). Ranks
+    that all stopped with a collective left in flight get a fresh group too (``Mesh.interrupt``): what it says is
+    returned ("" otherwise). Errors (a dead rank, a sub-mesh merged meanwhile) are logged: the trial's own cell
+    reports them."""
     try:
         report = sub.interrupt(grace=grace)
         if report.stuck:
             sub.interrupt(force=True, grace=grace)
+        return str(report.realigned)
     except Exception:  # noqa: BLE001 - see the docstring
         log.info("stopping the cells of %r failed", sub, exc_info=True)
+        return ""
 
 
 class MetricRouter:

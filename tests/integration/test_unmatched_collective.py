@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from monarch_jupyter import CellHandle, Mesh, MeshTimeoutError
+from monarch_jupyter import CellHandle, Mesh, MeshError, MeshTimeoutError
 
 pytestmark = pytest.mark.slow
 
@@ -57,6 +57,38 @@ def test_interrupt_of_an_unmatched_collective_re_creates_the_group(tmp_path: Pat
         report = m.interrupt()
         assert report.interrupted == [0, 1] and not report.realigned, report.text
         assert m.run(SUM, timeout=60) == {0: 3.0, 1: 3.0}
+
+
+def test_point_to_point_traffic_and_matched_groups_of_its_own_are_left_alone(tmp_path: Path) -> None:
+    with Mesh(3, start_timeout=WAIT, interrupt_grace=5.0) as m:
+        m.run("g = dist.new_group([0, 1])")
+        # send/recv are counted by a group's own sequence number, not by the flight recorder: no regroup for them.
+        m.run(f"import time, pathlib\nt = torch.ones(1)\nif rank == 0:\n    dist.send(t, 1)\n    dist.send(t, 2)\n"
+              f"else:\n    dist.recv(t, 0)\nif rank < 2:\n    dist.all_reduce(t, group=g)\n"
+              f"pathlib.Path({str(tmp_path)!r}, f'r{{rank}}').touch()\ntime.sleep(600)", block=False)
+        both_sleep(tmp_path, 3)
+        report = m.interrupt()
+        assert report.interrupted == [0, 1, 2] and not report.realigned, report.text
+        assert m.run("u = torch.ones(1) * (rank + 1)\ndist.all_reduce(u, group=g)\nu.item()", ranks=[0, 1],
+                     timeout=60) == {0: 3.0, 1: 3.0}
+
+
+def test_a_group_of_its_own_left_unmatched_fails_at_once_until_made_again(tmp_path: Path) -> None:
+    with Mesh(2, start_timeout=WAIT, interrupt_grace=5.0) as m:
+        m.run("g = dist.new_group([0, 1])")
+        m.run(f"import time, pathlib\nt = torch.full((1,), 100.0)\n"
+              f"if rank == 1:\n    work = dist.all_reduce(t, group=g, async_op=True)\n"
+              f"pathlib.Path({str(tmp_path)!r}, f'r{{rank}}').touch()\ntime.sleep(600)", block=False)
+        both_sleep(tmp_path)
+        report = m.interrupt()
+        assert "the process group was re-created" in report.text and "dist.new_group" in report.text, report.text
+        # The old group's connections were shut down: its next collective fails at once, never pairs with the
+        # abandoned one (before: rank 0 got 101.0 and rank 1 hung, past even --force).
+        with pytest.raises(MeshError) as caught:
+            m.run("u = torch.ones(1) * (rank + 1)\ndist.all_reduce(u, group=g)\nu.item()", timeout=60)
+        assert not isinstance(caught.value, MeshTimeoutError), caught.value
+        assert m.run("g = dist.new_group([0, 1])\nu = torch.ones(1) * (rank + 1)\ndist.all_reduce(u, group=g)\n"
+                     "u.item()", timeout=60) == {0: 3.0, 1: 3.0}
 
 
 def test_a_timed_out_cell_with_an_unmatched_collective_says_so_and_re_creates_the_group(tmp_path: Path) -> None:
@@ -105,3 +137,40 @@ def test_unmatched_compares_the_numbers_of_every_member_of_a_group() -> None:
     assert unmatched({0: summary(**{"0": (5, [0, 1])})}, [0, 1]) == ""
     sub = summary(**{"0": (4, [0, 1, 2]), "1": (2, [0, 1])})
     assert unmatched({0: sub, 1: sub, 2: summary(**{"0": (4, [0, 1, 2])})}, [0, 1, 2]) == ""
+    # A group's own count (no recorder entry since the group was made) holds send/recv: no evidence alone.
+    counted = {"source": "sequence", "groups": {"0": [2, [0, 1, 2], "gloo:collective"]}}
+    assert unmatched({0: counted, 1: {}, 2: {}}, [0, 1, 2]) == ""
+    # A recorder whose ring buffer dropped entries since the group was made says nothing of a group it lacks.
+    full = {**summary(**{"5": (900, [0])}), "complete": False}
+    assert unmatched({0: full, 1: summary(**{"0": (3, [0, 1])})}, [0, 1]) == ""
+    assert unmatched({0: {**summary(**{"0": (2, [0, 1])}), "complete": False}, 1: summary(**{"0": (3, [0, 1])})},
+                     [0, 1]).startswith("rank 1 issued")
+
+
+def test_a_pruned_trial_that_left_a_collective_in_flight_hands_on_a_fresh_group(tmp_path: Path) -> None:
+    optuna = pytest.importorskip("optuna")
+    from monarch_jupyter import sweep
+
+    # Trial 0: once rank 1 has an all_reduce in flight, rank 0 reports a loss the pruner stops at once. Trial 1 then
+    # runs an all_reduce on the same ranks, which would pair with it (101.0 on rank 0, then a hang on rank 1).
+    issued = str(tmp_path / "issued")
+    pruned = ("from monarch_worker import progress\nimport time, os\n"
+              "if rank == 1:\n    work = dist.all_reduce(torch.full((1,), 100.0), async_op=True)\n"
+              f"    open({issued!r}, 'w').close()\n"
+              f"else:\n    while not os.path.exists({issued!r}):\n        time.sleep(0.05)\n"
+              "    progress(1, 10, loss=1e6)\ntime.sleep(600)")
+    complete = "from monarch_worker import progress\n" + SUM.replace("t.item()",
+                                                                  "progress(1, 1, loss=t.item())\nt.item()")
+
+    def objective(trial: object, sub: object) -> float:
+        trial.suggest_float("x", 0.0, 1.0)  # type: ignore[attr-defined]
+        out = sub.run(complete if trial.number else pruned, timeout=WAIT)  # type: ignore[attr-defined]
+        return float(out[0])
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(pruner=optuna.pruners.ThresholdPruner(upper=100.0))
+    with Mesh(2, start_timeout=WAIT, interrupt_grace=5.0) as m:
+        sweep(m, objective, study, n_trials=2, ranks_per_trial=2, report="loss")
+        first, second = study.trials
+        assert first.state.name == "PRUNED" and SKEW.search(first.user_attrs.get("regrouped", "")), first.user_attrs
+        assert (second.state.name, second.value) == ("COMPLETE", 3.0), (second.state, second.value)
