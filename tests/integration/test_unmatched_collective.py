@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,11 +22,23 @@ pytestmark = pytest.mark.slow
 WAIT = 120.0
 # Rank 1 (of the group) issues an all_reduce its peer never issues, does not wait for it, then sleeps: an
 # interrupt stops both ranks in time.sleep, with rank 1 one collective ahead.
-ORPHAN = ("import time, pathlib\nw = torch.zeros(1)\n"
-          "if rank == 1:\n    work = dist.all_reduce(torch.full((1,), 100.0), async_op=True)\n"
-          "pathlib.Path({marks!r}, f'r{{rank}}').touch()\ntime.sleep(600)")
+ORPHAN = ("w = torch.zeros(1)\n"
+          "if rank == 1:\n    work = dist.all_reduce(torch.full((1,), 100.0), async_op=True)\n")
 SUM = "t = torch.tensor([rank + 1.0])\ndist.all_reduce(t)\nt.item()"
 SKEW = re.compile(r"rank 1 issued gloo:all_reduce #\d+, which rank 0 never issued")
+
+
+def asleep(code: str, marks: Path) -> str:
+    """``code``, then each rank marks that it got past it (a file in ``marks``) and sleeps."""
+    return f"{code}\nimport pathlib, time\npathlib.Path({str(marks)!r}, f'r{{rank}}').touch()\ntime.sleep(600)"
+
+
+def run_asleep(runner: Any, code: str, marks: Path, ranks: int = 2) -> Any:
+    """Run ``asleep(code, marks)`` with ``block=False`` on ``runner`` (a mesh or a sub-mesh) and wait until its
+    ``ranks`` ranks sleep (an interrupt before would stop a rank before its collective); returns the handle."""
+    handle = runner.run(asleep(code, marks), block=False)
+    both_sleep(marks, ranks)
+    return handle
 
 
 def both_sleep(marks: Path, ranks: int = 2) -> None:
@@ -39,9 +52,8 @@ def both_sleep(marks: Path, ranks: int = 2) -> None:
 def test_interrupt_of_an_unmatched_collective_re_creates_the_group(tmp_path: Path) -> None:
     with Mesh(2, start_timeout=WAIT, interrupt_grace=5.0) as m:
         m.run(SUM)  # a collective before: the numbers agree and are not zero
-        handle = m.run(ORPHAN.format(marks=str(tmp_path)), block=False)
+        handle = run_asleep(m, ORPHAN, tmp_path)
         assert isinstance(handle, CellHandle)
-        both_sleep(tmp_path)
         report = m.interrupt()
         assert report.interrupted == [0, 1] and not report.stuck, report.text
         assert SKEW.search(report.text) and "the process group was re-created" in report.text, report.text
@@ -52,8 +64,7 @@ def test_interrupt_of_an_unmatched_collective_re_creates_the_group(tmp_path: Pat
         # An interrupt that stops every rank at the same collective number leaves the group as it is.
         marks = tmp_path / "again"
         marks.mkdir()
-        m.run(f"import pathlib\npathlib.Path({str(marks)!r}, f'r{{rank}}').touch()\ntime.sleep(600)", block=False)
-        both_sleep(marks)
+        run_asleep(m, "pass", marks)
         report = m.interrupt()
         assert report.interrupted == [0, 1] and not report.realigned, report.text
         assert m.run(SUM, timeout=60) == {0: 3.0, 1: 3.0}
@@ -63,10 +74,8 @@ def test_point_to_point_traffic_and_matched_groups_of_its_own_are_left_alone(tmp
     with Mesh(3, start_timeout=WAIT, interrupt_grace=5.0) as m:
         m.run("g = dist.new_group([0, 1])")
         # send/recv are counted by a group's own sequence number, not by the flight recorder: no regroup for them.
-        m.run(f"import time, pathlib\nt = torch.ones(1)\nif rank == 0:\n    dist.send(t, 1)\n    dist.send(t, 2)\n"
-              f"else:\n    dist.recv(t, 0)\nif rank < 2:\n    dist.all_reduce(t, group=g)\n"
-              f"pathlib.Path({str(tmp_path)!r}, f'r{{rank}}').touch()\ntime.sleep(600)", block=False)
-        both_sleep(tmp_path, 3)
+        run_asleep(m, "t = torch.ones(1)\nif rank == 0:\n    dist.send(t, 1)\n    dist.send(t, 2)\n"
+                      "else:\n    dist.recv(t, 0)\nif rank < 2:\n    dist.all_reduce(t, group=g)", tmp_path, 3)
         report = m.interrupt()
         assert report.interrupted == [0, 1, 2] and not report.realigned, report.text
         assert m.run("u = torch.ones(1) * (rank + 1)\ndist.all_reduce(u, group=g)\nu.item()", ranks=[0, 1],
@@ -76,10 +85,8 @@ def test_point_to_point_traffic_and_matched_groups_of_its_own_are_left_alone(tmp
 def test_a_group_of_its_own_left_unmatched_fails_at_once_until_made_again(tmp_path: Path) -> None:
     with Mesh(2, start_timeout=WAIT, interrupt_grace=5.0) as m:
         m.run("g = dist.new_group([0, 1])")
-        m.run(f"import time, pathlib\nt = torch.full((1,), 100.0)\n"
-              f"if rank == 1:\n    work = dist.all_reduce(t, group=g, async_op=True)\n"
-              f"pathlib.Path({str(tmp_path)!r}, f'r{{rank}}').touch()\ntime.sleep(600)", block=False)
-        both_sleep(tmp_path)
+        left = "t = torch.full((1,), 100.0)\nif rank == 1:\n    work = dist.all_reduce(t, group=g, async_op=True)"
+        run_asleep(m, left, tmp_path)
         report = m.interrupt()
         assert "the process group was re-created" in report.text and "dist.new_group" in report.text, report.text
         # The old group's connections were shut down: its next collective fails at once, never pairs with the
@@ -94,7 +101,7 @@ def test_a_group_of_its_own_left_unmatched_fails_at_once_until_made_again(tmp_pa
 def test_a_timed_out_cell_with_an_unmatched_collective_says_so_and_re_creates_the_group(tmp_path: Path) -> None:
     with Mesh(2, start_timeout=WAIT, interrupt_grace=5.0) as m:
         with pytest.raises(MeshTimeoutError) as caught:
-            m.run(ORPHAN.format(marks=str(tmp_path)), timeout=10)  # ample: the ranks reach their sleep at once
+            m.run(asleep(ORPHAN, tmp_path), timeout=10)  # ample: the ranks reach their sleep at once
         hint = caught.value.hint  # shown under the cell's error in a notebook (_render_traceback_)
         assert SKEW.search(hint) and "the process group was re-created" in hint, hint
         assert m.run(SUM, timeout=60) == {0: 3.0, 1: 3.0}
@@ -103,8 +110,7 @@ def test_a_timed_out_cell_with_an_unmatched_collective_says_so_and_re_creates_th
 def test_a_sub_mesh_with_an_unmatched_collective_regroups_alone(tmp_path: Path) -> None:
     with Mesh(4, start_timeout=WAIT, interrupt_grace=5.0) as m:
         a, b = m.split(2)
-        handle = b.run(ORPHAN.format(marks=str(tmp_path)), block=False)
-        both_sleep(tmp_path)
+        handle = run_asleep(b, ORPHAN, tmp_path)
         other = a.run("import time\ntime.sleep(1)\n" + SUM, block=False)  # the other sub-mesh runs on meanwhile
         report = b.interrupt()
         assert report.interrupted == [2, 3], report.text
