@@ -119,6 +119,8 @@ class Restarts:
         # One regroup at a time: a regroup owns MeshState.regrouping, store_port and group_down until it ends, so two
         # sub-meshes released at once (a sweep's trials, interrupted together) regroup one after the other.
         self._regroup_lock = threading.Lock()
+        self._aligning = threading.Lock()  # one comparison of collective numbers at a time (realign)
+        self._interrupting: list[set[int]] = []  # the process groups of interrupts under way (under the state lock)
 
     def stuck_message(self, stuck: list[int], grace: float) -> str:
         """What to tell the user about ranks that did not stop after an interrupt (their stacks asked now)."""
@@ -130,8 +132,18 @@ class Restarts:
 
     def interrupt(self, ranks: str | int | Iterable[int] | None, force: bool, grace: float | None) -> InterruptReport:
         """``Mesh.interrupt`` (its docstring says what it does)."""
+        chosen = parse_ranks(ranks, self.state.nproc)
+        with self.state.lock:
+            mine = set(self.state.peers(chosen))
+            self._interrupting.append(mine)
+        try:  # its own realign judges these groups and reports it: check_alignment leaves them meanwhile
+            return self._interrupt(chosen, force, grace)
+        finally:
+            with self.state.lock:
+                self._interrupting.remove(mine)
+
+    def _interrupt(self, chosen: list[int], force: bool, grace: float | None) -> InterruptReport:
         state, post = self.state, self.dispatcher.post
-        chosen = parse_ranks(ranks, state.nproc)
         grace = state.options.interrupt_grace if grace is None else float(grace)
         report = InterruptReport(grace=grace, world_size=self.state.nproc)
         busy: dict[int, int] = {}
@@ -171,7 +183,7 @@ class Restarts:
             report.stuck = stuck
             self._abandon({busy[r] for r in stuck})
             if report.interrupted and not stuck:
-                report.realigned = self.realign(report.interrupted)
+                report.realigned = self.realign(report.interrupted) or ""
             return report
         if stuck:
             self.kill_ranks(stuck, "killed by %mesh interrupt --force")
@@ -184,31 +196,65 @@ class Restarts:
             report.regrouped = True
         return report
 
-    def realign(self, ranks: list[int]) -> str:
-        """After an interrupt stopped every rank of ``ranks``: when the ranks of their process group (split: their
-        sub-mesh's) issued different numbers of collectives on it (``releases.unmatched``: one was interrupted
-        between issuing a collective and waiting for it), tear the group down and make a fresh one, as
-        ``interrupt(force=True)`` does, so that no later collective pairs with the abandoned one; every rank keeps
-        its namespace. Returns what was found and done ("" when the numbers agree, or when a rank of the group
-        still runs a cell, is dead or did not answer: nothing is judged then)."""
+    def check_alignment(self, ranks: list[int]) -> str:
+        """``realign`` for each process group of ``ranks`` (split: their sub-meshes') that ran a cell which ended
+        with an error or an interrupt since its numbers were last compared (``MeshState.unaligned``): a rank may
+        have issued a collective (``async_op=True``, or an interrupt between issuing and waiting) that its peers
+        never issued. Cheap when none did (no question is asked). Returns what was found and done, "" if nothing."""
+        if not self._flagged(ranks):
+            return ""
+        with self._aligning:  # one check at a time (sweep trials submit from threads of their own)
+            why = "a cell that ended with an error or an interrupt left it in flight"
+            return "; ".join(t for g in self._flagged(ranks) if (t := self._realign(g, why)))
+
+    def _flagged(self, ranks: list[int]) -> list[list[int]]:
+        """The process groups of ``ranks`` (split: their sub-meshes) that ``MeshState.unaligned`` names."""
+        state = self.state
+        with state.lock:
+            if not state.unaligned:
+                return []
+            busy = set().union(*self._interrupting)
+            groups: list[list[int]] = []
+            covered: set[int] = set()
+            for r in ranks:
+                if r in state.unaligned and r not in busy and r not in covered:
+                    groups.append(state.peers([r]))
+                    covered.update(groups[-1])
+            return groups
+
+    def realign(self, ranks: list[int], why: str = "an interrupt left it in flight") -> str | None:
+        """When every rank of the process group of ``ranks`` (split: their sub-mesh's) has ended its cells and they
+        issued different numbers of collectives on it (``releases.unmatched``: one was interrupted between issuing
+        a collective and waiting for it, or raised or ended before waiting for one issued with
+        ``async_op=True``), tear the group down and make a fresh one, as ``interrupt(force=True)`` does, so that no
+        later collective pairs with the abandoned one; every rank keeps its namespace. Returns what was found and
+        done, "" when the numbers agree, None when nothing could be judged (a rank of the group still runs a
+        cell, is dead, or did not answer: ``MeshState.unaligned`` keeps it for a later check)."""
+        with self._aligning:
+            return self._realign(ranks, why)
+
+    def _realign(self, ranks: list[int], why: str) -> str | None:
         state = self.state
         with state.lock:
             peers = state.peers(ranks)
             if state.stopping or not peers or any(
                     state.ranks[r].cells or state.ranks[r].state is RankState.DEAD or state.ranks[r].identity is None
                     for r in peers):
-                return ""
+                return None
         try:
             replies = self.stacks.ask(peers, 2.0).replies
         except MonarchError:
-            return ""
-        skew = unmatched({r: replies[r].collective for r in peers if r in replies}, peers)
-        if not skew:
-            return ""
-        reason = f"{skew} (an interrupt left it in flight)"
+            return None
+        if any(r not in replies for r in peers):
+            return None
+        skew = unmatched({r: replies[r].collective for r in peers}, peers)
         with state.lock:
             if any(state.ranks[r].cells for r in peers):  # a cell came meanwhile: it runs in the group as it is
+                return None
+            state.unaligned.difference_update(peers)
+            if not skew:
                 return ""
+            reason = f"{skew} ({why})"
             state.mark_down(peers, reason)
         for r in peers:
             self.dispatcher.post(r, P.Abort(reason=reason))

@@ -89,7 +89,12 @@ def summarize(frames: list[Frame]) -> str:
         running = str(anchor[4]) if len(anchor) > 4 else ""
         what = _called(running) or _called(str(anchor[3])) or anchor[2]
     else:
-        what = innermost[2]
+        # The innermost public function below the user's frame: not a wrapper's or a private helper's name (torch's
+        # c10d logger runs _get_msg_dict while a collective's error unwinds, its frame gone), else the line's call.
+        below = frames[frames.index(anchor) + 1:]
+        named = [f for f in below if not str(f[2]).startswith(("_", "<")) and f[2] != "wrapper"]
+        running = str(anchor[4]) if len(anchor) > 4 else ""
+        what = named[-1][2] if named else _called(running) or _called(str(anchor[3])) or innermost[2]
     return f"{what} at {where(anchor, cell)}"
 
 

@@ -216,6 +216,9 @@ class MeshState:
         # Lines of ranks that belong to no cell, held while a start of many ranks runs, to be shown folded
         # (identical lines of several ranks once: Lifecycle.release_held); None: written as they come.
         self.held_output: list[tuple[int, str, Any]] | None = None
+        # Ranks of cells that ended with an error or an interrupt since their process group's collective numbers
+        # were last compared (Restarts.check_alignment): one may have left a collective issued and not waited for.
+        self.unaligned: set[int] = set()
 
     def new_generation(self, secret: bytes) -> None:
         """Fresh rank handles and secret for a start or restart (under no lock: nothing else runs yet)."""
@@ -227,6 +230,7 @@ class MeshState:
         self.ranks = {r: self.rank_info(r) for r in range(self.nproc)}
         self.store_port = None
         self.down = {}
+        self.unaligned = set()
         self.regrouping = set()
         self.regroup_active = False
         self.killing = {}
@@ -363,12 +367,14 @@ class MeshState:
         self.assert_locked()
         for r in ranks:
             self.down[r] = why
+            self.unaligned.discard(r)  # a fresh group comes: nothing of this one is paired any more
 
     def mark_up(self, ranks: Iterable[int]) -> None:
         """Under the lock: ``ranks`` are in a fresh process group."""
         self.assert_locked()
         for r in ranks:
             self.down.pop(r, None)
+            self.unaligned.discard(r)
 
     def down_for(self, ranks: Iterable[int]) -> str:
         """Under the lock: why the process group of some of ``ranks`` is broken ("" when theirs are fine)."""

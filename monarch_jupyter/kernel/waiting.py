@@ -97,6 +97,7 @@ class Waiter:
         """
         ranks = sorted(itertools.chain.from_iterable(g[0] for g in groups)) if len(groups) > 1 else sorted(groups[0][0])
         self._wait_healed(ranks, what)
+        self._check_alignment(None, ranks)
         handle = self.cells.new(cell_id, ranks, what, order, self, tracks_failures=tracks_failures,
                                 rejoin=groups if rejoin else None)
         rec = handle.record
@@ -132,6 +133,19 @@ class Waiter:
                     sys.stderr.write(healing_wait_note(healing, what))
         except KeyboardInterrupt:  # one line, not the controller's frames: nothing was sent
             raise mesh_interrupt(healing_interrupted_note(healing, what)) from None
+
+    def _check_alignment(self, rec: CellRecord | None, ranks: list[int] | None = None) -> None:
+        """After a cell that ended with an error or an interrupt (``MeshState.unaligned``): did a rank leave a
+        collective in flight that its peers never issued? (``Restarts.check_alignment``: a fresh group then.) What
+        was done goes into ``rec``'s error, or, before a new cell is sent to ``ranks``, into a note on stderr."""
+        text = self.restarts.check_alignment(rec.ranks if rec is not None else ranks or [])
+        if not text:
+            return
+        if rec is None:
+            sys.stderr.write(f"note: {text}\n")
+            return
+        with self.state.lock:
+            self.cells.set_hint(rec, text)
 
     def claim(self, rec: CellRecord) -> None:
         """This thread writes ``rec``'s lines from now on (after what was queued before it)."""
@@ -195,6 +209,8 @@ class Waiter:
                 if done:
                     if rec.collective_released and not rec.collective_hint:
                         self.releases.renew_group(rec)
+                    elif rec.errors and not rec.collective_hint:  # a collective left in flight? (a fresh group)
+                        self._check_alignment(rec)
                     state.events.flush()  # the views saw the cell end before its result is returned
                     return True
                 if self.prompts.has_prompt(rec):  # a rank stopped at breakpoint()
@@ -270,7 +286,7 @@ class Waiter:
             waited = min(grace, time.monotonic() - started)
             sys.stderr.write(self.restarts.stuck_message(stuck, round(waited, 1)))
         elif stopped:  # did one stop between issuing a collective and waiting for it? (a fresh group then)
-            realigned = self.restarts.realign(list(stopped))
+            realigned = self.restarts.realign(list(stopped)) or ""
             if realigned:
                 with state.lock:
                     cells.set_hint(rec, realigned)
@@ -349,8 +365,9 @@ class Waiter:
             errors, results, valued = self.cells.take_outcome(rec)
         if errors:
             if all(isinstance(e, RemoteError) and e.interrupted for e in errors.values()):
+                hint = f"; {rec.collective_hint}" if rec.collective_hint else ""
                 raise mesh_interrupt(f"interrupted {ranks_text(errors)} ({keep_state(errors)}): "
-                                     f"{where_interrupted(errors)}{finished_note(results)}", results)
+                                     f"{where_interrupted(errors)}{finished_note(results)}{hint}", results)
             errors, hint = self.deaths.fold_errors(rec, self.releases.fold_released(rec, errors))
             hint = "; ".join(h for h in (rec.collective_hint, hint) if h)
             raise MeshError(errors, results, rec.what, hint)

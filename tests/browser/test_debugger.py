@@ -124,9 +124,11 @@ def _evaluate(notebook: jlab.NotebookPage, code: str) -> str:
     cells = console.locator(".jp-CodeConsole-content .jp-Cell")
     before = cells.count()
     prompt = console.locator(".jp-CodeConsole-promptCell .cm-content")
-    prompt.click()
-    notebook.page.keyboard.type(code)
-    notebook.page.keyboard.press("Shift+Enter")
+    # fill and press each focus the prompt first: a stop that %mesh select sends makes JupyterLab show the line in
+    # the notebook, which moves the focus there, and keys typed after a click could land in the notebook's cell.
+    prompt.fill(code)
+    assert prompt.inner_text().strip() == code, prompt.inner_text()
+    prompt.press("Shift+Enter")
     done = cells.nth(before).locator(".jp-OutputArea-output")
     done.wait_for(state="visible", timeout=30_000)
     return done.inner_text().strip()

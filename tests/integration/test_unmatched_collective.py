@@ -107,6 +107,58 @@ def test_a_timed_out_cell_with_an_unmatched_collective_says_so_and_re_creates_th
         assert m.run(SUM, timeout=60) == {0: 3.0, 1: 3.0}
 
 
+def test_a_cell_that_raised_after_a_collective_in_flight_re_creates_the_group() -> None:
+    with Mesh(2, start_timeout=WAIT, interrupt_grace=5.0) as m:
+        m.run(SUM)
+        # No interrupt: both ranks raise, rank 1 with an all_reduce issued and never waited for.
+        with pytest.raises(MeshError) as caught:
+            m.run(ORPHAN + "raise ValueError('bad batch')", timeout=60)
+        shown = "\n".join(caught.value._render_traceback_())  # what a notebook prints under the cell
+        assert "bad batch" in shown and SKEW.search(shown) and "the process group was re-created" in shown, shown
+        assert m.run(SUM, timeout=60) == {0: 3.0, 1: 3.0}  # before: 101.0 on rank 0, and rank 1 hung
+        assert m.run("w.tolist()") == {0: [0.0], 1: [0.0]}  # namespaces kept
+        # A cell that raised with the numbers in step leaves the group as it is.
+        with pytest.raises(MeshError) as caught:
+            m.run(SUM + "\nraise ValueError('after')", timeout=60)
+        assert not caught.value.hint, caught.value.hint
+        assert m.run("t.item()") == {0: 3.0, 1: 3.0}
+
+
+def test_an_interrupt_of_one_rank_is_judged_when_its_peers_end_the_cell(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    go = tmp_path / "go"
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    # Rank 1 leaves an all_reduce in flight and sleeps; rank 0 runs on until told, then ends the cell normally.
+    code = (ORPHAN + f"import pathlib, time\npathlib.Path({str(marks)!r}, f'r{{rank}}').touch()\n"
+            f"while rank == 1 or not pathlib.Path({str(go)!r}).exists():\n    time.sleep(0.05)\n'ok'")
+    with Mesh(2, start_timeout=WAIT, interrupt_grace=5.0) as m:
+        for waited in (True, False):
+            m.run(SUM)
+            for p in marks.iterdir():
+                p.unlink()
+            go.unlink(missing_ok=True)
+            handle = m.run(code, block=False)
+            both_sleep(marks)
+            report = m.interrupt(ranks=1)  # rank 0 still runs the cell: nothing can be judged yet
+            assert report.interrupted == [1] and not report.realigned, report.text
+            go.touch()
+            if waited:  # the cell's own outcome says it
+                with pytest.raises(KeyboardInterrupt) as caught:
+                    handle.result(WAIT)
+                assert SKEW.search(str(caught.value)) and "re-created" in str(caught.value), caught.value
+                assert m.run(SUM, timeout=60) == {0: 3.0, 1: 3.0}
+            else:  # nobody asked for its outcome: the next cell's note says it
+                deadline = time.monotonic() + WAIT
+                while not handle.done():
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+                capsys.readouterr()
+                assert m.run(SUM, timeout=60) == {0: 3.0, 1: 3.0}
+                err = capsys.readouterr().err
+                assert SKEW.search(err) and "re-created" in err, err
+
+
 def test_a_sub_mesh_with_an_unmatched_collective_regroups_alone(tmp_path: Path) -> None:
     with Mesh(4, start_timeout=WAIT, interrupt_grace=5.0) as m:
         a, b = m.split(2)

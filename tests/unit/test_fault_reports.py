@@ -40,6 +40,9 @@ def test_summaries_name_the_function_and_the_cell_line() -> None:
     assert summarize(SLEEPING) == "time.sleep at cell line 6"  # a C function: the call on the cell's line
     assert summarize(IN_COLLECTIVE) == "all_reduce at <mesh In[3]>:4 in train"  # in a function of another cell
     assert summarize([]) == "idle"
+    # A collective's error unwinding through torch's c10d logger: the helper it runs is not what the rank does.
+    unwinding = [*IN_CELL[:2], (LOGGER, 96, "_get_msg_dict", "msg_dict = {")]
+    assert summarize(unwinding) == "dist.all_reduce at cell line 4"
 
 
 def test_report_groups_identical_stacks() -> None:
