@@ -57,13 +57,18 @@ class CellHandle:
     ``done()``, ``wait()``, ``result()``, ``snapshot()``. It reads the controller's record of the cell (``record``,
     internal) under the mesh lock and never changes it."""
 
-    __slots__ = ("record", "cell_id", "ranks", "what", "_state", "_waiter")
+    __slots__ = ("record", "cell_id", "what", "_state", "_waiter")
 
     def __init__(self, record: CellRecord, state: MeshState, waiter: CellWaiter) -> None:
         self.record = record
-        self.cell_id, self.ranks, self.what = record.cell_id, record.ranks, record.what
+        self.cell_id, self.what = record.cell_id, record.what
         self._state = state
         self._waiter = waiter
+
+    @property
+    def ranks(self) -> list[int]:
+        """The ranks it was sent to, sorted (a fresh list: the record holds a range for the whole mesh)."""
+        return list(self.record.ranks)
 
     @property
     def waited(self) -> bool:
@@ -484,8 +489,10 @@ class CellTable:
         """Under the lock: the lines collected for the waiter, now taken (folded where the cell folds; the lines of
         a folding cell are held until they are ``FOLD_WINDOW`` seconds old or the cell is done)."""
         self.state.assert_locked()
+        if not rec.lines:  # the usual wake of a quiet cell
+            return []
         now = time.monotonic()
-        if rec.fold and rec.lines and not rec.all_done and now - rec.lines_since < FOLD_WINDOW:
+        if rec.fold and not rec.all_done and now - rec.lines_since < FOLD_WINDOW:
             return []
         lines, rec.lines = rec.lines, []
         if lines:

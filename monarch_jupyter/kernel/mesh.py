@@ -15,7 +15,7 @@ from monarch_worker import protocol as P
 from monarch_worker.serialize import dumps
 
 from ..errors import MeshError, MeshNotRunningError
-from ..ranks import RankMap, parse_ranks
+from ..ranks import RankMap, chosen_ranks
 from . import config, hints, registry, scripts
 from .cells import CellHandle
 from .compiling import compile_cell, notebook_refs, sources_of
@@ -252,7 +252,7 @@ class Mesh:
         self._check_running()
         if order not in ("arrival", "rank"):
             raise ValueError(f"order must be 'arrival' or 'rank', got {order!r}")
-        chosen = parse_ranks(ranks, self.state.nproc)
+        chosen = chosen_ranks(ranks, self.state.nproc)
         cell_id = next(self.state.ids)
         filename = filename or f"<mesh cell {cell_id}>"
         compiled = compile_cell(code, filename)  # SyntaxError here, before anything runs
@@ -275,7 +275,7 @@ class Mesh:
         SerializationError (nothing sent) when ``fn`` or its arguments cannot be pickled.
         """
         self._check_running()
-        chosen = parse_ranks(ranks, self.state.nproc)
+        chosen = chosen_ranks(ranks, self.state.nproc)
         cell_id = next(self.state.ids)
         payload, buffers = dumps((fn, args, kwargs))
         handle = self.waiter.submit(cell_id, [(chosen, P.Call(cell_id, sources_of([fn])), payload, buffers)],

@@ -95,7 +95,9 @@ class Waiter:
         KeyboardInterrupt
             The caller was interrupted once the cell was on its way: the ranks were interrupted too.
         """
-        ranks = sorted(itertools.chain.from_iterable(g[0] for g in groups)) if len(groups) > 1 else sorted(groups[0][0])
+        first = groups[0][0]
+        ranks = (sorted(itertools.chain.from_iterable(g[0] for g in groups)) if len(groups) > 1
+                 else first if isinstance(first, range) else sorted(first))  # every rank: a range, no list
         self._wait_healed(ranks, what)
         self._check_alignment(None, ranks)
         handle = self.cells.new(cell_id, ranks, what, order, self, tracks_failures=tracks_failures,

@@ -163,6 +163,20 @@ class CellDashboardView(DashboardView):
                 self.render_again()
             self.output.close()
 
+    def after_final(self) -> bool:
+        """A final view whose record is still open: a thread waits for the cell (``h.result()`` in a later cell of an
+        ``--async`` cell, where no ``finish()`` comes) and writes its last lines after the final render on
+        ``cell_done``: they are rendered again at the next tick, and the record closes once nobody waits."""
+        if self.handle is None or self.output.closed:
+            return False
+        waited = self.handle.waited
+        if self.output.version != self._output_seen:
+            self.render_again()
+        if waited:
+            return True
+        self.output.close()
+        return False
+
     def abandon(self) -> None:
         """The cell never started: the placeholder goes (the error shows in its place)."""
         self.output.close()

@@ -223,7 +223,7 @@ class LiveView:
         finished = self.finished()  # takes the mesh lock: never under our own
         with self._lock:
             if self.final:
-                return False
+                return self.after_final()
             moved = self.monitor.version != self._seen
             clocks = self._active and time.monotonic() - self._last_render >= CLOCK_TICK
             if moved or clocks or finished or self.wants_render():
@@ -231,6 +231,10 @@ class LiveView:
         if finished:
             self._stop_listening()
         return not finished
+
+    def after_final(self) -> bool:
+        """Called by the ticker on a final view (under the view lock): True to keep it ticking (after late output)."""
+        return False
 
     def finished(self) -> bool:
         """The view has nothing more to follow: its cell is done (a cell view) or the mesh stopped."""

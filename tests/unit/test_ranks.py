@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from monarch_jupyter.ranks import RankMap, format_ranks, parse_ranks, ranks_text
+from monarch_jupyter.ranks import RankMap, chosen_ranks, format_ranks, parse_ranks, ranks_text
 
 
 @pytest.mark.parametrize(
@@ -20,6 +20,13 @@ def test_parse(spec: object, expected: list[int]) -> None:
 def test_parse_errors_name_the_problem(spec: object) -> None:
     with pytest.raises(ValueError, match="rank"):
         parse_ranks(spec, 4)  # type: ignore[arg-type]
+
+
+def test_every_rank_is_chosen_as_a_range_without_a_list() -> None:
+    assert chosen_ranks(None, 4096) == range(4096) and chosen_ranks("all", 3) == range(3)
+    assert chosen_ranks("1-2", 4) == [1, 2]  # any other selection: parse_ranks's sorted list
+    with pytest.raises(ValueError, match="rank 9"):
+        chosen_ranks(9, 4)
 
 
 def test_format_reads_aloud() -> None:
