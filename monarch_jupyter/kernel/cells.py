@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 from monarch_worker import protocol as P
@@ -125,7 +125,7 @@ class CellTable:
 
     # ------------------------------------------------------------------ new cells
 
-    def new(self, cell_id: int, ranks: list[int], what: str, order: str, waiter: CellWaiter,
+    def new(self, cell_id: int, ranks: Sequence[int], what: str, order: str, waiter: CellWaiter,
             tracks_failures: bool = True, background: bool = False, rejoin: list[Any] | None = None) -> CellHandle:
         """A record for a cell about to be sent, and its handle (no lock: nobody else sees it yet). ``rejoin``: what
         a replacement of a rank that dies running it is sent (``CellRecord.rejoin``)."""

@@ -19,7 +19,7 @@ import contextlib
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from monarch_worker import protocol as P
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Dispatcher", "Group", "ToRanks", "sigint_held"]
 
-Group = tuple[list[int], P.Message, bytes, list]  # ranks that get one message (signed once), its payload, buffers
+Group = tuple[Sequence[int], P.Message, bytes, list]  # ranks that get one message (signed once), its payload, buffers
 
 
 class ToRanks:
@@ -45,7 +45,7 @@ class ToRanks:
 
     __slots__ = ("ranks",)
 
-    def __init__(self, ranks: list[int]) -> None:
+    def __init__(self, ranks: Sequence[int]) -> None:
         self.ranks = ranks
 
 WORK_TYPES = P.work_types()
@@ -83,7 +83,7 @@ class Dispatcher:
         if info is not None and info.identity is not None:
             self.outbox.put(([info.identity], msg, b"", []))
 
-    def submit(self, rec: CellRecord, groups: list[Group]) -> None:
+    def submit(self, rec: CellRecord, groups: Sequence[Group]) -> None:
         """Register ``rec`` with its ranks and send each group its message; raises KeyboardInterrupt (after
         sending everything) when SIGINT arrived meanwhile.
 

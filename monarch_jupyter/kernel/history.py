@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,7 +96,7 @@ class History:
                 for name, value in values.items():
                     self._pushes[(r, name)] = (seq, value, device)
 
-    def cell(self, code: str, filename: str, sources: dict, refs: dict[str, Any], ranks: list[int],
+    def cell(self, code: str, filename: str, sources: dict, refs: dict[str, Any], ranks: Sequence[int],
              replay: bool) -> None:
         """A cell was sent to ``ranks`` with notebook functions and classes ``refs`` (their ``sources``); a
         ``replay`` cell is itself sent again."""

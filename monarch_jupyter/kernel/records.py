@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextvars
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from monarch_worker.hostmessages import unpack_durations
@@ -45,7 +46,7 @@ class CellRecord:
                  "queued_on", "keep_outcome", "final", "lines", "lines_since", "lines_due", "held", "waiting", "wake",
                  "handle", "rejoin", "left")
 
-    def __init__(self, cell_id: int, ranks: list[int], what: str, order: str, fold: bool, tracks_failures: bool,
+    def __init__(self, cell_id: int, ranks: Sequence[int], what: str, order: str, fold: bool, tracks_failures: bool,
                  background: bool) -> None:
         self.cell_id = cell_id
         self.ranks = ranks  # sorted

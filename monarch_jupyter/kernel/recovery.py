@@ -16,7 +16,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -196,7 +196,7 @@ class Restarts:
             report.regrouped = True
         return report
 
-    def check_alignment(self, ranks: list[int]) -> str:
+    def check_alignment(self, ranks: Sequence[int]) -> str:
         """``realign`` for each process group of ``ranks`` (split: their sub-meshes') that ran a cell which ended
         with an error or an interrupt since its numbers were last compared (``MeshState.unaligned``): a rank may
         have issued a collective (``async_op=True``, or an interrupt between issuing and waiting) that its peers
@@ -207,7 +207,7 @@ class Restarts:
             why = "a cell that ended with an error or an interrupt left it in flight"
             return "; ".join(t for g in self._flagged(ranks) if (t := self._realign(g, why)))
 
-    def _flagged(self, ranks: list[int]) -> list[list[int]]:
+    def _flagged(self, ranks: Sequence[int]) -> list[list[int]]:
         """The process groups of ``ranks`` (split: their sub-meshes) that ``MeshState.unaligned`` names."""
         state = self.state
         with state.lock:

@@ -15,7 +15,7 @@ import itertools
 import threading
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -253,7 +253,7 @@ class MeshState:
         same = [r for r in group if r in self.ranks and self.ranks[r].host == host]
         return same.index(rank), len(same)
 
-    def peers(self, ranks: list[int]) -> list[int]:
+    def peers(self, ranks: Sequence[int]) -> list[int]:
         """Every rank that shares a default process group with one of ``ranks`` (sorted)."""
         if not self.partition:
             return list(range(self.nproc)) if ranks else []
@@ -383,7 +383,7 @@ class MeshState:
             return ""
         return "; ".join(dict.fromkeys(self.down[r] for r in ranks if r in self.down))
 
-    def stuck(self, ranks: list[int]) -> list[int]:
+    def stuck(self, ranks: Sequence[int]) -> list[int]:
         """Under the lock: those of ``ranks`` that still run a cell that was interrupted or timed out and did not
         stop (not those that had not started it: they skip it)."""
         self.assert_locked()

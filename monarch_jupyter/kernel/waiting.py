@@ -22,6 +22,7 @@ import logging
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from typing import Protocol
 
 from ..errors import MeshError, MeshInterrupt, MeshTimeoutError, MonarchError, RemoteError, mesh_interrupt
@@ -79,7 +80,7 @@ class Waiter:
         self.restarts = restarts
         self.prompts = prompts
 
-    def submit(self, cell_id: int, groups: list[Group], what: str, order: str = "arrival",
+    def submit(self, cell_id: int, groups: Sequence[Group], what: str, order: str = "arrival",
                tracks_failures: bool = True, waited: bool = False, rejoin: bool = False) -> CellHandle:
         """Send one cell (``groups``: ranks that get the same message) and return its handle. ``order``: see
         ``Mesh.run``; ``tracks_failures``: its failures are the ones post-mortem opens; ``waited``: the caller
@@ -101,7 +102,7 @@ class Waiter:
         self._wait_healed(ranks, what)
         self._check_alignment(None, ranks)
         handle = self.cells.new(cell_id, ranks, what, order, self, tracks_failures=tracks_failures,
-                                rejoin=groups if rejoin else None)
+                                rejoin=list(groups) if rejoin else None)
         rec = handle.record
         if not waited:
             return self._send(rec, groups)
@@ -113,7 +114,7 @@ class Waiter:
                 self.cells.set_waiting(rec, False)  # nobody will wait: lines go out as they come
             raise
 
-    def _wait_healed(self, ranks: list[int], what: str) -> None:
+    def _wait_healed(self, ranks: Sequence[int], what: str) -> None:
         """Wait while some of ``ranks`` are being restarted (``MeshState.healing``), in 50 ms slices (SIGINT reaches
         the caller); the healer's own work (``MeshState.healer``) does not wait."""
         state = self.state
@@ -136,7 +137,7 @@ class Waiter:
         except KeyboardInterrupt:  # one line, not the controller's frames: nothing was sent
             raise mesh_interrupt(healing_interrupted_note(healing, what)) from None
 
-    def _check_alignment(self, rec: CellRecord | None, ranks: list[int] | None = None) -> None:
+    def _check_alignment(self, rec: CellRecord | None, ranks: Sequence[int] | None = None) -> None:
         """After a cell that ended with an error or an interrupt (``MeshState.unaligned``): did a rank leave a
         collective in flight that its peers never issued? (``Restarts.check_alignment``: a fresh group then.) What
         was done goes into ``rec``'s error, or, before a new cell is sent to ``ranks``, into a note on stderr."""
@@ -156,7 +157,7 @@ class Waiter:
             self.cells.set_waiting(rec, True)
         self.writer.flush()
 
-    def _send(self, rec: CellRecord, groups: list[Group]) -> CellHandle:
+    def _send(self, rec: CellRecord, groups: Sequence[Group]) -> CellHandle:
         try:
             self.dispatcher.submit(rec, groups)
         except KeyboardInterrupt:

@@ -26,6 +26,7 @@ import logging
 import threading
 import time
 from bisect import bisect_left
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -371,7 +372,7 @@ class HostLinks:
         """Sign ``msg`` and send it to one peer: a rank an agent holds gets it through its agent (I/O thread)."""
         self.deliver([identity], self.socket.pack(msg), msg)
 
-    def deliver_ranks(self, ranks: list[int], frames: list, msg: P.Message) -> None:
+    def deliver_ranks(self, ranks: Sequence[int], frames: list, msg: P.Message) -> None:
         """``deliver`` to ``ranks`` (sorted), routed per agent by the ranges agents hold: a step per agent, none
         per rank, while every agent rank has said hello; else (a rank being started) as ``deliver`` (I/O thread)."""
         if self._unjoined or not ranks:
@@ -388,7 +389,7 @@ class HostLinks:
                 continue
             covered += hi - lo
             if agent.alive:
-                sends.append((agent.identity, ALL if hi - lo == stop - start else ranks[lo:hi]))
+                sends.append((agent.identity, ALL if hi - lo == stop - start else list(ranks[lo:hi])))
         if covered != len(ranks):  # ranks that joined on their own (no agent), or agents with scattered ranks
             spans = self._spans
             with self.state.lock:
