@@ -51,6 +51,10 @@ __all__ = ["prepare_process", "flush_c_stdio", "GroupSockets", "abort_communicat
 _IOLBF = 1  # setvbuf mode: line buffered (glibc value)
 _group_since_ns = 0  # wall clock (ns) when the current process group was made (GroupSockets)
 _fflush = None  # libc's fflush, once prepare_process found it
+# Process groups left after an Abort, kept alive for the rank's lifetime: a gloo group's destructor joins its work
+# thread, which may still wait in a collective its peers abandoned (shutting its connections down does not always
+# wake it), and the main thread would then never reach the fresh group. One stuck thread per such regroup is leaked.
+_abandoned: list[Any] = []
 
 
 def prepare_process() -> None:
@@ -199,8 +203,10 @@ def destroy_group(rank: RankSide, msg: P.Abort, payload: bytes, bufs: list) -> N
 
     groups = getattr(getattr(rank, "transfers", None), "_groups", None)
     if isinstance(groups, dict):
+        _abandoned.extend(groups.values())
         groups.clear()  # sub-groups of the old process group (transfer broadcasts) die with it
     if dist.is_initialized():
+        _abandoned.append(dist.group.WORLD)  # never destroyed here (see _abandoned)
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - a broken group may fail to tear down cleanly; it is gone either way

@@ -124,6 +124,19 @@ def test_a_cell_that_raised_after_a_collective_in_flight_re_creates_the_group() 
         assert m.run("t.item()") == {0: 3.0, 1: 3.0}
 
 
+def test_two_of_four_ranks_with_a_collective_in_flight_regroup_every_time() -> None:
+    # Ranks 1 and 2 of a ring wait in the abandoned all_reduce on gloo's work thread; destroying their group joined
+    # that thread, which never returned, so the fresh group never formed (at the first or second try before).
+    left = "t = torch.ones(1) * (rank + 1)\nif rank in (1, 2):\n    w = dist.all_reduce(t, async_op=True)\n"
+    with Mesh(4, start_timeout=60, interrupt_grace=5.0) as m:
+        for _ in range(3):
+            with pytest.raises(MeshError) as caught:
+                m.run(left + "raise RuntimeError('boom')", timeout=WAIT)
+            hint = caught.value.hint
+            assert "ranks 1,2 issued" in hint and "the process group was re-created" in hint, hint
+            assert m.run(SUM, timeout=60) == {0: 10.0, 1: 10.0, 2: 10.0, 3: 10.0}
+
+
 def test_an_interrupt_of_one_rank_is_judged_when_its_peers_end_the_cell(tmp_path: Path,
                                                                       capsys: pytest.CaptureFixture[str]) -> None:
     go = tmp_path / "go"
