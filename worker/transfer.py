@@ -134,19 +134,26 @@ class RankTransfers:
                 else:
                     buffers[i] = [_writable(b) for b in bufs[nbuf:nbuf + item["nbufs"]]]
                     nbuf += item["nbufs"]
-            # Every rank of a broadcast must enter it, so broadcasts come before anything that may raise.
-            for i, item in enumerate(msg.items):
-                if item.get("bcast"):
-                    buffers[i] = self._broadcast(item["bcast"], buffers.get(i, []))
-            if failure is not None:
-                raise failure
-            device = resolve_device(msg.device, self.rank.device, self.rank.rank)
             values: dict[str, Any] = {}
-            pos = 0
-            for i, item in enumerate(msg.items):
-                data = payload[pos:pos + item["pickle"]]
-                pos += item["pickle"]
-                values[item["name"]] = loads(data, buffers.pop(i, []), device)
+            try:
+                # Every rank of a broadcast must enter it, so broadcasts come before anything that may raise.
+                for i, item in enumerate(msg.items):
+                    if item.get("bcast"):
+                        buffers[i] = self._broadcast(item["bcast"], buffers.get(i, []))
+                if failure is not None:
+                    raise failure
+                device = resolve_device(msg.device, self.rank.device, self.rank.rank)
+                pos = 0
+                for i, item in enumerate(msg.items):
+                    data = payload[pos:pos + item["pickle"]]
+                    pos += item["pickle"]
+                    values[item["name"]] = loads(data, buffers.pop(i, []), device)
+            except BaseException:
+                # The error's traceback keeps this frame (post-mortem keeps the last failure): drop the views of the
+                # mapped segments now, so their finalizers give them back, not whenever that traceback goes.
+                buffers.clear()
+                values.clear()
+                raise
             self.rank.ns.ns.update(values)  # all names at once: a failed push binds none of them
             return False, None
 
