@@ -52,7 +52,8 @@ def torchft_loops(state: MeshState) -> list[CellRecord]:
     in flight is a ``--rejoin`` cell on every rank of a ``torchft=True`` mesh, not interrupted), else []."""
     state.assert_locked()
     cells = [rec for rec in state.cells.values() if not rec.all_done]
-    if (not cells or not state.options.torchft or state.partition is not None  # every rank: ranks are sorted, unique
+    # A cell's ranks are sorted and unique: as many as the world means every rank (a list or a range).
+    if (not cells or not state.options.torchft or state.partition is not None
             or any(rec.rejoin is None or rec.interrupted or len(rec.ranks) != state.nproc for rec in cells)):
         return []
     return cells

@@ -201,7 +201,7 @@ class Restarts:
         with an error or an interrupt since its numbers were last compared (``MeshState.unaligned``): a rank may
         have issued a collective (``async_op=True``, or an interrupt between issuing and waiting) that its peers
         never issued. Cheap when none did (no question is asked). Returns what was found and done, "" if nothing."""
-        if not self._flagged(ranks):
+        if not self.state.unaligned or not self._flagged(ranks):  # the usual cell: no lock taken
             return ""
         with self._aligning:  # one check at a time (sweep trials submit from threads of their own)
             why = "a cell that ended with an error or an interrupt left it in flight"
