@@ -22,6 +22,7 @@ class RankSide(Protocol):
     current_cell: int  # the cell the main thread runs now (-1: idle)
     main_ident: int  # threading.get_ident() of the main thread
     outbox: Outbox  # what the I/O thread sends
+    group_sockets: Any  # recovery.GroupSockets: the connections of the process group and its dist.new_group groups
 
     def send(self, msg: P.Message, value: Any = None, *, with_value: bool = False,
              buffers: list | None = None) -> None: ...

@@ -206,6 +206,15 @@ def destroy_group(rank: RankSide, msg: P.Abort, payload: bytes, bufs: list) -> N
         _abandoned.extend(groups.values())
         groups.clear()  # sub-groups of the old process group (transfer broadcasts) die with it
     if dist.is_initialized():
+        # The I/O thread cuts the connections when the Abort comes (abort_communicators), but only while the group
+        # exists: a main thread that was idle (an Abort after the cells ended, the realign of an unmatched
+        # collective) may destroy it first. Cut here too, or a collective left in flight on a dist.new_group group
+        # keeps its connections, and the next one issued on that group waits for it forever.
+        try:
+            if dist.get_backend() != "nccl":
+                rank.group_sockets.cut()
+        except Exception:  # noqa: BLE001 - best effort, as in abort_communicators
+            log.exception("rank %d: shutting down the process group's connections failed", rank.rank)
         _abandoned.append(dist.group.WORLD)  # never destroyed here (see _abandoned)
         try:
             dist.destroy_process_group()
