@@ -6,6 +6,7 @@ Every message, report and view names ranks through ``format_ranks`` ("0,1,3", "0
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -15,10 +16,14 @@ __all__ = ["parse_ranks", "chosen_ranks", "RankMap", "format_ranks", "plural", "
 def chosen_ranks(spec: str | int | Iterable[int] | None, world_size: int) -> Sequence[int]:
     """``parse_ranks``, but every rank (``spec`` None or "all") as ``range(world_size)``: a cell sent to the whole
     mesh makes no list of its ranks (at 4,096 ranks that list and its sort were a tenth of the controller's CPU per
-    cell). Raises ValueError as ``parse_ranks`` does."""
-    if spec is None or (isinstance(spec, str) and spec.strip() in ("", "all", "*")):
+    cell). Raises as ``parse_ranks`` does."""
+    if spec is None or (isinstance(spec, str) and spec.strip() in _EVERY):
         return range(world_size)
     return parse_ranks(spec, world_size)
+
+
+_EVERY = ("all", "*")
+_FORMS = "None or 'all' (every rank), an int, a string such as '0,2', '1-3' or '::2', or a list of ints"
 
 
 def parse_ranks(spec: str | int | Iterable[int] | None, world_size: int) -> list[int]:
@@ -29,19 +34,20 @@ def parse_ranks(spec: str | int | Iterable[int] | None, world_size: int) -> list
 
     Raises
     ------
+    TypeError
+        ``spec`` is none of these (a float, a bool, a list holding something other than ints).
     ValueError
-        The spec does not parse, or names a rank outside ``0..world_size-1``.
+        The string does not parse (an empty part: "", "0,,1"), names a rank outside ``0..world_size-1``, or
+        selects no rank.
     """
-    if spec is None or (isinstance(spec, str) and spec.strip() in ("", "all", "*")):
+    if spec is None or (isinstance(spec, str) and spec.strip() in _EVERY):
         return list(range(world_size))
     ranks: set[int] = set()
-    if isinstance(spec, int):
-        ranks.add(spec)
-    elif isinstance(spec, str):
+    if isinstance(spec, str):
         for part in spec.replace(" ", "").split(","):
-            if not part:
-                continue
             try:
+                if not part:
+                    raise ValueError
                 if ":" in part:
                     bits = [int(b) if b else None for b in part.split(":")]
                     if len(bits) > 3:
@@ -57,16 +63,31 @@ def parse_ranks(spec: str | int | Iterable[int] | None, world_size: int) -> list
                     ranks.add(int(part))
             except ValueError:
                 raise ValueError(
-                    f"cannot parse rank selection {spec!r} (part {part!r}); use e.g. 0  or  0,2  or  1-3  or  ::2"
-                ) from None
+                    f"cannot parse rank selection {spec!r} (part {part!r}); use e.g. 0  or  0,2  or  1-3  or  ::2, "
+                    "or 'all'") from None
+    elif isinstance(spec, Iterable) and not isinstance(spec, (bytes, bytearray)):
+        for r in spec:
+            ranks.add(_rank(r, spec))
     else:
-        ranks.update(int(r) for r in spec)
+        ranks.add(_rank(spec, spec))
     bad = sorted(r for r in ranks if not 0 <= r < world_size)
     if bad:
         raise ValueError(f"{ranks_text(bad)} not in this mesh of world size {world_size} (ranks 0..{world_size - 1})")
     if not ranks:
         raise ValueError(f"rank selection {spec!r} selects no rank of a mesh of world size {world_size}")
     return sorted(ranks)
+
+
+def _rank(value: Any, spec: Any) -> int:
+    """One rank of a selection: an int (numpy's and a 0-dim integer tensor's too: ``operator.index``), not a bool
+    or a float. Raises TypeError naming the forms a selection takes."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    where = "" if value is spec else f" (in {spec!r})"
+    raise TypeError(f"a rank is an int, got {value!r} ({type(value).__name__}){where}; ranks are {_FORMS}")
 
 
 def format_ranks(ranks: Iterable[int]) -> str:

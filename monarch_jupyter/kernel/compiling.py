@@ -26,9 +26,14 @@ def compile_cell(code: str, filename: str) -> CodeType:
 
     Raises
     ------
+    TypeError
+        ``code`` is not a str (a function: ``Mesh.call`` runs those).
     SyntaxError
         The code does not compile; IPython renders it as the line and a caret (``_render_traceback_``).
     """
+    if not isinstance(code, str):
+        raise TypeError(f"code is a cell's Python source (a str), got {type(code).__name__}"
+                        + (": to call a function on the ranks, use mesh.call(fn, *args)" if callable(code) else ""))
     linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
     try:
         return compile(code, filename, "exec", dont_inherit=True)

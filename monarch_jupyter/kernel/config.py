@@ -7,12 +7,15 @@ and the table docs/configuration.md shows.
   the unknown keyword and the valid ones.
 - ``OptionAttribute``: ``mesh.interrupt_grace = 2`` reads and sets ``mesh.options.interrupt_grace`` (checked).
 - ``options_table()``: one row per option (name, trait, default, unit, help) for the docs.
+- ``check_timeout(timeout)``: a call's ``timeout`` argument, checked before anything is sent.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
+from numbers import Real
 from typing import Any
 
 from traitlets import Bool, CaselessStrEnum, Float, Int, TraitType, Unicode
@@ -23,7 +26,7 @@ from ..errors import MeshStartError
 from .launch.capacity import check_local_gpus
 
 __all__ = ["MeshOptions", "NotebookOptions", "traits", "make_options", "OptionAttribute", "options_table",
-           "mesh_signature", "trait_value"]
+           "mesh_signature", "trait_value", "check_timeout"]
 
 
 def _trait(f: dataclasses.Field) -> TraitType:
@@ -184,3 +187,26 @@ def check_gpus(nproc: int) -> None:
         check_local_gpus(nproc)
     except ValueError as e:
         raise MeshStartError(str(e)) from None
+
+
+def check_timeout(timeout: Any, name: str = "timeout", *, zero: bool = False) -> float | None:
+    """A call's ``timeout`` in seconds, checked before anything is sent: None (no limit) or a number above 0
+    (``zero``: 0 too, which looks once without waiting: ``handle.wait(0)``).
+
+    Raises
+    ------
+    TypeError
+        Not a number (a string such as "5", a bool).
+    ValueError
+        0 (unless ``zero``), negative, infinite or NaN: pass None for no limit.
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, Real):
+        raise TypeError(f"{name} is a number of seconds, or None for no limit; got {timeout!r} "
+                        f"({type(timeout).__name__})")
+    value = float(timeout)
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+        least = "0 or more" if zero else "above 0"
+        raise ValueError(f"{name} must be {least} seconds, got {timeout!r}; pass None for no limit")
+    return value

@@ -90,19 +90,10 @@ class Mesh:
 
     world_size = nproc
 
-    @property
-    def running(self) -> bool:
-        return self.state.running
-
-    @property
-    def generation(self) -> int:
-        """Counts the starts and full restarts of this mesh (what ranks keep is gone when it changes)."""
-        return self.state.generation
-
-    @property
-    def address(self) -> str:
-        """Where ranks connect to the controller (``tcp://HOST:PORT``)."""
-        return self.state.address
+    running = property(lambda self: self.state.running, doc="True while every rank runs (started, not stopped).")
+    generation = property(lambda self: self.state.generation,
+                          doc="Counts the starts and full restarts (what ranks kept is gone when it changes).")
+    address = property(lambda self: self.state.address, doc="Where ranks connect to the controller (tcp://HOST:PORT).")
 
     @property
     def listening(self) -> bool:
@@ -240,6 +231,8 @@ class Mesh:
 
         Raises
         ------
+        TypeError, ValueError
+            ``code``, ``ranks`` or ``timeout`` is not one of the forms above (nothing runs).
         SyntaxError
             The code does not compile (reported once, nothing runs).
         MeshError
@@ -252,6 +245,7 @@ class Mesh:
         self._check_running()
         if order not in ("arrival", "rank"):
             raise ValueError(f"order must be 'arrival' or 'rank', got {order!r}")
+        config.check_timeout(timeout)
         chosen = chosen_ranks(ranks, self.state.nproc)
         cell_id = next(self.state.ids)
         filename = filename or f"<mesh cell {cell_id}>"
@@ -271,10 +265,13 @@ class Mesh:
              timeout: float | None = None, block: bool = True, **kwargs: Any) -> RankMap | None | CellHandle:
         """Call ``fn(*args, **kwargs)`` on each chosen rank; returns rank -> return value.
 
-        ``fn`` may be defined in the notebook (sent by value with cloudpickle). Raises as ``run`` does, and
-        SerializationError (nothing sent) when ``fn`` or its arguments cannot be pickled.
+        ``fn`` may be defined in the notebook (sent by value with cloudpickle). Raises as ``run`` does (TypeError: not
+        callable), and SerializationError (nothing sent) when ``fn`` or its arguments cannot be pickled.
         """
         self._check_running()
+        if not callable(fn):
+            raise TypeError(f"fn is a function to call on the ranks, got {type(fn).__name__}: source is mesh.run(code)")
+        config.check_timeout(timeout)
         chosen = chosen_ranks(ranks, self.state.nproc)
         cell_id = next(self.state.ids)
         payload, buffers = dumps((fn, args, kwargs))

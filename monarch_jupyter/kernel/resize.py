@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 from ..errors import MeshStartError, MonarchError, describe_returncode
 from ..ranks import format_ranks, n_ranks, ranks_text
+from .config import check_timeout
 from .ftscale import FtScaler, torchft_loops
 from .healing import Healer
 from .hints import restarted_note
@@ -106,9 +107,11 @@ class Resizer:
 
         Raises
         ------
+        TypeError
+            ``n`` is not an int, or ``timeout`` not a number.
         ValueError
-            ``n`` is not a positive int, or the host(s) cannot carry ``n`` ranks (``oversubscribe`` forces), or under
-            a running torchft loop ``n`` is below ``torchft_min_replicas``.
+            ``n`` or ``timeout`` is not positive, or the host(s) cannot carry ``n`` ranks (``oversubscribe``
+            forces), or under a running torchft loop ``n`` is below ``torchft_min_replicas``.
         MonarchError
             The ranks were started one by one elsewhere, a cell runs (but a torchft loop on every local rank:
             ftscale.py), a rank is dead or being restarted, another scale runs, or a rank grown under a torchft loop
@@ -119,11 +122,12 @@ class Resizer:
         """
         state = self.state
         state.check_running()
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        if not isinstance(n, int) or isinstance(n, bool):
+            raise TypeError(f"n is the number of ranks the mesh should have, an int; got {n!r} ({type(n).__name__})")
+        if n < 1:
             raise ValueError(f"a mesh needs at least 1 rank, got {n!r}: to end it, run  %mesh stop  "
                              "(mesh.stop())")
-        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
-            raise ValueError(f"timeout is the seconds new ranks have to start, above 0; got {timeout!r}")
+        check_timeout(timeout)  # the seconds new ranks have to start
         hosts = self._hosts()
         if hosts is None and (self.lifecycle.joined or not isinstance(state.launcher, LocalLauncher)):
             raise MonarchError(

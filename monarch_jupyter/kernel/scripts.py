@@ -19,6 +19,7 @@ from monarch_worker import scripts as rank_scripts
 from monarch_worker.serialize import dumps
 
 from ..ranks import RankMap, parse_ranks
+from .config import check_timeout
 from .state import MeshState
 from .waiting import Waiter
 
@@ -91,6 +92,7 @@ def run_script(state: MeshState, waiter: Waiter, target: str | os.PathLike, args
     Raises as ``script_call`` does before anything runs; then as ``Mesh.run``: MeshError (an exception or a
     non-zero exit status on some ranks), MeshTimeoutError, KeyboardInterrupt.
     """
+    check_timeout(timeout)
     fn, args, kwargs = script_call(target, args, module, local, keep_state, env)
     chosen = parse_ranks(ranks, state.nproc)
     cell_id = next(state.ids)

@@ -28,6 +28,7 @@ from typing import Protocol
 from ..errors import MeshError, MeshInterrupt, MeshTimeoutError, MonarchError, RemoteError, mesh_interrupt
 from ..ranks import RankMap, format_ranks, plural, ranks_text
 from .cells import CellHandle, CellTable
+from .config import check_timeout
 from .deaths import Deaths
 from .dispatch import Dispatcher, Group
 from .hints import healing_interrupted_note, healing_wait_note
@@ -170,6 +171,7 @@ class Waiter:
 
     def result(self, rec: CellRecord, timeout: float | None) -> RankMap | None:
         """``handle.result(timeout)``, interrupting the ranks whenever the caller is interrupted."""
+        check_timeout(timeout)
         try:
             self.wait(rec, timeout, True)
             return self.outcome(rec)
@@ -181,8 +183,10 @@ class Waiter:
     def wait(self, rec: CellRecord, timeout: float | None, raise_on_timeout: bool) -> bool:
         """Wait for ``rec`` and write its output from this thread; returns True when it finished.
 
-        Raises MeshTimeoutError past ``timeout`` when ``raise_on_timeout``, KeyboardInterrupt when interrupted.
+        Raises MeshTimeoutError past ``timeout`` when ``raise_on_timeout``, KeyboardInterrupt when interrupted,
+        TypeError or ValueError for a ``timeout`` that is not None or a number of seconds (0: look once).
         """
+        check_timeout(timeout, zero=not raise_on_timeout)
         state, cells = self.state, self.cells
         deadline = None if timeout is None else time.monotonic() + timeout
         note_at: float | None = time.monotonic() + QUEUE_NOTE_AFTER

@@ -217,6 +217,38 @@ def test_bad_rank_selection_keeps_mesh(mesh: Mesh) -> None:
     assert mesh.run("rank", ranks="0") == {0: 0}
 
 
+def test_bad_arguments_of_run_and_call_are_refused_before_anything_runs(mesh: Mesh) -> None:
+    mesh.run("hits = 0")
+    bump = "hits += 1\nhits"
+    refused: list[tuple[type, str, dict]] = [
+        (TypeError, "a rank is an int, got 1.5", {"ranks": 1.5}),
+        (TypeError, "a rank is an int, got True", {"ranks": True}),  # was read as rank 1
+        (ValueError, "cannot parse rank selection ''", {"ranks": ""}),  # was every rank, while [] was refused
+        (ValueError, "part ''", {"ranks": "0,,1"}),
+        (ValueError, "selects no rank", {"ranks": []}),
+        (ValueError, "above 0 seconds", {"timeout": 0}),  # interrupted the cell at once
+        (ValueError, "above 0 seconds", {"timeout": -1}),
+        (TypeError, "a number of seconds", {"timeout": "5"})]
+    for error, words, kwargs in refused:
+        with pytest.raises(error, match=words):
+            mesh.run(bump, **kwargs)
+        with pytest.raises(error, match=words):
+            mesh.call(int, **kwargs)
+    with pytest.raises(TypeError, match=r"code is a cell's Python source \(a str\), got int"):
+        mesh.run(123)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"use mesh.call\(fn, \*args\)"):
+        mesh.run(print)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"source is mesh.run\(code\)"):
+        mesh.call("rank")  # type: ignore[arg-type]
+    assert mesh.run("hits") == {0: 0, 1: 0, 2: 0, 3: 0}  # nothing ran
+    handle = mesh.run(bump, block=False)
+    with pytest.raises(ValueError, match="above 0 seconds"):
+        handle.result(timeout=0)
+    with pytest.raises(ValueError, match="0 or more seconds"):
+        handle.wait(-1)
+    assert handle.result(timeout=60) == {0: 1, 1: 1, 2: 1, 3: 1}  # the refused waits lost nothing
+
+
 def test_stacks_of_busy_and_idle_ranks(mesh: Mesh) -> None:
     handle = mesh.run("import time\nif rank == 1:\n    time.sleep(30)\n", block=False)
     import time

@@ -81,3 +81,18 @@ def test_ranks_are_sent_the_declared_settings_with_their_defaults() -> None:
         assert default == getattr(defaults, option), rank_field
     sent = rank_settings(MeshOptions(pg_timeout=12.0, env={"A": "1"}))
     assert sent["pg_timeout"] == 12.0 and sent["env"] == {"A": "1"} and sent["join_timeout"] == 60.0
+
+
+@pytest.mark.parametrize("bad, error, words", [
+    (0, ValueError, "above 0 seconds"), (-1, ValueError, "above 0 seconds"),
+    (float("nan"), ValueError, "above 0 seconds"), (float("inf"), ValueError, "above 0 seconds"),
+    ("5", TypeError, "a number of seconds"), (True, TypeError, "a number of seconds")])
+def test_a_call_timeout_that_is_not_seconds_is_refused(bad: object, error: type, words: str) -> None:
+    with pytest.raises(error, match=words) as caught:
+        config.check_timeout(bad)
+    assert "None" in str(caught.value)  # how to ask for no limit
+
+
+def test_a_call_timeout_of_seconds_passes() -> None:
+    assert config.check_timeout(None) is None and config.check_timeout(2) == 2.0 and config.check_timeout(0.5) == 0.5
+    assert config.check_timeout(0, zero=True) == 0.0  # handle.wait(0): look once

@@ -22,6 +22,25 @@ def test_parse_errors_name_the_problem(spec: object) -> None:
         parse_ranks(spec, 4)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("spec", ["", "0,,1", "0,1,", " , "])
+def test_an_empty_part_is_refused_not_read_as_every_rank(spec: str) -> None:
+    with pytest.raises(ValueError, match="cannot parse rank selection .*'all'"):
+        parse_ranks(spec, 4)
+
+
+@pytest.mark.parametrize("spec", [1.5, True, [0, 1.0], [0, False], b"01", object()])
+def test_a_selection_of_the_wrong_type_names_the_forms_it_takes(spec: object) -> None:
+    with pytest.raises(TypeError, match=r"a rank is an int, got .*; ranks are None or 'all'"):
+        parse_ranks(spec, 4)  # type: ignore[arg-type]
+
+
+def test_integers_of_numpy_and_torch_are_ranks() -> None:
+    np = pytest.importorskip("numpy")
+    torch = pytest.importorskip("torch")
+    assert parse_ranks(np.int64(2), 4) == [2] and parse_ranks(np.array([3, 1]), 4) == [1, 3]
+    assert parse_ranks(torch.tensor([0, 2]), 4) == [0, 2] and parse_ranks(range(1, 3), 4) == [1, 2]
+
+
 def test_every_rank_is_chosen_as_a_range_without_a_list() -> None:
     assert chosen_ranks(None, 4096) == range(4096) and chosen_ranks("all", 3) == range(3)
     assert chosen_ranks("1-2", 4) == [1, 2]  # any other selection: parse_ranks's sorted list
