@@ -4,6 +4,7 @@
     torchrun --nproc-per-node 2 ddp_weights.py OUT [STEPS]     rank 0 saves the final state_dict to OUT
 """
 
+import gc
 import sys
 
 import torch
@@ -29,6 +30,13 @@ def main() -> None:
         opt.step()
     if rank == 0:
         torch.save(model.state_dict(), out)
+    # DDP's reducer holds the process group, so destroy_process_group alone leaves the group's gloo threads running
+    # until the interpreter exits. One of them may then be dropping the last gradient all_reduce, whose destructor
+    # takes the GIL: a thread that takes the GIL while Python finalizes exits, and that thread's unwinding calls
+    # std::terminate ("terminate called without an active exception", SIGABRT after the run finished; 7 of 186
+    # torchrun runs here). Freeing the model first lets the group's destruction join those threads.
+    del ddp
+    gc.collect()
     dist.destroy_process_group()
 
 
