@@ -50,6 +50,10 @@ __all__ = ["prepare_process", "flush_c_stdio", "GroupSockets", "abort_communicat
 
 _IOLBF = 1  # setvbuf mode: line buffered (glibc value)
 _group_since_ns = 0  # wall clock (ns) when the current process group was made (GroupSockets)
+# The flight recorder's pg_id (a count of the groups this process made) of the first group made with the current
+# process group: entries of a lower id are of older groups, such as a dist.new_group kept over a regroup, whose
+# name a fresh group reuses (names are counted from "0" again after destroy_process_group).
+_first_pg_id = 0
 _fflush = None  # libc's fflush, once prepare_process found it
 # Process groups left after an Abort, kept alive for the rank's lifetime: a gloo group's destructor joins its work
 # thread, which may still wait in a collective its peers abandoned (shutting its connections down does not always
@@ -130,9 +134,10 @@ class GroupSockets:
         self.inodes: set[int] = set()
 
     def __enter__(self) -> GroupSockets:
-        global _group_since_ns
+        global _group_since_ns, _first_pg_id
         self._before = _tcp_inodes()
         _group_since_ns = time.time_ns()  # the flight recorder's entries before this are of a destroyed group
+        _first_pg_id = _next_pg_id()  # and those of groups made before, whenever they were issued
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -289,7 +294,8 @@ def last_collective() -> dict:
     # Nothing made since the group was dropped from the ring buffer: it still holds an older entry, or is not full.
     complete = not size or len(entries) < size or any(
         int(x.get("time_created_ns", 0)) < _group_since_ns for x in entries)
-    entries = [x for x in entries if int(x.get("time_created_ns", 0)) >= _group_since_ns]
+    entries = [x for x in entries if int(x.get("time_created_ns", 0)) >= _group_since_ns
+               and int(x.get("pg_id", _first_pg_id)) >= _first_pg_id]
     if not entries:  # entries of a group destroyed by a regroup share the new one's name, not its numbering
         return _sequence_summary(dist, groups)
     e = max(entries, key=lambda x: (x.get("time_created_ns", 0), x.get("record_id", 0)))
@@ -307,6 +313,19 @@ def last_collective() -> dict:
             "source": "recorder", "complete": complete,
             "groups": {name: [seq, groups[name][1] if name in groups else [], what]
                        for name, (seq, what) in newest.items()}}
+
+
+def _next_pg_id() -> int:
+    """The flight recorder's id for the next group this process makes: one past the highest id it has seen (0 when
+    it has seen none, or is off). A group made before and never used has no entries, so it may have an id at or
+    above this one; a collective on it after a regroup is the first on it on every rank, so none is one ahead."""
+    try:
+        from torch._C import _distributed_c10d as c10d
+
+        status = json.loads(c10d._dump_fr_trace_json(False, False)).get("pg_status") or {}  # type: ignore[attr-defined]
+        return max((int(k) for k in status), default=-1) + 1
+    except Exception:  # noqa: BLE001 - recorder off or not in this torch build: no id filter
+        return 0
 
 
 def _sequence_summary(dist: object, groups: dict[str, tuple[object, list[int]]]) -> dict:

@@ -109,6 +109,24 @@ def test_a_group_of_its_own_left_unmatched_fails_at_once_until_made_again(tmp_pa
             m.run("g = dist.new_group([0, 1])")
 
 
+def test_a_stale_group_used_after_a_regroup_leaves_the_fresh_groups_alone() -> None:
+    # A fresh group reuses the old one's name (names count from "0" again after a regroup). The stale group's
+    # collective, one ahead on rank 1 since the abandoned one, was counted as the fresh group's: a second regroup
+    # destroyed the group just made (helper-39, 5 of 5).
+    left = "t = torch.full((1,), 100.0)\nif rank == 1:\n    work = dist.all_reduce(t, group=g, async_op=True)\n"
+    fresh = "u = torch.ones(1) * (rank + 1)\ndist.all_reduce(u, group=g2)\nu.item()"
+    with Mesh(2, start_timeout=WAIT, interrupt_grace=5.0) as m:
+        m.run("g = dist.new_group([0, 1])")
+        with pytest.raises(MeshError) as caught:
+            m.run(left + "raise ValueError('bad batch')", timeout=60)
+        assert "the process group was re-created" in caught.value.hint, caught.value.hint
+        assert m.run("g2 = dist.new_group([0, 1])\n" + fresh, timeout=60) == {0: 3.0, 1: 3.0}
+        with pytest.raises(MeshError) as caught:
+            m.run("dist.all_reduce(torch.ones(1), group=g)", timeout=60)
+        assert not isinstance(caught.value, MeshTimeoutError) and not caught.value.hint, caught.value.hint
+        assert m.run(fresh, timeout=60) == {0: 3.0, 1: 3.0}
+
+
 def test_a_timed_out_cell_with_an_unmatched_collective_says_so_and_re_creates_the_group(tmp_path: Path) -> None:
     with Mesh(2, start_timeout=WAIT, interrupt_grace=5.0) as m:
         with pytest.raises(MeshTimeoutError) as caught:
