@@ -17,7 +17,7 @@ def chosen_ranks(spec: str | int | Iterable[int] | None, world_size: int) -> Seq
     """``parse_ranks``, but every rank (``spec`` None or "all") as ``range(world_size)``: a cell sent to the whole
     mesh makes no list of its ranks (at 4,096 ranks that list and its sort were a tenth of the controller's CPU per
     cell). Raises as ``parse_ranks`` does."""
-    if spec is None or (isinstance(spec, str) and spec.strip() in _EVERY):
+    if spec is None or (isinstance(spec, str) and spec.strip().lower() in _EVERY):
         return range(world_size)
     return parse_ranks(spec, world_size)
 
@@ -29,7 +29,7 @@ _FORMS = "None or 'all' (every rank), an int, a string such as '0,2', '1-3' or '
 def parse_ranks(spec: str | int | Iterable[int] | None, world_size: int) -> list[int]:
     """Turn a rank selection into a sorted list of ranks.
 
-    ``spec`` is None or "all" (every rank), an int, an iterable of ints, or a string of comma-separated parts,
+    ``spec`` is None or "all" (any case: every rank), an int, an iterable of ints, or a string of comma-separated parts,
     each ``R`` (one rank), ``A-B`` (inclusive range) or a Python slice ``start:stop:step`` (``::2`` = even ranks).
 
     Raises
@@ -40,7 +40,7 @@ def parse_ranks(spec: str | int | Iterable[int] | None, world_size: int) -> list
         The string does not parse (an empty part: "", "0,,1"), names a rank outside ``0..world_size-1``, or
         selects no rank.
     """
-    if spec is None or (isinstance(spec, str) and spec.strip() in _EVERY):
+    if spec is None or (isinstance(spec, str) and spec.strip().lower() in _EVERY):
         return list(range(world_size))
     ranks: set[int] = set()
     if isinstance(spec, str):
@@ -65,17 +65,28 @@ def parse_ranks(spec: str | int | Iterable[int] | None, world_size: int) -> list
                 raise ValueError(
                     f"cannot parse rank selection {spec!r} (part {part!r}); use e.g. 0  or  0,2  or  1-3  or  ::2, "
                     "or 'all'") from None
-    elif isinstance(spec, Iterable) and not isinstance(spec, (bytes, bytearray)):
+    elif _is_int(spec) or not isinstance(spec, Iterable) or isinstance(spec, (bytes, bytearray)):
+        ranks.add(_rank(spec, spec))  # a 0-dim tensor is an Iterable whose iteration fails
+    else:
         for r in spec:
             ranks.add(_rank(r, spec))
-    else:
-        ranks.add(_rank(spec, spec))
     bad = sorted(r for r in ranks if not 0 <= r < world_size)
     if bad:
         raise ValueError(f"{ranks_text(bad)} not in this mesh of world size {world_size} (ranks 0..{world_size - 1})")
     if not ranks:
         raise ValueError(f"rank selection {spec!r} selects no rank of a mesh of world size {world_size}")
     return sorted(ranks)
+
+
+def _is_int(value: Any) -> bool:
+    """An int as ``operator.index`` takes it (numpy's, a 0-dim integer tensor), not a bool."""
+    if isinstance(value, bool):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
 
 
 def _rank(value: Any, spec: Any) -> int:

@@ -206,7 +206,9 @@ def check_timeout(timeout: Any, name: str = "timeout", *, zero: bool = False) ->
         raise TypeError(f"{name} is a number of seconds, or None for no limit; got {timeout!r} "
                         f"({type(timeout).__name__})")
     value = float(timeout)
-    if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+    if math.isinf(value):
+        raise ValueError(f"{name} must be a finite number of seconds, got {timeout!r}; pass None for no limit")
+    if not value >= 0 or (value == 0 and not zero):  # NaN too
         least = "0 or more" if zero else "above 0"
         raise ValueError(f"{name} must be {least} seconds, got {timeout!r}; pass None for no limit")
     return value

@@ -31,6 +31,7 @@ dead rank.
 
 from __future__ import annotations
 
+import operator
 import signal
 import threading
 import time
@@ -122,8 +123,9 @@ class Resizer:
         """
         state = self.state
         state.check_running()
-        if not isinstance(n, int) or isinstance(n, bool):
+        if isinstance(n, bool) or not hasattr(n, "__index__"):
             raise TypeError(f"n is the number of ranks the mesh should have, an int; got {n!r} ({type(n).__name__})")
+        n = operator.index(n)  # numpy's ints too
         if n < 1:
             raise ValueError(f"a mesh needs at least 1 rank, got {n!r}: to end it, run  %mesh stop  "
                              "(mesh.stop())")

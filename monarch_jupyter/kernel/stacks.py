@@ -25,6 +25,7 @@ from typing import Any
 from monarch_worker import protocol as P
 
 from ..ranks import parse_ranks, ranks_text
+from .config import check_timeout
 from .dispatch import Dispatcher
 from .state import MeshState, RankState
 
@@ -177,10 +178,11 @@ class StackRequests:
 
         Raises
         ------
-        ValueError
-            Bad rank selection.
+        TypeError, ValueError
+            Bad rank selection, or ``timeout`` not a number of seconds above 0.
         """
         state = self.state
+        check_timeout(timeout)
         chosen = parse_ranks(ranks, state.nproc)
         request_id = next(state.ids)
         with state.lock:

@@ -36,6 +36,7 @@ from monarch_worker.serialize import SerializationError, dumps
 from ..errors import MeshError, RemoteError
 from ..ranks import RankMap, parse_ranks, ranks_text
 from .cells import CellHandle
+from .config import check_timeout
 from .segments import Segments
 from .state import MeshState
 from .waiting import Waiter
@@ -109,6 +110,7 @@ class Transfers:
         device = _device_spec(device)
         if via not in VIA:
             raise ValueError(f"via must be one of {', '.join(VIA)}; got {via!r}")
+        check_timeout(timeout)
         chosen = parse_ranks(ranks, self.state.nproc)
         packed = [_Packed(name, value, "cannot push") for name, value in values.items()]
         payload = b"".join(p.data for p in packed)
@@ -150,6 +152,7 @@ class Transfers:
     def scatter(self, name: str, value: Any, dim: int, ranks: Any, device: Any, timeout: float | None) -> None:
         _check_name(name, bound=True)
         device = _device_spec(device)
+        check_timeout(timeout)
         chosen = parse_ranks(ranks, self.state.nproc)
         parts = split(name, value, len(chosen), dim)
         packed: dict[int, _Packed] = {}
@@ -219,6 +222,7 @@ class Transfers:
 
     def pull(self, name: str, ranks: Any, timeout: float | None, op: str = "pull") -> RankMap:
         _check_name(name)
+        check_timeout(timeout)
         chosen = parse_ranks(ranks, self.state.nproc)
         return self._pull(name, {r: self.segments.shm_ok(r) for r in chosen}, timeout, f"{op} of {name!r}")
 

@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import copy
 import logging
+import math
 import re
 import shlex
 import sys
@@ -481,8 +482,9 @@ class MeshMagics(Magics):
             raise UsageError(f"{prog}: the rank selection is empty; give ranks (e.g. 0,2 or 1-3), or leave the "
                              "option out for every rank")
         timeout = getattr(args, "timeout", None)
-        if timeout is not None and not timeout > 0:
-            raise UsageError(f"{prog}: --timeout takes a positive number of seconds, got {timeout:g}")
+        if timeout is not None and not 0 < timeout < math.inf:
+            raise UsageError(f"{prog}: --timeout takes a positive, finite number of seconds, got {timeout:g} (leave "
+                             "it out for no limit)")
         return args
 
     def current(self, require_running: bool = True) -> Mesh:

@@ -165,8 +165,9 @@ def test_more_usage_errors(shell: InteractiveShell, capsys: pytest.CaptureFixtur
     running_mesh(shell)
     with pytest.raises(UsageError, match="needs a subcommand"):
         shell.run_line_magic("mesh", "")
-    with pytest.raises(UsageError, match="positive number of seconds"):
-        cell(shell, "--timeout -1", "1")
+    for bad in ("-1", "0", "inf", "nan"):
+        with pytest.raises(UsageError, match="positive, finite number of seconds.*leave it out for no limit"):
+            cell(shell, f"--timeout {bad}", "1")
     shell.run_line_magic("mesh", "stop")
     shell.run_line_magic("mesh", "stop")
     assert "already stopped" in capsys.readouterr().out

@@ -241,6 +241,18 @@ def test_bad_arguments_of_run_and_call_are_refused_before_anything_runs(mesh: Me
     with pytest.raises(TypeError, match=r"source is mesh.run\(code\)"):
         mesh.call("rank")  # type: ignore[arg-type]
     assert mesh.run("hits") == {0: 0, 1: 0, 2: 0, 3: 0}  # nothing ran
+    # Transfers too: a push with a bad timeout was sent, and bound, before the wait refused it (helper-39).
+    for error, words, timeout in ((ValueError, "above 0 seconds", 0), (ValueError, "finite", float("inf")),
+                                  (TypeError, "a number of seconds", "5")):
+        with pytest.raises(error, match=words):
+            mesh.push(sent=1, timeout=timeout)
+        with pytest.raises(error, match=words):
+            mesh.scatter("sent", [1, 2, 3, 4], timeout=timeout)
+        with pytest.raises(error, match=words):
+            mesh.pull("hits", timeout=timeout)
+        with pytest.raises(error, match=words):
+            mesh.stacks(timeout=timeout)
+    assert mesh.run("'sent' in globals()") == {0: False, 1: False, 2: False, 3: False}
     handle = mesh.run(bump, block=False)
     with pytest.raises(ValueError, match="above 0 seconds"):
         handle.result(timeout=0)

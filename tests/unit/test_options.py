@@ -85,7 +85,7 @@ def test_ranks_are_sent_the_declared_settings_with_their_defaults() -> None:
 
 @pytest.mark.parametrize("bad, error, words", [
     (0, ValueError, "above 0 seconds"), (-1, ValueError, "above 0 seconds"),
-    (float("nan"), ValueError, "above 0 seconds"), (float("inf"), ValueError, "above 0 seconds"),
+    (float("nan"), ValueError, "above 0 seconds"), (float("inf"), ValueError, "a finite number of seconds"),
     ("5", TypeError, "a number of seconds"), (True, TypeError, "a number of seconds")])
 def test_a_call_timeout_that_is_not_seconds_is_refused(bad: object, error: type, words: str) -> None:
     with pytest.raises(error, match=words) as caught:

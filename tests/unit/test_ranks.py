@@ -39,6 +39,8 @@ def test_integers_of_numpy_and_torch_are_ranks() -> None:
     torch = pytest.importorskip("torch")
     assert parse_ranks(np.int64(2), 4) == [2] and parse_ranks(np.array([3, 1]), 4) == [1, 3]
     assert parse_ranks(torch.tensor([0, 2]), 4) == [0, 2] and parse_ranks(range(1, 3), 4) == [1, 2]
+    assert parse_ranks(torch.tensor(3), 4) == [3]  # 0-dim: an Iterable whose iteration fails
+    assert parse_ranks(" ALL ", 2) == [0, 1] and chosen_ranks("All", 3) == range(3)
 
 
 def test_every_rank_is_chosen_as_a_range_without_a_list() -> None:
