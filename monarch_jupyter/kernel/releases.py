@@ -73,12 +73,13 @@ def unmatched(collectives: dict[int, dict], peers: list[int]) -> str:
     point-to-point operations out, which a group's own count holds. A rank with no recorder entry since its group
     was made issued no collective there. A group is not judged when a member did not answer, or when a member's
     recorder dropped entries since the group was made (``complete`` False: its ring buffer is full) and holds none
-    of that group. Returns "rank 3 issued gloo:all_reduce #3, which rank 2 never issued" ("" when the numbers agree
-    or cannot be compared).
+    of that group. Returns "rank 3 issued gloo:all_reduce #3, which rank 2 never issued", one such phrase per group
+    out of step, joined by "; " ("" when the numbers agree or cannot be compared).
     """
     recorded = {r: c for r, c in collectives.items() if c.get("source") == "recorder"}
     if not recorded:  # no flight recorder here: a group's own count holds send/recv too; no evidence
         return ""
+    found: list[str] = []
     for name in sorted({g for c in recorded.values() for g in c.get("groups") or {}}):
         entries = [e for c in recorded.values() if (e := c["groups"].get(name))]
         known = next((list(e[1]) for e in entries if e[1]), [])
@@ -98,8 +99,8 @@ def unmatched(collectives: dict[int, dict], peers: list[int]) -> str:
             if behind:
                 ahead = [r for r, n in seqs.items() if n == top]
                 what = next((str(e[2]) for e in entries if int(e[0]) == top and e[2]), "a collective")
-                return f"{ranks_text(ahead)} issued {what} #{top}, which {ranks_text(behind)} never issued"
-    return ""
+                found.append(f"{ranks_text(ahead)} issued {what} #{top}, which {ranks_text(behind)} never issued")
+    return "; ".join(found)
 
 
 def failed_ranks(rec: CellRecord) -> list[int]:

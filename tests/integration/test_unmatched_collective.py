@@ -245,6 +245,11 @@ def test_unmatched_compares_the_numbers_of_every_member_of_a_group() -> None:
     assert unmatched({0: full, 1: summary(**{"0": (3, [0, 1])})}, [0, 1]) == ""
     assert unmatched({0: {**summary(**{"0": (2, [0, 1])}), "complete": False}, 1: summary(**{"0": (3, [0, 1])})},
                      [0, 1]).startswith("rank 1 issued")
+    # Every group out of step is named, not only the first (helper-39: rank 3's on a second group went unsaid).
+    two = {0: summary(**{"1": (1, [0, 1])}), 1: summary(**{"1": (2, [0, 1])}),
+           2: summary(**{"2": (1, [2, 3])}), 3: summary(**{"2": (2, [2, 3])})}
+    assert unmatched(two, [0, 1, 2, 3]) == ("rank 1 issued gloo:all_reduce #2, which rank 0 never issued; "
+                                            "rank 3 issued gloo:all_reduce #2, which rank 2 never issued")
 
 
 def test_a_pruned_trial_that_left_a_collective_in_flight_hands_on_a_fresh_group(tmp_path: Path) -> None:
