@@ -430,6 +430,8 @@ class HostAgent:
                 return
         if isinstance(msg, P.Goodbye):
             return  # its exit status comes from the fork server
+        if isinstance(msg, (P.Ready, P.StartFailed)):
+            r.beat = None  # taken before it joined a group (or failed to): sent after this, it said "no group"
         drain(r, self.batch, self._on_record, self._tee_fn())  # its output before what it says
         if isinstance(msg, (P.Result, P.PullReply)):
             self.batch.answered(msg.cell_id, r.rank)
