@@ -170,8 +170,8 @@ class Waiter:
         return rec.handle
 
     def result(self, rec: CellRecord, timeout: float | None) -> RankMap | None:
-        """``handle.result(timeout)``, interrupting the ranks whenever the caller is interrupted."""
-        check_timeout(timeout)
+        """``handle.result(timeout)``, interrupting the ranks whenever the caller is interrupted (``wait`` checks
+        ``timeout``)."""
         try:
             self.wait(rec, timeout, True)
             return self.outcome(rec)
