@@ -11,6 +11,7 @@ waits for it (``emit_lines``, ``pop_lines``, ``set_waiting``). Lines of a cell n
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import time
@@ -331,7 +332,11 @@ class CellTable:
         if rec.all_done or rec.lines:
             rec.wake.notify_all()
         if rec.all_done:
-            state.events.emit("cell_done", cell_id=rec.cell_id, handle=rec.handle)
+            done = functools.partial(state.events.emit, "cell_done", cell_id=rec.cell_id, handle=rec.handle)
+            if rec.waiting:  # its waiter writes its lines (and flushed the writer first)
+                done()
+            else:  # behind the lines queued for it: its view closes on cell_done and must have them all
+                self.writer.then(done)
 
     def fail_rank(self, rec: CellRecord, rank: int, error: MonarchError) -> None:
         """``rank`` will not finish the cell (it died, the mesh stopped, or it was given up on)."""

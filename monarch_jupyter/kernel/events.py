@@ -12,9 +12,10 @@ returns the cell's result: the final state of a cell's view is never behind its 
 the mesh lock held.
 
 Events and their data: ``started`` (ready_seconds), ``stopped``, ``cell_started`` (cell_id, ranks, handle),
-``cell_done`` (cell_id, handle), ``rank_result`` (rank, cell_id, status, error, duration, ename, evalue),
-``rank_state`` (rank, state: idle/dead/stopped, or breakpoint/running from the debugger; returncode, host, device,
-pid where known), ``rank_joined`` (host, pid, rank, joined, world_size), ``rank_died`` (rank, returncode, reason),
+``cell_done`` (cell_id, handle; of a cell nobody waits for, emitted once the lines queued for it are written:
+output.OutputWriter.then), ``rank_result`` (rank, cell_id, status, error, duration, ename, evalue), ``rank_state``
+(rank, state: idle/dead/stopped, or breakpoint/running from the debugger; returncode, host, device, pid where
+known), ``rank_joined`` (host, pid, rank, joined, world_size), ``rank_died`` (rank, returncode, reason),
 ``regrouped`` (fresh), ``output`` (rank, stream, cell_id, lines: the lines, without newlines, that came together,
 in order; text: the same joined by newlines), ``progress`` (rank, cell_id, n, total, desc, postfix; metrics:
 name -> float, the numbers among the report's metrics), ``heartbeat`` (rank, rss, cuda_allocated,

@@ -8,7 +8,8 @@ from whichever thread delivers them (the pattern of ipykernel's IOPubThread and 
 Who writes: the thread that waits for a cell writes that cell's lines itself; every other line (a cell nobody waits
 for, output of no cell) is queued to the mesh's ``OutputWriter`` (any thread, any lock held), whose thread
 ``monarch-output`` writes it in the order queued, outside the mesh lock. A waiter that starts waiting flushes the
-writer first, so the lines of a cell come out in the order its ranks wrote them.
+writer first, so the lines of a cell come out in the order its ranks wrote them. What must follow the lines
+queued so far (a cell nobody waits for ends: its view closes) goes behind them (``OutputWriter.then``).
 
 A view that shows a cell's output itself (the cell's live dashboard, monarch_jupyter.widgets) sets ``OUTPUT_SINK``
 in the context the cell is submitted from: the lines and rich outputs written in that context then go to the view,
@@ -48,6 +49,7 @@ line after a quiet spell wakes it at once, the lines of a flood are written in b
 batch, not per read of a rank's pipe; a kernel's output stream sends what it holds every 0.2 s anyway)."""
 
 Batch = tuple[Sequence[tuple[Who, str, Any]], contextvars.Context | None]  # lines, and where to write them
+Step = Batch | Callable[[], None]  # what the writer's thread does next: write a batch, or call (OutputWriter.then)
 
 OutputSink = Callable[[Sequence[tuple[Who, str, Any]]], bool]
 """Takes a batch of (rank, stream, text) items as ``write_lines`` would write them (``text``: one line, or a run of
@@ -274,7 +276,7 @@ class OutputWriter:
     docstring). The thread starts with the first batch and ends after a second with nothing to write."""
 
     def __init__(self) -> None:
-        self._queue: deque[Batch] = deque()
+        self._queue: deque[Step] = deque()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._queued = 0  # batches queued so far
@@ -282,10 +284,23 @@ class OutputWriter:
 
     def put(self, lines: Sequence[tuple[Who, str, Any]], ctx: contextvars.Context | None) -> None:
         """Queue ``lines`` to be written inside ``ctx`` (any thread, any lock held: nothing is written here)."""
-        if not lines:
-            return
+        if lines:
+            self._push((lines, ctx))
+
+    def then(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` once every batch queued so far is written: at once, on this thread, when none is left to
+        write, else on the writer's thread right after them (any thread, any lock held; ``fn`` must not block or
+        raise). A cell nobody waits for announces its end this way, so its view has its last lines before it
+        closes (cells.CellTable.finish_rank)."""
         with self._cond:
-            self._queue.append((lines, ctx))
+            if self._written < self._queued:
+                self._push(fn)
+                return
+        fn()
+
+    def _push(self, step: Step) -> None:
+        with self._cond:
+            self._queue.append(step)
             self._queued += 1
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="monarch-output", daemon=True)
@@ -309,9 +324,12 @@ class OutputWriter:
                     return
                 batch = list(self._queue)
                 self._queue.clear()
-            for lines, ctx in batch:
+            for step in batch:
                 try:
-                    write_lines(lines, ctx)
+                    if callable(step):
+                        step()
+                    else:
+                        write_lines(*step)
                 except Exception:  # noqa: BLE001 - a broken stream must not stop later output
                     log.exception("writing rank output failed")
             with self._cond:

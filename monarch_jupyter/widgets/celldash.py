@@ -159,23 +159,26 @@ class CellDashboardView(DashboardView):
         on, output of the cell (a rank's thread printing late) is written to the notebook as usual."""
         super().finish()
         if self.final and self.handle is not None:  # (a cell that never started was abandoned: nothing to show)
-            if self.output.version != self._output_seen:
-                self.render_again()
-            self.output.close()
+            with self.lock:
+                if self.output.version != self._output_seen:
+                    self.render_again()
+                self._close_output()  # else lines came meanwhile: the ticker shows them (lingers)
+
+    def lingers(self) -> bool:
+        """The record is still open after the final render: lines may still come (see ``after_final``)."""
+        return self.handle is not None and not self.output.closed
 
     def after_final(self) -> bool:
         """A final view whose record is still open: a thread waits for the cell (``h.result()`` in a later cell of an
         ``--async`` cell, where no ``finish()`` comes) and writes its last lines after the final render on
-        ``cell_done``: they are rendered again at the next tick, and the record closes once nobody waits."""
+        ``cell_done``, or lines came between a render and the close: they are rendered at the next tick, and the
+        record closes once nobody waits and nothing came since that render."""
         if self.handle is None or self.output.closed:
             return False
-        waited = self.handle.waited
+        waited = self.handle.waited  # before the version: the waiter writes its last lines before it stops waiting
         if self.output.version != self._output_seen:
             self.render_again()
-        if waited:
-            return True
-        self.output.close()
-        return False
+        return waited or not self._close_output()
 
     def abandon(self) -> None:
         """The cell never started: the placeholder goes (the error shows in its place)."""
@@ -240,7 +243,11 @@ class CellDashboardView(DashboardView):
         """At the final render: nobody waits for the cell (``--async``), so its output is all in; later output of
         the cell goes to the notebook as usual. A waited cell's record closes in ``finish()``."""
         if self.handle is None or not self.handle.waited:
-            self.output.close()
+            self._close_output()  # else lines came since this render: the ticker shows them (lingers)
+
+    def _close_output(self) -> bool:
+        """Close the record unless output came since the last render (-1: none yet, which nothing taken matches)."""
+        return self.output.close(max(self._output_seen, 0))
 
     def _send(self, bundle: dict) -> None:
         self._publish(bundle, self.display_id, self._shown)

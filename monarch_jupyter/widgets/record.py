@@ -100,10 +100,15 @@ class CellOutput:
             self.version += 1
         return True
 
-    def close(self) -> None:
-        """Take no more output: what comes later is written to the notebook's streams as usual."""
+    def close(self, seen: int | None = None) -> bool:
+        """Take no more output: what comes later is written to the notebook's streams as usual. With ``seen`` (the
+        ``version`` its view last rendered), only if nothing came since: False, still open, when something did (the
+        view renders it first; checked and closed under one lock, so no batch lands unseen in a closed record)."""
         with self._lock:
+            if seen is not None and self.version != seen and not self.closed:
+                return False
             self.closed = True
+            return True
 
     def _run(self, ranks: tuple[int, ...], stream: str, texts: list[str]) -> None:
         """Lines of ``ranks`` on ``stream``, in order: the last item takes what it has room for, then new items of

@@ -143,7 +143,10 @@ class LiveView:
             mesh = self.monitor.mesh
             if mesh is not None:
                 mesh.remove_listener(self._on_mesh_event)
-        TICKER.remove(self)
+        if self.final and self.lingers():
+            TICKER.add(self)  # its ticks go to after_final
+        else:
+            TICKER.remove(self)
 
     def _final_render(self) -> None:
         with self._lock:
@@ -230,7 +233,12 @@ class LiveView:
                 self._render(final=finished)
         if finished:
             self._stop_listening()
-        return not finished
+        return not finished or (self.final and self.lingers())
+
+    def lingers(self) -> bool:
+        """After its final render: the view still has work (output that may still come, see ``after_final``), so the
+        ticker keeps it (it calls ``after_final`` instead of rendering)."""
+        return False
 
     def after_final(self) -> bool:
         """Called by the ticker on a final view (under the view lock): True to keep it ticking (after late output)."""

@@ -242,9 +242,12 @@ def test_async_cell_keeps_updating_after_it_returns(kernel):
     execute(kernel, "h = _\nassert h.done() and h.result() is None")
 
 
-def test_an_async_cells_output_stays_in_it_when_a_later_cell_waits_for_its_result(kernel, tmp_path):
+@pytest.mark.parametrize("pause", [0.5, 0.0], ids=["printed-while-result-waits", "printed-as-the-gate-opens"])
+def test_an_async_cells_output_stays_in_it_when_a_later_cell_waits_for_its_result(kernel, tmp_path, pause):
     """``h.result()`` in a later cell while the ``--async`` cell still prints: the lines go to the async cell's view,
-    once, and none to the cell that waits (which shows only the result)."""
+    once, and none to the cell that waits (which shows only the result). With no pause, the last lines often come
+    before ``result()`` starts waiting, and the cell may end before it too (through the mesh's output writer, then
+    ``cell_done``)."""
     by_parent: dict[str, list[dict]] = {}
     seen: list[dict] = []  # every message, in the order they came
 
@@ -267,10 +270,10 @@ def test_an_async_cells_output_stays_in_it_when_a_later_cell_waits_for_its_resul
                 and display_id(m) in a_view][-1]["text/plain"]
 
     gate = tmp_path / "go"
-    # The late line is printed 0.5 s after the waiting cell opened the gate, so while its result() waits.
+    # The late line is printed ``pause`` seconds after the waiting cell opened the gate.
     a = run(f"%%mesh --async\nimport os, time\nprint('early', rank, flush=True)\n"
-            f"while not os.path.exists({str(gate)!r}):\n    time.sleep(0.02)\ntime.sleep(0.5)\nprint('late', rank)\n"
-            "rank * 10")
+            f"while not os.path.exists({str(gate)!r}):\n    time.sleep(0.02)\ntime.sleep({pause})\n"
+            "print('late', rank)\nrank * 10")
     a_view = {display_id(m) for m in by_parent[a] if m["msg_type"] == "display_data"} - {None}
     assert a_view, [m["content"] for m in by_parent[a]]
     b = run(f"h = _\nopen({str(gate)!r}, 'w').close()\nh.result(60)")

@@ -55,6 +55,55 @@ def test_a_sink_in_the_context_takes_the_lines_instead_of_the_streams(monkeypatc
     assert out.getvalue().endswith("[rank0]: late\nPUBLISHED [rank0]: fig\n")
 
 
+def test_a_record_closes_only_when_nothing_came_since_the_version_its_view_rendered():
+    record = CellOutput()
+    record.take([(0, "stdout", "shown")])
+    seen = record.version
+    record.take([(1, "stdout", "came between the render and the close")])
+    assert record.close(seen) is False and not record.closed  # the view renders it first
+    assert record.take([(1, "stdout", "still taken")])
+    assert record.close(record.version) is True and record.closed
+    assert not record.take([(0, "stdout", "after the close")])
+    assert record.text().splitlines() == ["[rank0]: shown", "[rank1]: came between the render and the close",
+                                          "[rank1]: still taken"]
+    assert record.close(0) is True  # closed stays closed
+
+
+def test_the_writer_calls_then_after_the_lines_queued_before_it(monkeypatch):
+    """``OutputWriter.then``: a cell nobody waits for announces its end behind its queued lines (its view then has
+    them all when it closes), and at once when nothing is left to write."""
+    import threading
+
+    from monarch_jupyter.kernel.output import OutputWriter
+
+    record = CellOutput()
+    ctx = contextvars.copy_context()
+    ctx.run(OUTPUT_SINK.set, record.take)
+    writer = OutputWriter()
+    order: list[str] = []
+    here: list[bool] = []
+    writer.then(lambda: here.append(threading.current_thread() is threading.main_thread()))
+    assert here == [True]  # nothing queued: called at once, on the caller's thread
+    gate = threading.Event()
+
+    class HeldStream(io.StringIO):  # the notebook's stdout, held: the writer's thread waits in its first write
+        def write(self, text: str) -> int:
+            gate.wait(30)
+            return super().write(text)
+
+    monkeypatch.setattr(sys, "stdout", HeldStream())
+    writer.put([(9, "stdout", "a line of no cell")], None)
+    for i in range(3):
+        writer.put([(0, "stdout", f"line {i}")], ctx)
+    done = threading.Event()
+    writer.then(lambda: (order.append(record.text()), done.set()))
+    assert not done.is_set()  # behind the lines: they are not written yet
+    gate.set()
+    assert done.wait(30) and writer.flush(30)
+    assert order == ["[rank0]: line 0\n[rank0]: line 1\n[rank0]: line 2"]
+    assert sys.stdout.getvalue() == "[rank9]: a line of no cell\n"
+
+
 def test_record_keeps_order_folds_updates_clears_and_bounds():
     record = CellOutput(lines_kept=5)
     record.take([(0, "stdout", "a"), (1, "stdout", "b"), ((0, 1), "stdout", "same"), (0, "stderr", "warn")])
