@@ -179,8 +179,9 @@ class ForkServer:
                 self.preload(req.get("modules", []))
 
     def preload(self, modules: list[str]) -> None:
-        """Import ``modules`` (what the notebook imported: Lightning), so that ranks forked from now on start with
-        them, as the ranks of a fork-based launcher do. A module that fails to import is left out (a rank imports it
+        """Import ``modules`` (what the notebook imported: Lightning; what a self-healing mesh's replacements need:
+        torchft, torch._dynamo), so that ranks forked from now on start with them, as the ranks of a fork-based
+        launcher do. A module that fails to import is left out (a rank imports it
         itself, and says why, when it needs it). Spawns and exit reports wait meanwhile (seconds, once)."""
         for name in modules:
             try:
@@ -235,18 +236,14 @@ def main() -> None:
     os.close(devnull)
     import cloudpickle  # noqa: F401
     import torch  # noqa: F401  - the point of the fork server: pay for this once
-    import torch._dynamo  # noqa: F401  - what a rank's first optimizer imports (1.7 s here); no thread on import
     import torch.distributed  # noqa: F401
     import zmq  # noqa: F401  - imports only; no Context (it would start threads) before forking
 
-    # torchft, where installed: a rank restarted into a torchft loop rejoins it without importing it (no thread on
-    # import; docs/fault_tolerance.md). Its Rust log reads RUST_LOG once, here: INFO lines, several per training
-    # step, would flood the cells, so warnings only (of any Rust library) unless the user chose.
+    # torchft's Rust log reads RUST_LOG once, when a rank (or this process, asked to: ``preload``) imports it: INFO
+    # lines, several per training step, would flood the cells, so warnings only (of any Rust library) unless the
+    # user chose. torchft itself is not imported here: it would add 0.3 s to every start (see the kernel's
+    # lifecycle.REPLACEMENT_IMPORTS: a self-healing mesh has this process import it once its ranks are up).
     os.environ.setdefault("RUST_LOG", "warn")
-    try:
-        import torchft  # noqa: F401
-    except Exception:  # noqa: BLE001 - not installed, or broken: the ranks import it themselves if they use it
-        pass
 
     from . import startup  # noqa: F401  - the rank runtime, imported once here
     from .elastic_env import keep_error_files_under

@@ -55,6 +55,10 @@ class Launcher:
         """"" when ``start`` can give ``ranks`` fresh processes (``restart --rank``), else why not."""
         return ""
 
+    def warm(self, modules: list[str]) -> None:
+        """Have the ranks this launcher starts from now on begin with ``modules`` imported, where it can (a fork
+        server imports them once; other launchers do nothing). Returns at once; never raises."""
+
     def kill(self) -> None:
         """Kill every rank (SIGKILL) without waiting."""
         self.signal(-1, signal.SIGKILL)

@@ -344,6 +344,9 @@ class LocalLauncher(Launcher):
         self._fork_server.wait_ready(start_timeout)
         self._sids: dict[int, int] = {}  # rank -> spawn id
 
+    def warm(self, modules: list[str]) -> None:
+        self._fork_server.import_modules(modules)
+
     def start(self, rank: int, env: dict[str, str], config: dict, sink: LauncherEvents) -> None:
         # This kernel reads the rank's stdout and stderr pipes itself: its main thread reports in records there.
         config = {**config, "output_records": True}
