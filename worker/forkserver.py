@@ -242,7 +242,7 @@ def main() -> None:
     # torchft's Rust log reads RUST_LOG once, when a rank (or this process, asked to: ``preload``) imports it: INFO
     # lines, several per training step, would flood the cells, so warnings only (of any Rust library) unless the
     # user chose. torchft itself is not imported here: it would add 0.3 s to every start (see the kernel's
-    # lifecycle.REPLACEMENT_IMPORTS: a self-healing mesh has this process import it once its ranks are up).
+    # lifecycle.REPLACEMENT_IMPORTS: a self-healing mesh has this process import it before its first ranks).
     os.environ.setdefault("RUST_LOG", "warn")
 
     from . import startup  # noqa: F401  - the rank runtime, imported once here

@@ -48,11 +48,12 @@ __all__ = ["Lifecycle", "STOP_GRACE"]
 STOP_GRACE = 3.0  # seconds ranks get to exit after Shutdown before they are killed
 HOLD = 0.5  # seconds lines of starting ranks are held, so that the same line of many ranks shows once
 REPLACEMENT_IMPORTS = ("torch._dynamo", "torchft")
-"""What the fork server imports once a self-healing mesh (torchft, on_rank_death="restart") is up, so that a
-replacement forked later starts with it (one that is not installed is left out): a rank's first optimizer step
-imports ``torch._dynamo`` (1.2-1.7 s here, through ``torch._disable_dynamo``), and a replacement rejoins a torchft
-loop. Not before the first ranks: on this 2-core machine they added 1.2 s and 0.3 s to every ``%mesh start``
-(bench/bench_core.py, cold start 1.45-1.5 s without either)."""
+"""What the fork server imports before the first ranks of a self-healing mesh (torchft, on_rank_death="restart"),
+so that its ranks and every replacement start with it (one that is not installed is left out): a rank's first
+optimizer step imports ``torch._dynamo`` (1.2-1.7 s here, through ``torch._disable_dynamo``), and a replacement
+rejoins a torchft loop. Before the first ranks, not once they run: while it imports, the fork server reports no
+rank's exit, and a death would be reported that much later. Only for these meshes: on this 2-core machine the two
+imports add 1.2 s and 0.3 s to a ``%mesh start`` (bench/bench_core.py: cold start 1.4-1.5 s without them)."""
 
 
 class Lifecycle:
@@ -126,10 +127,10 @@ class Lifecycle:
                 self.mark_started(t0)
                 return True
             state.launcher = LocalLauncher(state.options.start_timeout)
+            if state.options.torchft or state.options.on_rank_death == "restart":
+                state.launcher.warm(list(REPLACEMENT_IMPORTS))  # before the first ranks: see REPLACEMENT_IMPORTS
             self.spawn(list(range(state.nproc)))
             self.wait_started(deadline)
-            if state.options.torchft or state.options.on_rank_death == "restart":
-                state.launcher.warm(list(REPLACEMENT_IMPORTS))  # for replacements, once the mesh is up
         except BaseException:
             self.teardown(graceful=False)
             raise
