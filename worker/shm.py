@@ -364,6 +364,11 @@ class SegmentPool:
                     "cached": len(self._cache), "cached_bytes": sum(s.capacity for s in self._cache),
                     "allocated": self.allocated, "reused": self.reused}
 
+    def lent_ids(self) -> set[int]:
+        """The ids of the segments lent now (some holder has not given them back)."""
+        with self._lock:
+            return set(self._lent)
+
     def close(self) -> None:
         """Close every segment this writer holds; readers' mappings stay valid until they drop them."""
         with self._lock:
