@@ -26,8 +26,8 @@ opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 """
 
 # A torchft loop as torchft's own train_ddp.py writes it; rank 1 kills itself once (a marker file), at its first step
-# from DIE_AT on (a rank that fell behind heals to its peer's step and may skip DIE_AT itself): before the step
-# (WHERE="step"), or after its forward, so that rank 0's gradient allreduce fails ("allreduce").
+# from DIE_AT on (a rank that fell behind heals to its peer's step and may skip DIE_AT itself; DIE_AT=-1: never):
+# before the step (WHERE="step"), or after its forward, so that rank 0's gradient allreduce fails ("allreduce").
 LOOP = """
 manager = ft.manager(state_dict=lambda: {"model": model.state_dict(), "opt": opt.state_dict()},
                      load_state_dict=lambda sd: (model.load_state_dict(sd["model"]), opt.load_state_dict(sd["opt"])))
@@ -35,14 +35,14 @@ ddp, optim = ft.DistributedDataParallel(manager, model), Optimizer(manager, opt)
 steps = []
 while manager.current_step() < STEPS:
     step = manager.current_step()
-    if rank == 1 and step >= DIE_AT and WHERE == "step" and not os.path.exists(FLAG):
+    if rank == 1 and 0 <= DIE_AT <= step and WHERE == "step" and not os.path.exists(FLAG):
         open(FLAG, "w").close()
         os.kill(os.getpid(), signal.SIGKILL)
     g = torch.Generator().manual_seed(step)
     x, y = torch.randn(32, 16, generator=g), torch.randn(32, 4, generator=g)
     optim.zero_grad()
     loss = ((ddp(x) - y) ** 2).mean()
-    if rank == 1 and step >= DIE_AT and WHERE == "allreduce" and not os.path.exists(FLAG):
+    if rank == 1 and 0 <= DIE_AT <= step and WHERE == "allreduce" and not os.path.exists(FLAG):
         open(FLAG, "w").close()  # in the step's quorum already: rank 0's gradient allreduce fails while it waits
         time.sleep(2)  # (so that rank 0 is inside it: an allreduce that starts after the death fails at once)
         os.kill(os.getpid(), signal.SIGKILL)
