@@ -42,6 +42,7 @@ class Agent:
     failed: str = ""  # why it could not start its ranks
     pending_welcome: set[int] = field(default_factory=set)  # ranks that said hello before the store was up
     limits: list = field(default_factory=list)  # [cores, available bytes, open-file limit] (AgentHello.limits)
+    declared: threading.Event = field(default_factory=threading.Event)  # set once its loss was told (HostLinks)
 
 
 class WaitingHosts:

@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["HostLinks", "Agent", "pseudo_identity"]  # Agent, pseudo_identity: from launch/agents.py
 
+LOSS_TOLD_TIMEOUT = 10.0  # seconds all_gone waits for another thread to tell an agent's loss
 ALL = [-1]  # a Forward's or Signal's ranks: every rank of the agent (hostmessages.Forward)
 
 
@@ -518,6 +519,7 @@ class HostLinks:
             self.agents = {k: a for k, a in self.agents.items() if k != identity}
             if agent is not None:
                 agent.alive = False
+                agent.declared.set()  # nothing to tell: its ranks were stopped
                 self._by_fd = {fd: a for fd, a in self._by_fd.items() if a is not agent}
         if agent is not None:
             self._post(identity, P.Rejected(reason))
@@ -537,18 +539,31 @@ class HostLinks:
 
     def all_gone(self, why: str) -> None:
         """(any thread) Every agent is gone with the process that started them (``--launcher agent`` or
-        torchrun exited): their ranks are lost, and the reason names the agent (``why``: what became of it)."""
+        torchrun exited): their ranks are lost, and the reason names the agent (``why``: what became of it).
+        Returns once each agent's loss was told, also one that another thread (the I/O thread, which saw its
+        connection drop) is telling: the caller reports the ranks' exits next, and those must not come first."""
         with self._lock:
-            agents = [a for a in self.agents.values() if a.alive]
+            agents = list(self.agents.values())
         for agent in agents:
             self._agent_gone(agent, f"its host agent (pid {agent.pid} on {agent.host}) {why}")
+        for agent in agents:
+            if not agent.declared.wait(LOSS_TOLD_TIMEOUT):
+                log.warning("the loss of the host agent of %s (pid %d) was not told within %g s", agent.host,
+                            agent.pid, LOSS_TOLD_TIMEOUT)
 
     def _agent_gone(self, agent: Agent, reason: str) -> None:
-        """``agent`` disconnected or said goodbye: its ranks that were not reported gone are lost with it."""
+        """``agent`` disconnected or said goodbye: its ranks that were not reported gone are lost with it. Only
+        the first caller tells it, and sets ``agent.declared`` when it has."""
         with self._lock:
             if not agent.alive:
                 return
             agent.alive, agent.lost = False, reason
+        try:
+            self._tell_loss(agent, reason)
+        finally:
+            agent.declared.set()
+
+    def _tell_loss(self, agent: Agent, reason: str) -> None:
         state = self.state
         with state.lock:
             if state.stopping:
