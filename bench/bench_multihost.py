@@ -248,7 +248,8 @@ def main() -> None:
         print("simulated hosts (ranks answer at once; the controller is real):", flush=True)
         sim: dict[str, dict[str, float]] = {}
         for world_sim in (256, 1024, 4096):
-            for relays in (0, bench_scale.TREE[world_sim]):
+            tree = [int(r) for r in bench_scale.RELAYS.split(",") if world_sim // 64 // int(r) >= 2]
+            for relays in (0, *tree):
                 name = (f"{world_sim} ranks, flat ({world_sim // 64} agents of 64)" if not relays else
                         f"{world_sim} ranks, tree ({relays} relays x {world_sim // 64 // relays} agents of 64)")
                 sim[name] = r = bench_scale.run_row(None, "sim", world_sim, relays, args.cells, 20.0)

@@ -1,13 +1,15 @@
 """The controller's cost per cell as meshes grow, before and after in one run (issue 30, "O(hosts) controller").
 
-    python bench/bench_scale.py [--sizes 256,1024,4096] [--reference DIR] [--json PATH] [--no-local] [--no-sim]
+    python bench/bench_scale.py [--sizes 256,1024,4096] [--relays 2,4] [--reference DIR] [--json PATH]
+                                [--no-local] [--no-sim]
 
 Rows, each printed with its goal:
 
 - simulated hosts (bench/simhosts.py: the real controller, agents whose ranks finish every cell at once, so what is
   measured is the controller and the messages, not rank work) at 256, 1,024 and 4,096 ranks, flat (one agent of 64
-  ranks per host, each talking to the controller; 8 agents share a process) and as a tree with one relay level
-  (2 relays of 2 agents, 4 of 4, 4 of 16; a relay's agents share one process):
+  ranks per host, each talking to the controller; 8 agents share a process) and as a tree with one relay level,
+  2 and 4 relays (``--relays``; a count is tried where each relay has 2 agents or more; a relay's agents share
+  one process):
   the controller's CPU (this process, every thread) per trivial cell (``x = 1``), its latency, and the time to
   ready. Goal: <= 1.5 ms at 1,024 and at 4,096 ranks (the better layout), and 4,096 within 1.5x of 256;
 - a local mesh of 4 and 32 ranks: the controller's CPU per trivial cell, forked by the fork server (``Mesh(N)``) and
@@ -37,7 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIM = os.path.join(ROOT, "bench", "simhosts.py")
 TRIVIAL = "x = 1"
 PER_AGENT = 64  # simulated ranks per host agent
-TREE = {256: 2, 1024: 4, 4096: 4}  # relays at each size: one relay level (4,096: 16 agents each, cheaper than 8 x 8)
+RELAYS = "2,4"  # relay counts tried at each size (one relay level): the goals take the cheaper layout
 PER_PROCESS = 8  # simulated agents per process (each its own connection): fewer processes share the 2 cores
 GOAL_MS = 1.5  # controller CPU per trivial cell at 1,024 and 4,096 ranks
 GOAL_RATIO = 1.5  # 4,096 / 256 ranks; local 32 / 4 ranks
@@ -155,6 +157,8 @@ def main() -> None:
     ap.add_argument("--no-agent", action="store_true", help="local rows: skip those behind one host agent")
     ap.add_argument("--no-sim", action="store_true", help="skip the simulated rows")
     ap.add_argument("--no-flat", action="store_true", help="simulated rows: only the tree")
+    ap.add_argument("--relays", default=RELAYS,
+                    help="relay counts tried at each size (a count is tried where each relay gets 2 agents or more)")
     args = ap.parse_args()
     ref = os.path.abspath(args.reference) if args.reference else None
     versions = [("after", None)] + ([("before", ref)] if ref else [])
@@ -190,9 +194,10 @@ def main() -> None:
             if not args.no_flat:
                 measure(f"{world} flat ({world // PER_AGENT} agents)", "sim", world, 0, args.cells,
                         args.row_seconds)
-            relays = TREE.get(world, 4)
-            measure(f"{world} tree ({relays} relays x {world // PER_AGENT // relays} agents)", "sim", world, relays,
-                    args.cells, args.row_seconds)
+            for relays in (int(r) for r in args.relays.split(",") if r):
+                if world // PER_AGENT // relays >= 2:
+                    measure(f"{world} tree ({relays} relays x {world // PER_AGENT // relays} agents)", "sim", world,
+                            relays, args.cells, args.row_seconds)
     if not args.no_local:
         print("local meshes (ranks on this host: forked by the fork server, or behind one host agent):", flush=True)
         for n in (4, 32):

@@ -104,6 +104,8 @@ def fold_lines(lines: list[tuple[int, str, Any]]) -> list[tuple[Who, str, Any]]:
     (a rank's own different lines, like its loss, go first and the common line then shows once). Rich outputs
     (stream "display") never fold. A run of lines (``records.Line``) counts as its lines.
     """
+    if not lines:  # a quiet cell's end: no step (the cell table asks at every cell's end)
+        return []
     lines = one_per_line(lines)  # type: ignore[assignment]
     seqs: dict[int, deque[tuple[int, tuple[str, Any]]]] = {}
     items: dict[tuple[str, Any], Any] = {}  # the display items, by their own key

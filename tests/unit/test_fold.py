@@ -11,6 +11,7 @@ def test_identical_lines_fold_with_their_ranks() -> None:
     assert fold_lines(lines) == [(tuple(range(64)), "stdout", "epoch 1 done")]
     assert label(tuple(range(64))) == "[rank0-63]:"
     assert label((0, 2, 3, 4)) == "[rank0,2-4]:" and label(5) == "[rank5]:"
+    assert fold_lines([]) == []  # a quiet cell's end
 
 
 def test_lines_that_differ_or_change_streams_never_fold() -> None:
