@@ -40,7 +40,7 @@ import ipywidgets as widgets
 from ipywidgets.widgets.widget_string import HTMLStyle
 
 from ..kernel.output import OUTPUT_SINK, PLACE_HOLDER
-from ..ranks import format_ranks, ranks_text
+from ..ranks import ranks_text
 from .dashboard import HEAD_STYLE, STYLE, DashboardView, html_page, render_body, render_header, shared
 from .model import ATTENTION_STATES, FAILED_STATES, MeshMonitor, RowView, Summary, stragglers
 from .outputs import render_charts, render_failure, render_item, render_items
@@ -256,7 +256,7 @@ class CellDashboardView(DashboardView):
     def _final_bundle(self, rows: list[RowView], summary: Summary, compact: bool) -> dict:
         """The final display: the flat text as ``text/plain``, the static form as ``text/html``."""
         flat = self.output.text()
-        states = " · ".join(f"{s} {format_ranks(rs)}" for s, rs in summary.by_state.items())
+        states = " · ".join(f"{s} on {ranks_text(rs)}" for s, rs in summary.by_state.items())
         plain = f"{self.fixed_plain}: {states}" if set(summary.by_state) != {"done"} else str(self.fixed_plain)
         return {"text/plain": plain + (f"\n{flat}" if flat else ""),
                 "text/html": self._static(rows, summary, compact)}
@@ -444,7 +444,7 @@ def _html(value: str = "") -> widgets.HTML:
 
 def plain_header(title: str, ranks: list[int]) -> str:
     """The first line of a cell view's ``text/plain``: '<title> on ranks 0,1' (then, where not every rank is done,
-    ': error 1 · done 0', and the ranks' lines)."""
+    ': error on rank 1 · done on rank 0', and the ranks' lines)."""
     return f"{title} on {ranks_text(ranks)}"
 
 

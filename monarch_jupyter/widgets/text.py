@@ -73,8 +73,8 @@ def _tag(summary: Summary) -> str:
 
 
 def header_text(summary: Summary, *, times: bool = True) -> str:
-    """'ranks 0-3: running 0-1 · done 2 · error 3 · slowest rank 1 · 2.5 s'."""
-    states = " · ".join(f"{s} {format_ranks(rs)}" for s, rs in summary.by_state.items())
+    """'ranks 0-3: running on ranks 0,1 · done on rank 2 · error on rank 3 · slowest rank 1 · 2.5 s'."""
+    states = " · ".join(f"{s} on {ranks_text(rs)}" for s, rs in summary.by_state.items())
     parts = [f"ranks {format_ranks(summary.ranks)}: {states}" if summary.ranks else "no ranks"]
     if summary.slowest is not None and times:
         parts.append(f"slowest rank {summary.slowest}")
@@ -235,8 +235,8 @@ class TextLiveView(LiveView):
 
     @staticmethod
     def _progress_text(rows: list[RowView], summary: Summary) -> str:
-        """States and progress ('ranks 0-3: running 0-3 · rank 2 14/100 · train (slowest)'), or '' when that says
-        nothing new: every rank running, none reporting progress."""
+        """States and progress ('ranks 0-3: running on ranks 0-3 · rank 2 14/100 · train (slowest)'), or '' when
+        that says nothing new: every rank running, none reporting progress."""
         shown = [r for r in rows if r.n is not None and r.state == "running"]
         if not shown and set(summary.by_state) <= {"running"}:
             return ""

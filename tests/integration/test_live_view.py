@@ -188,7 +188,7 @@ def test_dashboard_widget_updates_live_and_keeps_final_state(mesh, tmp_path):
 
 def test_status_view_text_plain_is_stable(mesh):
     widget = status_view(mesh, mode="widget")
-    assert widget._repr_mimebundle_()["text/plain"] == "mesh: ranks 0,1: idle 0,1\n  ranks 0,1: idle (cpu)"
+    assert widget._repr_mimebundle_()["text/plain"] == "mesh: ranks 0,1: idle on ranks 0,1\n  ranks 0,1: idle (cpu)"
     text = status_view(mesh, mode="text")
     assert re.search(r"^\s+0\s+idle\s+cpu", repr(text), re.M), repr(text)
 
@@ -201,9 +201,9 @@ def test_text_view_prints_progress_and_failure(mesh):
         mesh.run(code)
     view.finish()
     text = out.getvalue()
-    assert re.search(r"\[mesh [\d.]+ s\] ranks 0,1: running 0,1 · rank 0 \d/8 · train", text), text
+    assert re.search(r"\[mesh [\d.]+ s\] ranks 0,1: running on ranks 0,1 · rank 0 \d/8 · train", text), text
     assert "[mesh] rank 1 error: KeyError: 'missing'" in text
-    assert text.rstrip().splitlines()[-1].startswith("[mesh] ranks 0,1: error 1 · done 0")
+    assert text.rstrip().splitlines()[-1].startswith("[mesh] ranks 0,1: error on rank 1 · done on rank 0")
 
 
 def test_text_view_speaks_only_when_it_has_something_to_say(mesh):
@@ -227,7 +227,7 @@ def test_text_view_speaks_only_when_it_has_something_to_say(mesh):
     view.finish()
     lines = out.getvalue().splitlines()
     assert [re.sub(r"[\d.]+ s\]", "T]", line) for line in lines[:2]] == [
-        "[mesh T] ranks 0,1: running 0,1 · no output yet"] * 2, lines
+        "[mesh T] ranks 0,1: running on ranks 0,1 · no output yet"] * 2, lines
     times = [float(re.match(r"\[mesh ([\d.]+) s\]", line).group(1)) for line in lines[:2]]
     assert times[1] - times[0] >= 1.1, times  # the second after twice the silence (1.2 s; clock shown to 0.1 s)
 
@@ -247,7 +247,7 @@ def test_text_view_of_a_cell_that_waits_behind_another_shows_no_clock(mesh, tmp_
     first.result(60)
     assert second.result(60) == {0: "second", 1: "second"}
     view.finish()
-    assert out.getvalue().splitlines()[0] == "[mesh] ranks 0,1: queued 0,1", out.getvalue()  # no "[mesh ]"
+    assert out.getvalue().splitlines()[0] == "[mesh] ranks 0,1: queued on ranks 0,1", out.getvalue()  # no "[mesh ]"
 
 
 def test_breakpoint_state_from_the_debugger_event(mesh):

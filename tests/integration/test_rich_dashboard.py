@@ -50,7 +50,7 @@ def test_charts_tabs_and_folded_selector(mesh):
     view.picker.value = 1  # what a click in the browser does once the kernel is free
     assert "output of rank 1" in view.picked.value and "output of rank 0" not in view.picked.value
     final, update = sent[-1]
-    assert update and final["text/plain"].startswith("mesh cell on ranks 0-3: error 3 · done 0-2\n")
+    assert update and final["text/plain"].startswith("mesh cell on ranks 0-3: error on rank 3 · done on ranks 0-2\n")
     assert sorted(final["text/plain"].splitlines()[1:]) == [f"[rank{r}]: output of rank {r}" for r in range(4)]
     mesh.run("1")  # the mesh is still usable
 

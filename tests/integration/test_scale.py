@@ -107,7 +107,7 @@ def test_scale_in_the_notebook(kernel: tuple[KernelManager, Any]) -> None:
     r = execute(kc, "%mesh status")
     assert r.status == "ok", r.traceback
     shown = "".join(r.results)
-    assert "mesh: world size 3; ranks 0-2: idle 0-2" in shown and "up (gloo, 3 of 3 ranks)" in shown, shown
+    assert "mesh: world size 3; ranks 0-2: idle on ranks 0-2" in shown and "up (gloo, 3 of 3 ranks)" in shown, shown
     r = execute(kc, "%mesh scale -n 0")
     assert r.status == "error" and "at least 1 rank" in r.stderr, r.stderr
     r = execute(kc, "%mesh scale -n 1")
@@ -115,7 +115,7 @@ def test_scale_in_the_notebook(kernel: tuple[KernelManager, Any]) -> None:
     r = execute(kc, "%%mesh\n(world_size, kept)")
     assert r.status == "ok" and ast.literal_eval(r.results[0]) == {0: (1, 100)}, (r.results, r.traceback)
     r = execute(kc, "%mesh status")
-    assert "mesh: world size 1; ranks 0: idle 0" in "".join(r.results), r.results
+    assert "mesh: world size 1; ranks 0: idle on rank 0" in "".join(r.results), r.results
     assert execute(kc, "%mesh stop").status == "ok"
 
 

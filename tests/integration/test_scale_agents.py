@@ -117,11 +117,11 @@ def test_scale_through_a_host_agent_in_the_notebook(kernel: tuple[KernelManager,
     assert r.status == "ok", r.traceback
     assert ast.literal_eval(r.results[0]) == {0: (3.0, "3", 100), 1: (3.0, "3", 101), 2: (3.0, "3", None)}
     shown = "".join(execute(kc, "%mesh status").results)
-    assert "mesh: world size 3; ranks 0-2: idle 0-2" in shown and "up (gloo, 3 of 3 ranks)" in shown, shown
+    assert "mesh: world size 3; ranks 0-2: idle on ranks 0-2" in shown and "up (gloo, 3 of 3 ranks)" in shown, shown
     r = execute(kc, "%mesh scale -n 0")
     assert r.status == "error" and "at least 1 rank" in r.stderr, r.stderr
     r = execute(kc, "%mesh scale -n 1")
     assert r.status == "ok" and "stopped ranks 1,2" in r.results[0], (r.results, r.traceback)
     shown = "".join(execute(kc, "%mesh status").results)
-    assert "mesh: world size 1; ranks 0: idle 0" in shown and "up (gloo, 1 of 1 ranks)" in shown, shown
+    assert "mesh: world size 1; ranks 0: idle on rank 0" in shown and "up (gloo, 1 of 1 ranks)" in shown, shown
     assert execute(kc, "%mesh stop").status == "ok"

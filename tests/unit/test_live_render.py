@@ -48,7 +48,7 @@ def test_stable_text_groups_ranks_and_has_no_times():
     rows = rows_with(*[("done", 1, 1)] * 30, ("error", None, None), ("done", 1, 1))
     rows[30] = replace(rows[30], error="ValueError: bad")
     text = stable_text(rows, summarize(rows, 32, True), title="mesh cell")
-    assert text == ("mesh cell: ranks 0-31: error 30 · done 0-29,31\n"
+    assert text == ("mesh cell: ranks 0-31: error on rank 30 · done on ranks 0-29,31\n"
                     "  ranks 0-29,31: done (cpu)\n"
                     "  rank 30: error (ValueError: bad) (cpu)")
 
@@ -56,7 +56,8 @@ def test_stable_text_groups_ranks_and_has_no_times():
 def test_header_counts_states():
     rows = rows_with(("running", 1, 4), ("done", 4, 4), ("error", None, None))
     summary = summarize(rows, 3, True)
-    assert header_text(summary) == "ranks 0-2: running 0 · error 2 · done 1 · slowest rank 0 · 1.5 s"
+    assert header_text(summary) == ("ranks 0-2: running on rank 0 · error on rank 2 · done on rank 1 · "
+                                    "slowest rank 0 · 1.5 s")
     html = render_header(summary, "mesh cell")
     assert "slowest: rank 0" in html and "1.5 s" in html
 
