@@ -71,6 +71,8 @@ def sim_row(world: int, relays: int, cells: int, seconds: float) -> dict[str, fl
     with open(m.join_commands().secret_file) as f:
         secret = f.read().strip()
     agents = world // PER_AGENT
+    if relays and agents % relays:
+        raise ValueError(f"{relays} relays do not split {agents} agents evenly")
     if relays:
         argv = [[sys.executable, SIM, "relay", m.address, secret, str(agents // relays), str(PER_AGENT)]
                 for _ in range(relays)]
@@ -146,9 +148,34 @@ def fmt(r: dict[str, float] | None) -> str:
         f", ready {r['ready_s']:5.1f} s" if "ready_s" in r else "") + f" ({r['cells']} cells)"
 
 
+def positive_ints(text: str) -> list[int]:
+    """``--sizes`` and ``--relays``: a comma-separated list of positive integers."""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of positive integers (e.g. 2,4)")
+    return values
+
+
+def layouts(world: int, relay_counts: list[int]) -> tuple[list[int], list[str]]:
+    """The relay counts that split ``world``'s agents evenly, 2 agents or more to a relay, and a note for each other."""
+    agents = world // PER_AGENT
+    ok = [r for r in relay_counts if agents % r == 0 and agents // r >= 2]
+    notes = [f"{world} ranks under {r} relays skipped: {agents} agents do not split into {r} equal groups of 2 or more"
+             for r in relay_counts if r not in ok]
+    return ok, notes
+
+
+def verdict(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default="256,1024,4096", help="simulated mesh sizes (ranks; multiples of 64)")
+    ap.add_argument("--sizes", default=[256, 1024, 4096], type=positive_ints,
+                    help="simulated mesh sizes (ranks; multiples of 64), comma-separated")
     ap.add_argument("--cells", type=int, default=200, help="trivial cells timed per row, at most")
     ap.add_argument("--row-seconds", type=float, default=20.0, help="seconds of cells per row, at most")
     ap.add_argument("--reference", default=None, help="a checkout (folder) of monarch_jupyter: the 'before'")
@@ -157,9 +184,12 @@ def main() -> None:
     ap.add_argument("--no-agent", action="store_true", help="local rows: skip those behind one host agent")
     ap.add_argument("--no-sim", action="store_true", help="skip the simulated rows")
     ap.add_argument("--no-flat", action="store_true", help="simulated rows: only the tree")
-    ap.add_argument("--relays", default=RELAYS,
-                    help="relay counts tried at each size (a count is tried where each relay gets 2 agents or more)")
+    ap.add_argument("--relays", default=positive_ints(RELAYS), type=positive_ints,
+                    help="relay counts tried at each size, comma-separated (a count is tried where it splits the "
+                         "agents evenly, 2 or more to a relay)")
     args = ap.parse_args()
+    if bad := [w for w in args.sizes if w % PER_AGENT]:
+        ap.error(f"--sizes: {', '.join(map(str, bad))} not a multiple of {PER_AGENT} (ranks per simulated agent)")
     ref = os.path.abspath(args.reference) if args.reference else None
     versions = [("after", None)] + ([("before", ref)] if ref else [])
     print(f"scale benchmark: {os.cpu_count()} CPUs, python {sys.version.split()[0]}, load average "
@@ -187,17 +217,19 @@ def main() -> None:
                 line += f"; after/before CPU {rows[name]['after']['cpu_s'] / before['cpu_s']:.3f}x"
         print(line, flush=True)
 
-    sizes = [int(s) for s in args.sizes.split(",") if s]
+    sizes = args.sizes
     if not args.no_sim:
         print("simulated hosts (agents of 64 ranks that answer at once; the controller is real):", flush=True)
         for world in sizes:
             if not args.no_flat:
                 measure(f"{world} flat ({world // PER_AGENT} agents)", "sim", world, 0, args.cells,
                         args.row_seconds)
-            for relays in (int(r) for r in args.relays.split(",") if r):
-                if world // PER_AGENT // relays >= 2:
-                    measure(f"{world} tree ({relays} relays x {world // PER_AGENT // relays} agents)", "sim", world,
-                            relays, args.cells, args.row_seconds)
+            tree, notes = layouts(world, args.relays)
+            for note in notes:
+                print(f"  ({note})", flush=True)
+            for relays in tree:
+                measure(f"{world} tree ({relays} relays x {world // PER_AGENT // relays} agents)", "sim", world,
+                        relays, args.cells, args.row_seconds)
     if not args.no_local:
         print("local meshes (ranks on this host: forked by the fork server, or behind one host agent):", flush=True)
         for n in (4, 32):
@@ -218,19 +250,21 @@ def main() -> None:
         for w in (1024, 4096):
             if w in best:
                 goals[f"cpu_{w}_ok"] = best[w] * 1e3 <= GOAL_MS
-                parts.append(f"{w}: {best[w] * 1e3:.2f} ms (goal <= {GOAL_MS} ms)")
+                parts.append(f"{w}: {best[w] * 1e3:.2f} ms (goal <= {GOAL_MS} ms: {verdict(best[w] * 1e3 <= GOAL_MS)})")
         if 256 in best and 4096 in best:
             ratio = best[4096] / best[256]
             goals["ratio_4096_256"] = ratio
-            parts.append(f"4,096 / 256: {ratio:.2f}x (goal <= {GOAL_RATIO}x)")
+            parts.append(f"4,096 / 256: {ratio:.2f}x (goal <= {GOAL_RATIO}x: {verdict(ratio <= GOAL_RATIO)})")
         for key, suffix in (("local_32_4", ""), ("agent_32_4", " behind one agent")):
             loc = rows.get(f"local 4{suffix}", {}).get(label), rows.get(f"local 32{suffix}", {}).get(label)
             if loc[0] and loc[1]:
                 ratio = loc[1]["cpu_s"] / loc[0]["cpu_s"]
                 goals[key] = ratio
-                parts.append(f"local 32 / 4{suffix}: {ratio:.2f}x (goal <= {GOAL_RATIO}x)")
+                parts.append(f"local 32 / 4{suffix}: {ratio:.2f}x "
+                             f"(goal <= {GOAL_RATIO}x: {verdict(ratio <= GOAL_RATIO)})")
         figures["goals"][label] = goals
-        print(f"  {label}: controller CPU per trivial cell, best layout: " + "; ".join(parts), flush=True)
+        print(f"  {label}: controller CPU per trivial cell, best layout: " + ("; ".join(parts) or "no row measured"),
+              flush=True)
     if args.json:
         figures["load_average"] = os.getloadavg()[0]
         figures["reference"] = ref
