@@ -18,11 +18,14 @@ from collections.abc import Iterable
 from types import CodeType
 from typing import Any
 
+from monarch_worker.executor import expire_source, register_source
+
 __all__ = ["compile_cell", "notebook_refs", "sources_of"]
 
 
 def compile_cell(code: str, filename: str) -> CodeType:
-    """Compile ``code`` under ``filename`` (registered in linecache, so tracebacks show its lines).
+    """Compile ``code`` under ``filename`` (registered in linecache, so tracebacks show its lines; the source of a
+    cell that defines no function or class is dropped after ``monarch_worker.executor.KEPT_SOURCES`` newer ones).
 
     Raises
     ------
@@ -34,12 +37,14 @@ def compile_cell(code: str, filename: str) -> CodeType:
     if not isinstance(code, str):
         raise TypeError(f"code is a cell's Python source (a str), got {type(code).__name__}"
                         + (": to call a function on the ranks, use mesh.call(fn, *args)" if callable(code) else ""))
-    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+    register_source(filename, code)
     try:
-        return compile(code, filename, "exec", dont_inherit=True)
+        compiled = compile(code, filename, "exec", dont_inherit=True)
     except SyntaxError as e:
         e._render_traceback_ = functools.partial(_render_syntax_error, e)  # type: ignore[attr-defined]
         raise e.with_traceback(None) from None
+    expire_source(filename, compiled)  # the newest KEPT_SOURCES of the cells that define nothing callable
+    return compiled
 
 
 def _render_syntax_error(e: SyntaxError) -> list[str]:

@@ -1,8 +1,10 @@
 """Memory a cell or a transfer freed goes back to the OS once the rank (or the kernel) is idle (monarch_worker.heap):
-RSS does not stay up by what glibc's malloc kept for reuse."""
+RSS does not stay up by what glibc's malloc kept for reuse. A long session keeps the source of only its newest cells
+that define nothing callable (monarch_worker.executor.KEPT_SOURCES), in the kernel and on every rank."""
 
 from __future__ import annotations
 
+import linecache
 import os
 import time
 
@@ -10,7 +12,7 @@ import psutil
 import pytest
 
 from monarch_jupyter import Mesh
-from monarch_worker import heap
+from monarch_worker import executor, heap
 
 pytestmark = pytest.mark.skipif(not heap.trim(), reason="needs glibc's malloc_trim")
 
@@ -68,3 +70,26 @@ def test_the_kernel_gives_freed_memory_back_after_a_transfer(mesh2: Mesh) -> Non
     after = wait_below(pid, before + 48 * MiB)
     assert after <= before + 48 * MiB, f"controller RSS {before / MiB:.0f} -> {after / MiB:.0f} MiB"
     assert len(ns["pins"]) == 8
+
+
+COUNT = "sum(1 for k in linecache.cache if k.startswith('<mesh cell'))"
+
+
+def test_a_long_session_keeps_the_source_of_its_newest_passing_cells_only(mesh2: Mesh,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    kept, default = 20, executor.KEPT_SOURCES
+    monkeypatch.setattr(executor, "KEPT_SOURCES", kept)  # the kernel's bound
+    mesh2.run(f"import linecache, monarch_worker.executor as _ex\n_ex.KEPT_SOURCES = {kept}")  # the ranks'
+    mesh2.run("def keeps_its_source():\n    return 7\n", filename="<mesh cell defines>")
+    try:
+        for i in range(3 * kept):
+            assert mesh2.run(f"y = {i}\ny") == {0: i, 1: i}
+        counts = mesh2.run(COUNT)
+        assert all(c <= kept + 2 for c in counts.values()), counts  # + the definition and this cell
+        assert sum(1 for k in linecache.cache if k.startswith("<mesh cell")) <= kept + 2
+        lines = mesh2.run("linecache.getline('<mesh cell defines>', 2)")
+        assert lines == {0: "    return 7\n", 1: "    return 7\n"}
+        assert linecache.getline("<mesh cell defines>", 2) == "    return 7\n"
+        assert mesh2.run("keeps_its_source()") == {0: 7, 1: 7}
+    finally:
+        mesh2.run(f"_ex.KEPT_SOURCES = {default}")
