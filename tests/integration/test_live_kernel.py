@@ -166,7 +166,7 @@ def _quick_cells(kernel):
     assert 'class="mj-table"' not in final["text/html"] and WIDGET not in final  # compact: no table, no widget
     msgs = execute(kernel, "%%mesh\nraise ValueError(f'no {rank}')", errors=False)
     assert kinds(msgs) == ["display_data", "error"]  # the view's final state, then the cell's error
-    assert "error 0,1" in last_view(msgs)["text/plain"]
+    assert "error on ranks 0,1" in last_view(msgs)["text/plain"]
 
 
 def test_unattended_run_gets_one_display_at_the_end(kernel):
