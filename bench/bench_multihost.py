@@ -248,7 +248,7 @@ def main() -> None:
         print("simulated hosts (ranks answer at once; the controller is real):", flush=True)
         sim: dict[str, dict[str, float]] = {}
         for world_sim in (256, 1024, 4096):
-            tree, _ = bench_scale.layouts(world_sim, bench_scale.positive_ints(bench_scale.RELAYS))
+            tree, _ = bench_scale.layouts(world_sim, bench_scale.RELAYS)
             for relays in (0, *tree):
                 name = (f"{world_sim} ranks, flat ({world_sim // 64} agents of 64)" if not relays else
                         f"{world_sim} ranks, tree ({relays} relays x {world_sim // 64 // relays} agents of 64)")

@@ -11,6 +11,12 @@
 MJ_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 MJ_VENV="$MJ_ROOT/.venv"
 
+mj_scripts_first() {  # the environment's own commands (torchrun, jupyter) first on the PATH, as activating it would:
+  # tests that launch torchrun would otherwise wait for ranks that never start, in a shell with no environment active
+  PATH="$("$PY" -c 'import sysconfig; print(sysconfig.get_path("scripts"))'):$PATH"
+  export PATH
+}
+
 mj_python() {  # [--create]: set PY (and MJ_ENV_NOTE, one line saying which interpreter and why)
   local create=${1:-}
   if [ -n "${PYTHON:-}" ]; then

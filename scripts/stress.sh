@@ -10,10 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
 mj_python
-# The environment's own commands (torchrun, jupyter) first on the PATH, as activating it would (.ci/run does the same):
-# tests that launch torchrun would otherwise wait for ranks that never start in a shell with no environment active.
-PATH="$("$PY" -c 'import sysconfig; print(sysconfig.get_path("scripts"))'):$PATH"
-export PATH
+mj_scripts_first
 RUNS=${STRESS_RUNS:-3}
 LOAD=${STRESS_LOAD:-$(nproc)}
 args=("$@")
