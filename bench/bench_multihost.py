@@ -1,15 +1,17 @@
 """Meshes past one host against the local mesh, measured in one run: host agents on simulated hosts, torchrun here,
 the controller's cost per cell, and simulated trees of 256 and 1,024 ranks.
 
-    sudo python bench/bench_multihost.py [--hosts 2] [--per-host 4] [--cells 200] [--no-old] [--no-sim] [--json PATH]
+    sudo python bench/bench_multihost.py [--hosts 2] [--per-host 4] [--cells 200] [--starts 3] [--no-old] [--no-sim]
+        [--json PATH]
 
 Every figure is printed with its reference, measured in the same run:
 
 - launch to ready: a joined mesh of HOSTS x PER_HOST ranks (``Mesh.listen``, the printed torchrun command run on each
   simulated host: one host agent per host) against a local mesh of the same size started cold in a fresh process
   (goal <= 2x); its floor, the launcher's own start (``torchrun --no-python ... true``) plus one ``import torch``,
-  is printed beside it; and the one-process-per-rank form of the same command (what joined meshes did before
-  agents) as the "before" row;
+  is printed beside it (goal <= 1.2x the floor); each of the three is the median of ``--starts`` tries, taken in
+  turn so that load hits them alike; and the one-process-per-rank form of the same command (what joined meshes did
+  before agents) as the "before" row;
 - a torchrun-launched mesh on this host (``Mesh(N, launcher="torchrun")``) against the local one (goal <= 2.5x);
 - a trivial cell (``x = 1``) on 2 hosts x 16 ranks against a local mesh of 32 (goal <= 1.0x);
 - the controller's CPU (this process: every thread) per trivial cell at 2 x 2, 2 x 8 and 2 x 16 ranks (goal: flat
@@ -131,7 +133,8 @@ def across_hosts(hosts: int, per_host: int, cells: int, form: str = "torchrun") 
             raise RuntimeError("ranks did not join")
         ready = time.perf_counter() - t0
         assert len(m.hosts()) == hosts
-        return {"ready_s": ready, "agent_s": max(joined, default=t0) - t0, **timed_cells(m, cells)}
+        times = {"ready_s": ready, "agent_s": max(joined, default=t0) - t0}
+        return {**times, **timed_cells(m, cells)} if cells else times
     finally:
         m.stop()
         for p in procs:
@@ -174,10 +177,13 @@ def main() -> None:
     ap.add_argument("--hosts", type=int, default=2, help="simulated hosts (network namespaces)")
     ap.add_argument("--per-host", type=int, default=4, help="ranks per host for the launch-to-ready rows")
     ap.add_argument("--cells", type=int, default=200, help="trivial cells per latency median")
+    ap.add_argument("--starts", type=int, default=3, help="tries of the joined start and of its floor (medians)")
     ap.add_argument("--no-old", action="store_true", help="skip the one-process-per-rank row")
     ap.add_argument("--no-sim", action="store_true", help="skip the simulated 256/1,024/4,096-rank rows")
     ap.add_argument("--json", default=None, metavar="PATH", help="write the figures to PATH as JSON")
     args = ap.parse_args()
+    if args.starts < 1:
+        ap.error(f"--starts must be 1 or more, got {args.starts}")
     figures: dict[str, object] = {}
     hosts, per = args.hosts, args.per_host
     world = hosts * per
@@ -192,12 +198,24 @@ def main() -> None:
         if res.returncode != 0:
             why = f"netns.sh up failed: {res.stderr.strip()[-300:]}"
     try:
-        t_import = seconds([sys.executable, "-c", "import torch, torch.distributed"])
         torchrun = shutil.which("torchrun")
-        t_torchrun = (seconds([torchrun, "--standalone", "--nnodes", "1", "--nproc-per-node", "1", "--no-python",
-                               "true"]) if torchrun else float("nan"))
+        import_argv = [sys.executable, "-c", "import torch, torch.distributed"]
+        torchrun_argv = [torchrun or "torchrun", "--standalone", "--nnodes", "1", "--nproc-per-node", "1",
+                         "--no-python", "true"]
+        seconds(import_argv)  # once untimed: the first import after a while reads torch from disk
+        imports: list[float] = []
+        starts: list[float] = []
+        tries: list[dict[str, float]] = []
+        for k in range(args.starts):
+            imports.append(seconds(import_argv))
+            starts.append(seconds(torchrun_argv) if torchrun else float("nan"))
+            if not why:
+                tries.append(across_hosts(hosts, per, args.cells if k == 0 else 0))
+        t_import, t_torchrun = statistics.median(imports), statistics.median(starts)
         print(f"reference: python -c 'import torch, torch.distributed': {t_import:.2f} s; torchrun's own start "
-              f"(torchrun --no-python ... true): {t_torchrun:.2f} s", flush=True)
+              f"(torchrun --no-python ... true): {t_torchrun:.2f} s (medians of {len(imports)}: "
+              f"{', '.join(f'{t:.2f}' for t in imports)} and {', '.join(f'{t:.2f}' for t in starts)} s)",
+              flush=True)
 
         local8 = local_cold(world)
         figures["local_cold_ready_s"] = local8
@@ -207,13 +225,16 @@ def main() -> None:
         print(f"torchrun on this host N={world}: launch -> ready {here['ready_s']:.2f} s = "
               f"{here['ready_s'] / local8:.2f}x local (goal <= 2.5x)", flush=True)
         if not why:
-            joined = figures["joined"] = across_hosts(hosts, per, args.cells)
-            floor = t_torchrun + t_import
+            joined = figures["joined"] = {**tries[0], "ready_s": statistics.median(t["ready_s"] for t in tries),
+                                          "agent_s": statistics.median(t["agent_s"] for t in tries),
+                                          "tries_s": [t["ready_s"] for t in tries]}
+            floor = figures["joined_floor_s"] = t_torchrun + t_import
             print(f"joined {hosts} hosts x {per} (host agents, printed torchrun): launch -> ready "
-                  f"{joined['ready_s']:.2f} s = {joined['ready_s'] / local8:.2f}x local (goal <= 2x); floor "
-                  f"(torchrun's start + one import torch per host) {floor:.2f} s = {floor / local8:.2f}x; "
-                  f"{joined['ready_s'] / floor:.2f}x the floor. The agents said hello at {joined['agent_s']:.2f} s "
-                  f"(torchrun's part); ours from there: {joined['ready_s'] - joined['agent_s']:.2f} s = "
+                  f"{joined['ready_s']:.2f} s (median of {', '.join(f'{t:.2f}' for t in joined['tries_s'])}) = "
+                  f"{joined['ready_s'] / local8:.2f}x local (goal <= 2x); floor (torchrun's start + one import torch "
+                  f"per host) {floor:.2f} s = {floor / local8:.2f}x; {joined['ready_s'] / floor:.2f}x the floor "
+                  f"(goal <= 1.2x). The agents said hello at {joined['agent_s']:.2f} s (torchrun's part); ours from "
+                  f"there: {joined['ready_s'] - joined['agent_s']:.2f} s = "
                   f"{(joined['ready_s'] - joined['agent_s']) / t_import:.2f}x one import of torch", flush=True)
             plain = across_hosts(hosts, per, args.cells, "plain")
             print(f"  the plain agent command (no launcher): {plain['ready_s']:.2f} s = "

@@ -18,6 +18,13 @@ subreaper and ends the process tree of every rank that is gone (reaper.py).
 
 Control channel: the kernel passes one end of a Unix socket pair as fd 0; it carries the frames of
 protocol.FORK_SERVER_HEADER both ways, and file descriptors with them. It is moved away from fd 0 at once.
+
+**Clones.** A host agent on the kernel's own host (``--launcher agent``) needs a fork server of its own, whose ranks
+it reads and speaks for. Started fresh, that fork server would import torch again (seconds, the whole start of such a
+mesh); instead the kernel sends this one a socket with ``FS_CLONE`` and hands the other end to the agent, and this
+process forks a child that serves that socket as a fork server, torch and every preloaded module already imported.
+The clone is a child of this process (it dies with it, ``PR_SET_PDEATHSIG``, and is killed with its ranks when this
+one ends) and a subreaper of its own; it ends, killing its ranks, when the agent closes the socket.
 """
 
 from __future__ import annotations
@@ -35,9 +42,11 @@ import sys
 import tempfile
 
 from . import protocol as P
+from .elastic_env import keep_error_files_under
 from .reaper import ProcessTrees, become_rank
 
 PR_SET_PDEATHSIG = 1
+CLONE_CTL_FD = 3  # a clone's control socket (fds 0-2 are this process's /dev/null and stderr)
 
 
 def _set_pdeathsig(sig: int) -> None:
@@ -177,6 +186,33 @@ class ForkServer:
                 self.kill(sid, int(req["signal"]))
             elif kind == P.FS_IMPORT:
                 self.preload(req.get("modules", []))
+            elif kind == P.FS_CLONE and self.received_fds:
+                self.clone(sid, self.received_fds.pop(0))
+
+    def clone(self, sid: int, ctl_fd: int) -> None:
+        """Fork a fork server of its own that serves ``ctl_fd`` (see "Clones" above). It is filed as spawn ``sid``:
+        its exit is reported like a rank's (the kernel knows no rank by that id), and this process's shutdown kills
+        it."""
+        pid = os.fork()
+        if pid == 0:
+            try:
+                self._become_clone(ctl_fd)
+            finally:
+                os._exit(1)
+        os.close(ctl_fd)
+        self.children[pid] = sid
+
+    def _become_clone(self, ctl_fd: int) -> None:
+        signal.set_wakeup_fd(-1)
+        _set_pdeathsig(signal.SIGKILL)
+        if os.getppid() != self.pid:
+            os._exit(1)
+        if ctl_fd != CLONE_CTL_FD:
+            os.dup2(ctl_fd, CLONE_CTL_FD)
+        os.closerange(CLONE_CTL_FD + 1, 65536)  # this process's control socket and pipes are not the clone's
+        folder = tempfile.mkdtemp(prefix="monarch-ranks-")
+        keep_error_files_under(folder)
+        ForkServer(CLONE_CTL_FD, folder).serve()
 
     def preload(self, modules: list[str]) -> None:
         """Import ``modules`` (what the notebook imported: Lightning; what a self-healing mesh's replacements need:
@@ -246,7 +282,6 @@ def main() -> None:
     os.environ.setdefault("RUST_LOG", "warn")
 
     from . import startup  # noqa: F401  - the rank runtime, imported once here
-    from .elastic_env import keep_error_files_under
 
     folder = tempfile.mkdtemp(prefix="monarch-ranks-")
     keep_error_files_under(folder)

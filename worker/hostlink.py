@@ -30,29 +30,40 @@ from .hostmessages import pack_durations
 from .pipes import WorkPipe
 from .streams import LINE_LIMIT, StreamSplitter, temp_file_sink
 
-__all__ = ["ForkServerClient", "LocalRank", "EventBatch", "FORK_SERVER_LOG_LINES", "read_segment"]
+__all__ = ["ForkServerClient", "LocalRank", "EventBatch", "ENV_FORK_SERVER_FD", "FORK_SERVER_LOG_LINES",
+           "read_segment"]
 
+ENV_FORK_SERVER_FD = "MONARCH_FORK_SERVER_FD"  # set by the kernel for an agent on its host: a clone's socket
 FORK_SERVER_LOG_LINES = 30  # lines of the fork server's own stderr kept for a failure report
 READ_SIZE = 1 << 16
 
 
 class ForkServerClient:
     """The agent's fork server: started at once (it imports torch while the agent says hello), one control socket
-    that carries frames (protocol.FORK_SERVER_HEADER) and file descriptors both ways.
+    that carries frames (protocol.FORK_SERVER_HEADER) and file descriptors both ways. When ``env`` names an
+    inherited socket (``MONARCH_FORK_SERVER_FD``: the kernel started this agent on its own host), the fork server is
+    a clone of the kernel's, forked with torch imported (forkserver.py, "Clones"), and nothing is started here.
 
     ``poll_fds`` are what the agent's loop watches; ``on_readable(fd)`` handles them and returns what happened:
     ("ready",), ("spawned", sid, pid, out_fd, err_fd), ("exited", sid, returncode), ("gone",).
     """
 
     def __init__(self, env: dict[str, str]) -> None:
-        self.ctl, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.proc = subprocess.Popen([sys.executable, "-m", "monarch_worker.forkserver"], stdin=child.fileno(),
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, close_fds=True)
-        child.close()
+        inherited = env.pop(ENV_FORK_SERVER_FD, None)
+        os.environ.pop(ENV_FORK_SERVER_FD, None)  # not the ranks'
+        self.proc: subprocess.Popen | None = None
+        self.err_fd = -1
+        if inherited is not None:  # a clone of the kernel's fork server (forkserver.py, "Clones"), torch imported
+            self.ctl = socket.socket(fileno=int(inherited))
+        else:
+            self.ctl, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.proc = subprocess.Popen([sys.executable, "-m", "monarch_worker.forkserver"], stdin=child.fileno(),
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, close_fds=True)
+            child.close()
+            assert self.proc.stderr is not None
+            self.err_fd = self.proc.stderr.fileno()
+            os.set_blocking(self.err_fd, False)
         self.ctl.setblocking(False)
-        assert self.proc.stderr is not None
-        self.err_fd = self.proc.stderr.fileno()
-        os.set_blocking(self.err_fd, False)
         self.log: deque[str] = deque(maxlen=FORK_SERVER_LOG_LINES)
         self._log_part = b""
         self.ready = False
@@ -140,6 +151,9 @@ class ForkServerClient:
 
     def failure(self) -> str:
         """Why the fork server could not start: its exit status and last lines."""
+        if self.proc is None:
+            return ("the kernel's fork server, which this agent's fork server is forked from, ended before the "
+                    "fork was ready (the kernel's stderr says why)")
         try:
             rc: int | None = self.proc.wait(2.0)
         except subprocess.TimeoutExpired:
@@ -155,15 +169,34 @@ class ForkServerClient:
             self.ctl.shutdown(socket.SHUT_WR)
         except OSError:
             pass
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
+        if self.proc is None:
+            self._wait_closed(timeout)  # a clone is not our child: its socket closes as it exits
+        else:
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
         self.ctl.close()
         for fd in self._fds:
             os.close(fd)
         self._fds = []
+
+    def _wait_closed(self, timeout: float) -> None:
+        """Read and drop what the clone still sends until it closes its end (it exits), ``timeout`` seconds at
+        most; after that it is left to end by itself (it got end of file, and kills its ranks)."""
+        deadline = time.monotonic() + timeout
+        self.ctl.setblocking(True)
+        while (left := deadline - time.monotonic()) > 0:
+            self.ctl.settimeout(left)
+            try:
+                data, fds, _, _ = socket.recv_fds(self.ctl, 1 << 16, 64)
+            except OSError:  # the timeout included
+                return
+            for fd in fds:
+                os.close(fd)
+            if not data:
+                return
 
 
 @dataclass

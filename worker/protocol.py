@@ -140,6 +140,7 @@ FORK_SERVER_HEADER = struct.Struct("!BiI")
 FS_SPAWN = 1  # kernel -> fork server: body is JSON {"rank", "env", "cwd", "config"}
 FS_KILL = 2  # kernel -> fork server: body is JSON {"signal"}; rank -1 means every rank
 FS_IMPORT = 3  # kernel -> fork server: body is JSON {"modules"}: import them, so that ranks forked later have them
+FS_CLONE = 4  # kernel -> fork server: body is JSON {}; one socket comes too: fork a fork server of its own on it
 FS_SPAWNED = 10  # fork server -> kernel: body is JSON {"pid"}; the read ends of its stdout and stderr pipes come too
 FS_EXITED = 11  # fork server -> kernel: body is JSON {"returncode"} (negative: killed by that signal)
 FS_READY = 14  # fork server -> kernel: the fork server imported torch and waits for work

@@ -165,7 +165,8 @@ class MeshMagics(Magics):
     @argument("--timeout", type=float, default=None, help="seconds for every rank to start and join")
     @argument("--launcher", choices=["local", "torchrun", "agent", "slurm"], default="local",
               help="local: fork server on this host; torchrun: torchrun on this host; agent: one host agent on this "
-                   "host (the controller pays per host); slurm: srun (in an allocation)")
+                   "host (the controller pays per host: the choice for 16 ranks or more); slurm: srun (in an "
+                   "allocation)")
     @argument("--nodes", type=int, default=None, help="slurm: nodes for srun (--nodes)")
     @argument("--srun-args", default="", help='slurm: extra srun arguments, quoted: --srun-args "--partition gpu"')
     @argument("--nnodes", type=int, default=1, help="torchrun: must be 1 (use %%mesh listen for several hosts)")

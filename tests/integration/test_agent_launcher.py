@@ -17,6 +17,7 @@ import pytest
 from monarch_jupyter import Mesh, MeshError, RankDiedError
 from monarch_jupyter.kernel import registry
 from monarch_jupyter.kernel.launch import AgentLauncher
+from monarch_jupyter.kernel.launch.local import fork_server_pid, preload
 from tests.conftest import magic_shell, wait_gone, worker_pids
 
 pytestmark = pytest.mark.slow
@@ -40,7 +41,9 @@ def test_one_agent_forks_every_rank_which_scale_and_stop_through_it() -> None:
         got = m.run(ENV)
         forkservers = {got[r][2] for r in range(3)}
         assert len(forkservers) == 1, "every rank is forked by the agent's one fork server"
-        assert parent_of(forkservers.pop()) == agent
+        clone = forkservers.pop()
+        # A clone of the kernel's fork server (torch imported), not a fresh interpreter of the agent's.
+        assert parent_of(clone) == fork_server_pid()
         assert parent_of(agent) == os.getpid()  # no torchrun underneath
         for r in range(3):
             assert got[r][:2] == (3.0, (str(r), str(r), "3", "3")), got[r]
@@ -50,9 +53,10 @@ def test_one_agent_forks_every_rank_which_scale_and_stop_through_it() -> None:
             0: (4.0, 0), 1: (4.0, 10), 2: (4.0, 20), 3: (4.0, None)}
         assert m.scale(2).stopped == [2, 3]
         assert m.run("t = torch.ones(1); dist.all_reduce(t); t.item()") == {0: 2.0, 1: 2.0}
-        started = worker_pids() - before
-        assert agent in started and len(started) >= 4  # the agent, its fork server and two ranks
+        started = worker_pids() - before - {fork_server_pid()}
+        assert {agent, clone} <= started and len(started) >= 4  # the agent, its fork server and two ranks
     assert not wait_gone(started | {agent}, timeout=30)
+    assert fork_server_pid() is not None  # the kernel's own fork server stays, for the next mesh
 
 
 @pytest.mark.parametrize("launcher", ["agent", "torchrun"])
@@ -134,3 +138,36 @@ def test_the_magic_starts_an_agent_mesh() -> None:
         if registry.peek_current() is not None:
             registry.peek_current().stop()
         registry.set_current(saved)
+
+
+def test_an_agent_meshs_ranks_start_with_what_the_kernels_fork_server_imported() -> None:
+    """The agent's fork server is a clone of the kernel's: what the kernel's imported (torch, and modules the notebook
+    imported, ``preload``) is imported in the ranks before their first cell, as in a local mesh's."""
+    preload(["colorsys"])  # a module no rank imports by itself (the control below is one more such module)
+    # The clone request reaches the kernel's fork server after the import request: its clone has them.
+    with Mesh(2, launcher="agent", start_timeout=WAIT) as m:
+        got = m.run("import sys; ('colorsys' in sys.modules, 'tabnanny' in sys.modules)")
+    assert got == {0: (True, False), 1: (True, False)}, got
+
+
+def test_a_killed_kernel_fork_server_takes_an_agent_meshs_ranks_and_fails_the_cell() -> None:
+    """The clone dies with the kernel's fork server (PR_SET_PDEATHSIG), and its ranks with it: the running cell
+    fails, naming the ranks, and nothing is left behind; the next mesh gets a new fork server."""
+    before = worker_pids()
+    m = Mesh(2, launcher="agent", start_timeout=WAIT)
+    try:
+        ranks = {m.status()[r]["pid"] for r in range(2)}
+        clone = parent_of(next(iter(ranks)))
+        server = fork_server_pid()
+        assert server is not None and parent_of(clone) == server
+        handle = m.run("import time; time.sleep(60)", block=False)
+        os.kill(server, signal.SIGKILL)
+        with pytest.raises(MeshError) as info:
+            handle.result(timeout=60)
+        assert all(isinstance(e, RankDiedError) for e in info.value.errors.values()), info.value
+        assert not wait_gone(ranks | {clone}, timeout=30)
+    finally:
+        m.stop()
+    assert not wait_gone(worker_pids() - before - {fork_server_pid()}, timeout=30)
+    with Mesh(1, launcher="agent", start_timeout=WAIT) as m:
+        assert m.run("rank + 1") == {0: 1}

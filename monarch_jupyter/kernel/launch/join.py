@@ -367,6 +367,7 @@ class ProcessLauncher(JoinLauncher):
         self.proc: subprocess.Popen | None = None
         self.log_path = ""
         self._waiter: threading.Thread | None = None
+        self.pass_fds: tuple[int, ...] = ()  # file descriptors the engine inherits (besides stdio)
 
     def command(self, commands: JoinCommands) -> list[str]:
         raise NotImplementedError
@@ -384,7 +385,8 @@ class ProcessLauncher(JoinLauncher):
         try:
             with spawn_unpatched():  # a Python launcher must not be re-run under the kernel's debugger
                 self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=fd,
-                                             stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
+                                             stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
+                                             pass_fds=self.pass_fds)
         except OSError as e:
             raise LaunchError(f"cannot run {argv[0]}: {e.strerror}") from None
         finally:

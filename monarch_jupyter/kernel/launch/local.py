@@ -34,7 +34,7 @@ from .pacing import ReadPacer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LocalLauncher", "ForkServer", "prewarm", "preload", "shutdown", "fork_server_pid"]
+__all__ = ["LocalLauncher", "ForkServer", "prewarm", "preload", "shutdown", "fork_server_pid", "fork_server_clone"]
 
 READ_SIZE = 1 << 16  # bytes of one read of a rank's output pipe (its default capacity)
 
@@ -142,6 +142,21 @@ class ForkServer:
         finally:
             os.close(work_r)  # the fork server holds its own copy now
         return sid
+
+    def clone(self) -> socket.socket:
+        """A fork server of its own for a host agent on this host, forked from this one, so torch and every
+        preloaded module are imported already (monarch_worker.forkserver, "Clones"); returns the socket the agent
+        controls it through (pass it to the agent, then close it here). The request waits, if this fork server is
+        still importing torch, until it is done. Raises OSError when this fork server is gone."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._send(P.FS_CLONE, next(self._ids), {}, [theirs.fileno()])
+        except OSError:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        return ours
 
     def work_pipe(self, sid: int) -> WorkPipe | None:
         return self._work.get(sid)
@@ -321,6 +336,16 @@ def preload(modules: list[str]) -> None:
     from then on start with them instead of importing them themselves (Lightning: seconds per rank). Returns at once;
     the fork server imports them before it forks the next rank."""
     ForkServer.preload(modules)
+
+
+def fork_server_clone(start_timeout: float = 60.0) -> socket.socket | None:
+    """The control socket of a clone of this kernel's fork server (started now if none runs), for a host agent on
+    this host (``ForkServer.clone``), or None when the fork server cannot be reached: the agent then starts a fork
+    server of its own."""
+    try:
+        return ForkServer.get(start_timeout).clone()
+    except OSError:
+        return None
 
 
 def prewarm(start_timeout: float = 60.0) -> None:

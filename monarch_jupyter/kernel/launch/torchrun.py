@@ -8,17 +8,21 @@ hosts, run the torchrun command that ``%mesh listen`` prints on each host.
 
 ``--launcher agent`` starts the same host agent without torchrun: the layout of each host of a larger mesh, on this
 host. The controller then pays per host, not per rank (docs/scale.md, "Per-cell cost"): at 32 ranks a trivial cell
-costs it about a third of what 32 forked local ranks cost, for a slower start (the agent's own interpreter).
+costs it about a third of what 32 forked local ranks cost. Its fork server is a clone of the kernel's
+(monarch_worker.forkserver, "Clones"): torch is imported already, so the start costs about what a local mesh's does.
 """
 
 from __future__ import annotations
 
 import shlex
 import sys
+from typing import Any
 
 from monarch_worker import join as wjoin
+from monarch_worker.hostlink import ENV_FORK_SERVER_FD
 
 from .join import JoinCommands, ProcessLauncher
+from .local import fork_server_clone
 
 __all__ = ["TorchrunLauncher", "AgentLauncher"]
 
@@ -86,6 +90,20 @@ class AgentLauncher(ProcessLauncher):
     def command(self, commands: JoinCommands) -> list[str]:
         world = commands.world_size
         return [sys.executable, "-m", "monarch_worker.agent", "--nproc-per-node", str(world)]
+
+    def launch(self, commands: JoinCommands, env: dict[str, str], secret: str, sink: Any) -> None:
+        """Start the agent with a clone of the kernel's fork server (torch imported) as its fork server; without
+        one (the kernel's cannot be reached) the agent starts its own."""
+        ctl = fork_server_clone()
+        if ctl is None:
+            super().launch(commands, env, secret, sink)
+            return
+        self.pass_fds = (ctl.fileno(),)
+        try:
+            super().launch(commands, {**env, ENV_FORK_SERVER_FD: str(ctl.fileno())}, secret, sink)
+        finally:
+            self.pass_fds = ()
+            ctl.close()  # the agent holds it now: when the agent is gone, the clone gets end of file
 
     def extra_env(self) -> dict[str, str]:
         return {wjoin.ENV_PDEATHSIG: "1"}  # the host agent (and its ranks) go with the kernel, even on SIGKILL
