@@ -210,7 +210,8 @@ class ForkServer:
         if ctl_fd != CLONE_CTL_FD:
             os.dup2(ctl_fd, CLONE_CTL_FD)
         os.closerange(CLONE_CTL_FD + 1, 65536)  # this process's control socket and pipes are not the clone's
-        folder = tempfile.mkdtemp(prefix="monarch-ranks-")
+        # Inside this process's folder: this process removes it as it ends, also after SIGKILLing the clone.
+        folder = tempfile.mkdtemp(prefix="monarch-ranks-", dir=self.folder or None)
         keep_error_files_under(folder)
         ForkServer(CLONE_CTL_FD, folder).serve()
 

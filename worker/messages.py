@@ -529,10 +529,12 @@ class DebugReply(Message):
 @dataclass(frozen=True)
 class Goodbye(Message):
     """Rank -> controller: this process exits now with ``returncode`` (how the controller learns that a rank on
-    another host ended, where no launcher reports exit statuses)."""
+    another host ended, where no launcher reports exit statuses). A host agent sends it too, with ``note`` saying
+    why when it ends for a cause the code does not name (its fork server died)."""
 
     TYPE: ClassVar[str] = "goodbye"
     returncode: int = 0
+    note: str = ""
 
 
 # ---- rich output and completion (see monarch_worker.display, monarch_jupyter.kernel.display)

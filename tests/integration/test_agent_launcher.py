@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import pytest
 
@@ -104,7 +105,9 @@ def test_a_killed_agent_takes_its_ranks_and_fails_the_cell(sig: signal.Signals) 
         m.stop()
 
 
-def test_nothing_outlives_a_killed_process_that_held_an_agent_mesh() -> None:
+def test_nothing_outlives_a_killed_process_that_held_an_agent_mesh(tmp_path: Any) -> None:
+    """Nor the ranks' error-file folders: the clone's is inside the kernel's fork server's, which that fork server
+    removes as it ends (it SIGKILLs the clone, which cannot remove its own)."""
     before = worker_pids()
     code = textwrap.dedent("""
         from monarch_jupyter import Mesh
@@ -113,7 +116,8 @@ def test_nothing_outlives_a_killed_process_that_held_an_agent_mesh() -> None:
         print("ready", flush=True)
         import time; time.sleep(600)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "TMPDIR": str(tmp_path)})
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
         started = worker_pids() - before
@@ -122,6 +126,7 @@ def test_nothing_outlives_a_killed_process_that_held_an_agent_mesh() -> None:
         proc.kill()
         proc.wait()
     assert not wait_gone(started, timeout=30)
+    assert not list(tmp_path.glob("monarch-ranks-*")), sorted(p.name for p in tmp_path.glob("**/*"))[:20]
 
 
 def test_the_magic_starts_an_agent_mesh() -> None:
@@ -165,6 +170,7 @@ def test_a_killed_kernel_fork_server_takes_an_agent_meshs_ranks_and_fails_the_ce
         with pytest.raises(MeshError) as info:
             handle.result(timeout=60)
         assert all(isinstance(e, RankDiedError) for e in info.value.errors.values()), info.value
+        assert "its fork server died" in str(info.value), str(info.value)  # the cause, not only "SIGKILL"
         assert not wait_gone(ranks | {clone}, timeout=30)
     finally:
         m.stop()

@@ -249,7 +249,7 @@ class HostLinks:
                 self.state.cond.notify_all()
         elif isinstance(msg, P.Goodbye):
             self._agent_gone(agent, f"its host agent (pid {agent.pid} on {agent.host}) exited "
-                                    f"({describe_returncode(msg.returncode)})")
+                                    f"({describe_returncode(msg.returncode)}){': ' + msg.note if msg.note else ''}")
         return True
 
     def _on_events(self, agent: Agent, msg: P.HostEvents, payload: bytes, bufs: list,
