@@ -235,6 +235,11 @@ class RankEvents:
         self.deaths = deaths
         self.exit_hooks = exit_hooks  # called with the rank when a rank exits (launcher's thread, no lock held)
 
+    def on_lost(self, ranks: list[int], reason: str) -> None:
+        """``ranks`` are gone for ``reason`` (their fork server died), before their exit statuses come: the cells and
+        the survivors are told the cause (``Deaths.ranks_lost``), not only a SIGKILL."""
+        self.deaths.ranks_lost(ranks, reason)
+
     def on_spawned(self, rank: int, pid: int) -> None:
         with self.state.lock:
             if rank in self.state.ranks:

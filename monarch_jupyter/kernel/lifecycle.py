@@ -336,3 +336,7 @@ class GenerationEvents:
         if self.state.generation == self.generation:
             self.sink.on_exit(rank, returncode)
 
+    def on_lost(self, ranks: list[int], reason: str) -> None:
+        if self.state.generation == self.generation:
+            self.sink.on_lost(ranks, reason)
+

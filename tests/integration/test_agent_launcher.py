@@ -155,25 +155,28 @@ def test_an_agent_meshs_ranks_start_with_what_the_kernels_fork_server_imported()
     assert got == {0: (True, False), 1: (True, False)}, got
 
 
-def test_a_killed_kernel_fork_server_takes_an_agent_meshs_ranks_and_fails_the_cell() -> None:
-    """The clone dies with the kernel's fork server (PR_SET_PDEATHSIG), and its ranks with it: the running cell
-    fails, naming the ranks, and nothing is left behind; the next mesh gets a new fork server."""
+@pytest.mark.parametrize("launcher", ["agent", "local"])
+def test_a_killed_kernel_fork_server_takes_the_ranks_it_forked_and_fails_the_cell(launcher: str) -> None:
+    """The kernel's fork server forks local ranks, and the fork server of an agent on this host (a clone, which dies
+    with it: PR_SET_PDEATHSIG). Killed, it takes those ranks: the running cell fails naming the cause (not only
+    "SIGKILL"), nothing is left behind, and the next mesh gets a new fork server."""
     before = worker_pids()
-    m = Mesh(2, launcher="agent", start_timeout=WAIT)
+    m = Mesh(2, launcher=launcher, start_timeout=WAIT)
     try:
         ranks = {m.status()[r]["pid"] for r in range(2)}
-        clone = parent_of(next(iter(ranks)))
+        forker = parent_of(next(iter(ranks)))
         server = fork_server_pid()
-        assert server is not None and parent_of(clone) == server
+        assert server is not None
+        assert (parent_of(forker) if launcher == "agent" else forker) == server
         handle = m.run("import time; time.sleep(60)", block=False)
         os.kill(server, signal.SIGKILL)
         with pytest.raises(MeshError) as info:
             handle.result(timeout=60)
         assert all(isinstance(e, RankDiedError) for e in info.value.errors.values()), info.value
-        assert "its fork server died" in str(info.value), str(info.value)  # the cause, not only "SIGKILL"
-        assert not wait_gone(ranks | {clone}, timeout=30)
+        assert "fork server" in str(info.value) and "died" in str(info.value), str(info.value)
+        assert not wait_gone(ranks | {forker}, timeout=30)
     finally:
         m.stop()
     assert not wait_gone(worker_pids() - before - {fork_server_pid()}, timeout=30)
-    with Mesh(1, launcher="agent", start_timeout=WAIT) as m:
+    with Mesh(1, launcher=launcher, start_timeout=WAIT) as m:
         assert m.run("rank + 1") == {0: 1}

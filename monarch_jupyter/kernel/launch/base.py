@@ -31,6 +31,8 @@ class LauncherEvents(Protocol):
 
     def on_exit(self, rank: int, returncode: int) -> None: ...
 
+    def on_lost(self, ranks: list[int], reason: str) -> None: ...
+
 
 class Launcher:
     """Start, signal and kill the ranks of one mesh generation."""

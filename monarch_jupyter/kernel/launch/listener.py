@@ -401,6 +401,10 @@ class Listener:
     def on_exit(self, rank: int, returncode: int) -> None:
         self._rank_exited(rank, returncode)
 
+    def on_lost(self, ranks: list[int], reason: str) -> None:
+        assert self._sink is not None
+        self._sink.on_lost(ranks, reason)
+
     def check(self, now: float) -> None:
         """(I/O, once per heartbeat interval) Drop waiting joiners that went silent; give up at the deadline."""
         if self.hosts is not None and self.hosts.late.agents:

@@ -27,6 +27,7 @@ import time
 from monarch_worker import protocol as P
 from monarch_worker.reaper import END_WAIT
 
+from ...errors import describe_returncode
 from ..state import owner_check
 from .base import Launcher, LauncherEvents, LaunchError, WorkPipe
 from .isolation import spawn_unpatched, without_debugger_env
@@ -223,11 +224,23 @@ class ForkServer:
             self._cond.notify_all()
         for work in works:
             work.close()
+        why = self._death() if lost else ""
         for sid in lost:
             sink, rank = self._sinks.get(sid, (None, -1))
             if sink is not None:
+                sink.on_lost([rank], why)  # the cause, before the bare status that follows
                 sink.on_exit(rank, -signal.SIGKILL)
         self._selector.close()
+
+    def _death(self) -> str:
+        """Why this fork server's ranks are gone, once its control socket closed (reader thread)."""
+        try:
+            rc: int | None = self.proc.wait(2.0)
+        except subprocess.TimeoutExpired:
+            rc = None
+        how = f" ({describe_returncode(rc)})" if rc is not None else ""
+        return (f"the fork server that forked it (pid {self.proc.pid}) died{how}, and every rank it forked with it; "
+                "%mesh restart starts the mesh again")
 
     def _read_output(self, fd: int, sid: int, stream: str, until_empty: bool = False) -> None:
         """Read a rank's output pipe (non-blocking) and pass it on; reader thread only.
