@@ -491,9 +491,11 @@ class HostAgent:
         code = self.exit_code if self.exit_code is not None else 0
         if self.exit_note:
             sys.stderr.write(f"monarch agent on {self.host}: {self.exit_note}\n")
-        if self.signalled is not None and self.welcome is not None:
+        if self.welcome is not None and (self.signalled is not None or (code and self.exit_note)):
+            why = P.Goodbye(returncode=-self.signalled) if self.signalled is not None else P.Goodbye(
+                returncode=code, note=self.exit_note)  # e.g. no word from the controller for heartbeat_timeout
             try:  # before its ranks' exits: they are lost with this agent, and the controller says so (and why)
-                self.send(P.Goodbye(returncode=-self.signalled))
+                self.send(why)
             except zmq.ZMQError:
                 pass
         self.fork.close(END_WAIT + 2)  # the fork server kills every rank, ends their trees and reaps it all

@@ -528,9 +528,8 @@ class DebugReply(Message):
 @_register
 @dataclass(frozen=True)
 class Goodbye(Message):
-    """Rank -> controller: this process exits now with ``returncode`` (how the controller learns that a rank on
-    another host ended, where no launcher reports exit statuses). A host agent sends it too, with ``note`` saying
-    why when it ends for a cause the code does not name (its fork server died)."""
+    """Rank or host agent -> controller: this process exits now with ``returncode`` (how the controller learns that
+    a process on another host ended); an agent says why in ``note`` (its fork server died, no word from you)."""
 
     TYPE: ClassVar[str] = "goodbye"
     returncode: int = 0

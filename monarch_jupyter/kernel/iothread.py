@@ -11,7 +11,12 @@ The I/O thread owns the ZeroMQ ROUTER socket and its Signer: only it receives, v
 - sends what other threads queued in the dispatcher's outbox, and writes work-pipe bytes a busy rank could not
   take yet;
 - pings every rank once per ``heartbeat_interval`` and then runs the tick callbacks (the heartbeat check of
-  recovery.py, the Listener's deadline), after every message received so far was handled.
+  recovery.py, the Listener's deadline), after the messages received in that turn of its loop were handled.
+
+A turn handles received messages for ``RECV_BUDGET`` seconds at most, then sends what is queued and pings: a host
+agent that streams a flood of output would otherwise keep the ROUTER socket readable for as long as it lasts, and
+hold up the cells sent to it and the pings that tell it the controller is there (it ends its ranks after
+``heartbeat_timeout`` seconds without word).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ if TYPE_CHECKING:  # the host links are a launcher's part: their module imports 
 
 log = logging.getLogger(__name__)
 log.addFilter(lograte.REJECTED)  # a stranger's messages are all rejected, but logged at a bounded rate
+RECV_BUDGET = 0.02  # seconds of received messages handled per turn of the loop (see the module docstring)
 DROPPED = lograte.kind("messages dropped by the controller")
 REFUSED = lograte.kind("hellos refused by the controller")
 
@@ -182,8 +188,11 @@ class IOThread:
                 poller.unregister(fd)
             dispatcher.flush_pipes()
             if router in events:
+                budget = time.monotonic() + RECV_BUDGET
                 while (frames := recv(router)) is not None:
                     self._receive(bytes(frames[0]), frames[1:], by_identity)
+                    if time.monotonic() > budget:
+                        break  # the rest after the sends and pings: the socket stays readable, the next poll returns
             if monitor is not None and monitor in events and self.links is not None:
                 self.links.on_monitor()  # after the ROUTER: what an agent said before it went comes first
             if dispatcher.outbox.wake_fd in events:

@@ -6,11 +6,13 @@ the mesh or the process that holds it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 from typing import Any
 
 import pytest
@@ -180,3 +182,32 @@ def test_a_killed_kernel_fork_server_takes_the_ranks_it_forked_and_fails_the_cel
     assert not wait_gone(worker_pids() - before - {fork_server_pid()}, timeout=30)
     with Mesh(1, launcher=launcher, start_timeout=WAIT) as m:
         assert m.run("rank + 1") == {0: 1}
+
+
+FLOOD = """
+import threading, os
+_flood_stop = threading.Event()
+def _flood():
+    while not _flood_stop.is_set():
+        os.write(1, b"x" * 5000 + b"\\n")
+_flooder = threading.Thread(target=_flood, daemon=True)
+_flooder.start()
+"""
+
+
+def test_a_flood_of_output_holds_up_neither_cells_nor_the_pings_that_keep_the_agent() -> None:
+    """The controller's I/O thread handles what it receives in bounded turns (iothread.RECV_BUDGET). An agent whose
+    ranks print without pause kept its ROUTER socket readable: the cells sent to the agent waited for a lull, and so
+    did the pings, until the agent, hearing nothing for heartbeat_timeout seconds, ended its ranks ("lost (its host
+    agent ... exited (exit code 3))")."""
+    with open(os.devnull, "w") as null, contextlib.redirect_stdout(null):  # the flood's lines: not this log's
+        with Mesh(4, launcher="agent", start_timeout=WAIT, heartbeat_interval=0.5, heartbeat_timeout=3.0) as m:
+            m.run(FLOOD)
+            try:
+                deadline, i = time.monotonic() + 15, 0
+                while time.monotonic() < deadline:
+                    assert m.run(f"'{i}' * 3000") == {r: str(i) * 3000 for r in range(4)}
+                    i += 1
+            finally:
+                m.run("_flood_stop.set(); _flooder.join()")
+            assert m.run("rank") == {0: 0, 1: 1, 2: 2, 3: 3}
