@@ -10,13 +10,14 @@ The I/O thread owns the ZeroMQ ROUTER socket and its Signer: only it receives, v
   from elsewhere are admitted by the mesh's Listener (launch/listener.py), which this thread calls;
 - sends what other threads queued in the dispatcher's outbox, and writes work-pipe bytes a busy rank could not
   take yet;
-- pings every rank once per ``heartbeat_interval`` and then runs the tick callbacks (the heartbeat check of
-  recovery.py, the Listener's deadline), after the messages received in that turn of its loop were handled.
+- pings every rank once per ``heartbeat_interval``, and as often runs the tick callbacks (the heartbeat check of
+  recovery.py, the Listener's deadline) once every message received so far was handled.
 
 A turn handles received messages for ``RECV_BUDGET`` seconds at most, then sends what is queued and pings: a host
 agent that streams a flood of output would otherwise keep the ROUTER socket readable for as long as it lasts, and
 hold up the cells sent to it and the pings that tell it the controller is there (it ends its ranks after
-``heartbeat_timeout`` seconds without word).
+``heartbeat_timeout`` seconds without word). The ticks wait until the socket is empty: the heartbeats of the
+agent's ranks travel behind its output, and a check made with them still queued would find the ranks silent.
 """
 
 from __future__ import annotations
@@ -169,7 +170,7 @@ class IOThread:
         by_identity: dict[bytes, int] = {}
         self._by_identity = by_identity
         recv = recv_frames if self.links is None else self.links.recv
-        next_ping = 0.0
+        next_ping = next_tick = 0.0
         interval = state.options.heartbeat_interval
         while not self._stop.is_set():
             if self.links is not None and self.links.monitor is not monitor:
@@ -187,12 +188,14 @@ class IOThread:
             for fd in waiting:
                 poller.unregister(fd)
             dispatcher.flush_pipes()
+            drained = True
             if router in events:
                 budget = time.monotonic() + RECV_BUDGET
                 while (frames := recv(router)) is not None:
                     self._receive(bytes(frames[0]), frames[1:], by_identity)
                     if time.monotonic() > budget:
-                        break  # the rest after the sends and pings: the socket stays readable, the next poll returns
+                        drained = False  # the rest after the sends and pings: the next poll returns at once
+                        break
             if monitor is not None and monitor in events and self.links is not None:
                 self.links.on_monitor()  # after the ROUTER: what an agent said before it went comes first
             if dispatcher.outbox.wake_fd in events:
@@ -201,6 +204,8 @@ class IOThread:
             if now >= next_ping:
                 next_ping = now + interval
                 self._ping()
+            if drained and now >= next_tick:
+                next_tick = now + interval
                 for tick in self._ticks:
                     tick(now)
                 lograte.REJECTED.flush(now)
