@@ -235,11 +235,6 @@ class RankEvents:
         self.deaths = deaths
         self.exit_hooks = exit_hooks  # called with the rank when a rank exits (launcher's thread, no lock held)
 
-    def on_lost(self, ranks: list[int], reason: str) -> None:
-        """``ranks`` are gone for ``reason`` (their fork server died), before their exit statuses come: the cells and
-        the survivors are told the cause (``Deaths.ranks_lost``), not only a SIGKILL."""
-        self.deaths.ranks_lost(ranks, reason)
-
     def on_spawned(self, rank: int, pid: int) -> None:
         with self.state.lock:
             if rank in self.state.ranks:
@@ -248,8 +243,9 @@ class RankEvents:
     def on_output(self, rank: int, stream: str, data: bytes) -> None:
         self.router.on_output(rank, stream, data)
 
-    def on_exit(self, rank: int, returncode: int) -> None:
-        """``rank``'s process exited (launcher's reader thread): expected when the mesh stops, else a death."""
+    def on_exit(self, rank: int, returncode: int, cause: str = "") -> None:
+        """``rank``'s process exited (launcher's reader thread): expected when the mesh stops, else a death;
+        ``cause``: what the launcher knows of why (its fork server died), said with the exit status."""
         state = self.state
         self.router.flush_rank(rank)  # its last lines written without a newline, first
         for hook in self.exit_hooks:
@@ -272,7 +268,7 @@ class RankEvents:
                 state.failures.pop(rank, None)
                 state.cond.notify_all()
             else:
-                failed = self.deaths.rank_failed(info, returncode, killed or "", natural=killed is None)
+                failed = self.deaths.rank_failed(info, returncode, killed or cause, natural=killed is None)
         if not expected:
-            self.deaths.after_death(rank, killed or "", failed, notify=killed is None)
+            self.deaths.after_death(rank, killed or cause, failed, notify=killed is None)
         state.events.emit("rank_state", rank=rank, state=info.state.value, returncode=returncode)

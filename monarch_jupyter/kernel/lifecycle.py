@@ -332,11 +332,7 @@ class GenerationEvents:
         if self.state.generation == self.generation:
             self.sink.on_output(rank, stream, data)
 
-    def on_exit(self, rank: int, returncode: int) -> None:
+    def on_exit(self, rank: int, returncode: int, cause: str = "") -> None:
         if self.state.generation == self.generation:
-            self.sink.on_exit(rank, returncode)
-
-    def on_lost(self, ranks: list[int], reason: str) -> None:
-        if self.state.generation == self.generation:
-            self.sink.on_lost(ranks, reason)
+            self.sink.on_exit(rank, returncode, cause)
 

@@ -398,12 +398,8 @@ class Listener:
         assert self._sink is not None
         self._sink.on_output(rank, stream, data)
 
-    def on_exit(self, rank: int, returncode: int) -> None:
+    def on_exit(self, rank: int, returncode: int, cause: str = "") -> None:
         self._rank_exited(rank, returncode)
-
-    def on_lost(self, ranks: list[int], reason: str) -> None:
-        assert self._sink is not None
-        self._sink.on_lost(ranks, reason)
 
     def check(self, now: float) -> None:
         """(I/O, once per heartbeat interval) Drop waiting joiners that went silent; give up at the deadline."""

@@ -228,8 +228,7 @@ class ForkServer:
         for sid in lost:
             sink, rank = self._sinks.get(sid, (None, -1))
             if sink is not None:
-                sink.on_lost([rank], why)  # the cause, before the bare status that follows
-                sink.on_exit(rank, -signal.SIGKILL)
+                sink.on_exit(rank, -signal.SIGKILL, why)
         self._selector.close()
 
     def _death(self) -> str:
@@ -239,7 +238,7 @@ class ForkServer:
         except subprocess.TimeoutExpired:
             rc = None
         how = f" ({describe_returncode(rc)})" if rc is not None else ""
-        return (f"the fork server that forked it (pid {self.proc.pid}) died{how}, and every rank it forked with it; "
+        return (f"the fork server that forked it (pid {self.proc.pid}) died{how}, and every rank it forked with it: "
                 "%mesh restart starts the mesh again")
 
     def _read_output(self, fd: int, sid: int, stream: str, until_empty: bool = False) -> None:
