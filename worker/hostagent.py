@@ -375,15 +375,8 @@ class HostAgent:
                 self.send(P.StartFailed(error=f"the host agent on {self.host} cannot start its ranks: {note}"))
                 self.stop(EXIT_FAILED, note)
                 return
-            note = "its fork server died, and this host's ranks with it"
-            self.stop(EXIT_FAILED, note)
-            if self.welcome is not None:
-                try:  # before the ranks' exits: they are lost with this agent, and the controller says why
-                    self.send(P.Goodbye(returncode=EXIT_FAILED, note=note))
-                except zmq.ZMQError:
-                    pass
-            for r in list(self.by_sid.values()):
-                self._rank_exited(r, -signal.SIGKILL)
+            # close() says why (a Goodbye with this note) before it reports the ranks' exits
+            self.stop(EXIT_FAILED, "its fork server died, and this host's ranks with it")
 
     def _rank_exited(self, r: LocalRank, returncode: int) -> None:
         drain(r, self.batch, self._on_record, self._tee_fn())  # what it printed before it exited comes first
