@@ -213,7 +213,9 @@ class Lifecycle:
                     detail = info.start_error or ""
                     if info.last_lines:
                         detail += "\nits last output:\n" + "\n".join(f"  {line}" for line in info.last_lines)
-                    why = "failed to join" if info.start_error else f"died ({describe_returncode(info.returncode)})"
+                    cause = f"; {info.death_reason}" if info.death_reason else ""  # e.g. its fork server died
+                    why = ("failed to join" if info.start_error else
+                           f"died ({describe_returncode(info.returncode)}{cause})")
                     raise MeshStartError(f"rank {info.rank} {why} while the mesh was starting", info.rank,
                                          detail.strip("\n"))
                 if all(i.state is RankState.IDLE for i in (infos or state.ranks.values())):

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from monarch_jupyter import Mesh, MeshError, RankDiedError
+from monarch_jupyter import Mesh, MeshError, MeshStartError, RankDiedError
 from monarch_jupyter.kernel import registry
 from monarch_jupyter.kernel.launch import AgentLauncher
 from monarch_jupyter.kernel.launch.local import fork_server_pid, preload
@@ -181,6 +181,48 @@ def test_a_killed_kernel_fork_server_takes_the_ranks_it_forked_and_fails_the_cel
         m.stop()
     assert not wait_gone(worker_pids() - before - {fork_server_pid()}, timeout=30)
     with Mesh(1, launcher=launcher, start_timeout=WAIT) as m:
+        assert m.run("rank + 1") == {0: 1}
+
+
+def children_of(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                if parent_of(int(entry)) == pid:
+                    kids.append(int(entry))
+    return kids
+
+
+def test_a_fork_server_killed_while_the_agent_starts_its_ranks_is_named_as_the_cause() -> None:
+    """Killed while the agent asks it for ranks, the agent's fork server was reported as "the host agent failed:
+    BrokenPipeError" (a request to a dead fork server); now as its death, at start or in the first cell."""
+    with Mesh(1, start_timeout=WAIT) as m:  # the kernel's fork server, warm
+        m.run("1")
+    server = fork_server_pid()
+    assert server is not None
+    before = set(children_of(server))
+    m = Mesh(4, launcher="agent", start=False, start_timeout=WAIT)
+    try:
+        m.start(wait=False)
+        deadline = time.monotonic() + WAIT
+        while not (clones := set(children_of(server)) - before) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert clones, "the agent's fork server (a clone of the kernel's) never started"
+        for pid in clones:
+            os.kill(pid, signal.SIGKILL)
+        try:  # where the start had got to is a race: either way the cause is named
+            m.wait_ready(WAIT)
+            m.run("1", timeout=WAIT)
+        except (MeshStartError, MeshError) as e:
+            message = str(e)  # a MeshStartError's includes its detail
+        else:
+            pytest.fail("the ranks outlived their fork server")
+        assert "fork server died" in message, message
+        assert "BrokenPipe" not in message and "Broken pipe" not in message, message
+    finally:
+        m.stop()
+    with Mesh(1, launcher="agent", start_timeout=WAIT) as m:
         assert m.run("rank + 1") == {0: 1}
 
 
