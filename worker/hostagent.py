@@ -7,11 +7,6 @@ ranks); ``down`` (ROUTER) on an abstract Unix socket of this host's network name
 connects (config ``connect``). Everything either way is signed with the mesh secret: the agent verifies what it
 acts on and relays the rest unchanged, so a rank and the controller check each other's signatures end to end. The
 one exception is a push it writes into shared memory for its ranks: that message it signs itself.
-
-Back-pressure: ``up`` queues at most ``UP_QUEUE`` messages. While it cannot take another (the controller reads
-slowly, or has paused its reads because the notebook's output is behind), the agent leaves its ranks' pipes and
-socket alone (a rank that prints then blocks in its write) and holds its batch, but still reads ``up``: pings and
-cells reach the ranks, and no rank takes the controller for gone.
 """
 
 from __future__ import annotations
@@ -44,9 +39,6 @@ __all__ = ["HostAgent", "HOLD", "EXIT_LOST", "EXIT_REJECTED", "EXIT_FAILED"]
 HOLD = 0.02
 """Seconds the agent may hold the results of a cell that some of its ranks still run, so that the ranks of a
 host answer in one message; output of a long cell flows at least this often."""
-UP_QUEUE = 64
-"""Messages ``up`` holds for the controller before the agent stops reading its ranks (ZeroMQ's send high-water mark;
-a batch carries at most hostlink.BATCH_TEXT bytes of lines)."""
 EXIT_REJECTED, EXIT_FAILED, EXIT_LOST = 2, 1, 3
 _WORK_KINDS = frozenset(cls.TYPE for cls in P.work_types())
 
@@ -69,7 +61,6 @@ class HostAgent:
         self.ctx = zmq.Context()
         self.up = self.ctx.socket(zmq.DEALER)
         self.up.setsockopt(zmq.LINGER, 2000)
-        self.up.setsockopt(zmq.SNDHWM, UP_QUEUE)
         self.up.setsockopt(zmq.IDENTITY, f"agent-{os.getpid()}-{os.urandom(8).hex()}".encode())
         if cfg.curve_serverkey:
             public, secret_key = zmq.curve_keypair()
@@ -91,14 +82,10 @@ class HostAgent:
         self.pool: shm.SegmentPool | None = None
         self.waiting: set[WorkPipe] = set()
         self.poller = zmq.Poller()
-        self.held_poller = zmq.Poller()  # while ``up`` is full: no rank pipes, no ranks' socket; wakes when it is not
         for s in (self.up, self.down, self.monitor):
             self.poller.register(s, zmq.POLLIN)
-        self.held_poller.register(self.up, zmq.POLLIN | zmq.POLLOUT)
-        self.held_poller.register(self.monitor, zmq.POLLIN)
         for fd in self.fork.poll_fds:
             self.poller.register(fd, zmq.POLLIN)
-            self.held_poller.register(fd, zmq.POLLIN)
         self.last_heard = time.monotonic()
         self.connected = False
         self.exit_code: int | None = None
@@ -120,16 +107,14 @@ class HostAgent:
         try:
             while self.exit_code is None:
                 now = time.monotonic()
-                held = not self.writable()
-                due = None if held else self.batch.due(now)
+                due = self.batch.due(now)
                 timeout = min(next_beat - now, self.interval if due is None else due)
-                poller = self.held_poller if held else self.poller
                 fds = [pipe.fd for pipe in self.waiting if not pipe.closed]
                 for fd in fds:
-                    poller.register(fd, zmq.POLLOUT)
-                events = dict(poller.poll(max(0, int(timeout * 1000))))
+                    self.poller.register(fd, zmq.POLLOUT)
+                events = dict(self.poller.poll(max(0, int(timeout * 1000))))
                 for fd in fds:
-                    poller.unregister(fd)
+                    self.poller.unregister(fd)
                 for pipe in list(self.waiting):
                     if pipe.flush():
                         self.waiting.discard(pipe)
@@ -141,7 +126,7 @@ class HostAgent:
                     self._tick(now, join_deadline)
                 due = self.batch.due(now)
                 if due is not None and due <= 0:
-                    self.flush()  # unless ``up`` is full: then when it takes more
+                    self.flush()
         except Exception as e:  # noqa: BLE001 - say why, then end the ranks
             log.exception("host agent failed")
             self.exit_code, self.exit_note = EXIT_FAILED, f"the host agent failed: {e!r}"
@@ -196,13 +181,8 @@ class HostAgent:
     def send(self, msg: P.Message, payload: bytes = b"", buffers: list | tuple = ()) -> None:
         send_frames(self.up, self.signer.pack(msg, payload, buffers))
 
-    def writable(self) -> bool:
-        """``up`` takes another message without blocking (fewer than ``UP_QUEUE`` wait to go)."""
-        return bool(int(self.up.getsockopt(zmq.EVENTS)) & zmq.POLLOUT)
-
-    def flush(self, force: bool = False) -> None:
-        """Send the batch, unless ``up`` is full (``force``: send anyway, blocking up to its send timeout)."""
-        if self.batch.events and (force or self.writable()):
+    def flush(self) -> None:
+        if self.batch.events:
             self.send(*self.batch.take())
 
     def _from_controller(self, frames: list) -> None:
@@ -391,21 +371,17 @@ class HostAgent:
             if r is not None:
                 self._rank_exited(r, returncode)
         elif kind == "log_closed":
-            self._unwatch(event[1])
+            self.poller.unregister(event[1])
         elif kind == "gone":
             self._fork_gone("its fork server died")
-
-    def _unwatch(self, fd: int) -> None:
-        for poller in (self.poller, self.held_poller):
-            with contextlib.suppress(KeyError):
-                poller.unregister(fd)
 
     def _fork_gone(self, why: str) -> None:
         """The fork server died (its socket closed, or a request to it failed): the ranks died with it."""
         if self.exit_code is not None:
             return  # said already
         for fd in self.fork.poll_fds:
-            self._unwatch(fd)
+            with contextlib.suppress(KeyError):
+                self.poller.unregister(fd)
         if not self.fork.ready:
             note = self.fork.failure()
             self.send(P.StartFailed(error=f"the host agent on {self.host} cannot start its ranks: {note}"))
@@ -520,7 +496,6 @@ class HostAgent:
         code = self.exit_code if self.exit_code is not None else 0
         if self.exit_note:
             sys.stderr.write(f"monarch agent on {self.host}: {self.exit_note}\n")
-        self.up.setsockopt(zmq.SNDTIMEO, 2000)  # a controller that reads no more cannot hold up the end
         if self.welcome is not None and (self.signalled is not None or (code and self.exit_note)):
             why = P.Goodbye(returncode=-self.signalled) if self.signalled is not None else P.Goodbye(
                 returncode=code, note=self.exit_note)  # e.g. no word from the controller for heartbeat_timeout
@@ -532,7 +507,7 @@ class HostAgent:
         for r in list(self.by_sid.values()):
             self._rank_exited(r, -signal.SIGKILL)
         try:
-            self.flush(force=True)
+            self.flush()
             if self.welcome is not None:
                 self.send(P.Goodbye(returncode=code))
         except zmq.ZMQError:

@@ -30,15 +30,12 @@ from .hostmessages import pack_durations
 from .pipes import WorkPipe
 from .streams import LINE_LIMIT, StreamSplitter, temp_file_sink
 
-__all__ = ["ForkServerClient", "LocalRank", "EventBatch", "ENV_FORK_SERVER_FD", "BATCH_TEXT", "FORK_SERVER_LOG_LINES",
+__all__ = ["ForkServerClient", "LocalRank", "EventBatch", "ENV_FORK_SERVER_FD", "FORK_SERVER_LOG_LINES",
            "read_segment"]
 
 ENV_FORK_SERVER_FD = "MONARCH_FORK_SERVER_FD"  # set by the kernel for an agent on its host: a clone's socket
 FORK_SERVER_LOG_LINES = 30  # lines of the fork server's own stderr kept for a failure report
 READ_SIZE = 1 << 16
-BATCH_TEXT = 1 << 18
-"""Characters of output lines from which a batch goes at once (one message to the controller stays about this
-size: with hostagent.UP_QUEUE of them queued, a flood holds a bounded amount of memory on either side)."""
 
 
 class ForkServerClient:
@@ -240,7 +237,6 @@ class EventBatch:
         self.payload: list[bytes] = []
         self.buffers: list[Any] = []
         self.since = 0.0
-        self.text = 0  # characters of the lines held
         self.expect: dict[int, set[int]] = {}  # cell id -> ranks of this host that still owe its result
         self._done: dict[int, tuple[list[int], list[float]]] = {}  # cell id -> the "done" event being built
 
@@ -251,7 +247,6 @@ class EventBatch:
 
     def line(self, rank: int, stream: str, text: str) -> None:
         self._add(("out", rank, stream, text))
-        self.text += len(text)
         self._done.clear()  # later results go after this line
 
     def result(self, rank: int, msg: P.Result, payload: bytes, bufs: list) -> None:
@@ -295,7 +290,7 @@ class EventBatch:
         """Seconds until the batch must go (0: now), or None when there is nothing to send."""
         if not self.events:
             return None
-        if not self.expect or len(self.events) > 512 or len(self.buffers) > 64 or self.text > BATCH_TEXT:
+        if not self.expect or len(self.events) > 512 or len(self.buffers) > 64:
             return 0.0
         return max(0.0, self.since + self.hold - now)
 
@@ -306,7 +301,6 @@ class EventBatch:
         payload = b"".join(self.payload)
         buffers = self.buffers
         self.events, self.payload, self.buffers = [], [], []
-        self.text = 0
         self._done.clear()
         return msg, payload, buffers
 

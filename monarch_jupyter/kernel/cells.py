@@ -24,7 +24,7 @@ from monarch_worker.serialize import loads
 
 from ..errors import MonarchError, RankDiedError, RemoteError
 from ..ranks import RankMap, format_ranks, ranks_text
-from .output import FOLD_WINDOW, LINE_BATCH, LINE_OVERHEAD, OutputWriter, fold_lines, line_bytes
+from .output import FOLD_WINDOW, LINE_BATCH, OutputWriter, fold_lines
 from .records import CellRecord, Line
 from .spans import span_of
 from .state import MeshState
@@ -469,15 +469,15 @@ class CellTable:
     def emit(self, rec: CellRecord, rank: int, stream: str, item: Any) -> None:
         """One line (or, stream "display", a rich output) of ``rank``."""
         self.state.assert_locked()
-        self._emit(rec, rank, (rank, stream, item), len(item) + LINE_OVERHEAD if type(item) is str else LINE_OVERHEAD)
+        self._emit(rec, rank, (rank, stream, item))
 
     def emit_lines(self, rec: CellRecord, rank: int, stream: str, texts: list[str]) -> None:
         """Under the lock: lines the cell's ``rank`` wrote, in order: held for the waiter, or queued to be written
         (as one run, ``records.Line``: no object per line)."""
         self.state.assert_locked()
-        self._emit(rec, rank, (rank, stream, texts), line_bytes(texts))
+        self._emit(rec, rank, (rank, stream, texts))
 
-    def _emit(self, rec: CellRecord, rank: int, line: Line, nbytes: int) -> None:
+    def _emit(self, rec: CellRecord, rank: int, line: Line) -> None:
         if rec.order == "rank" and not self._released(rec, rank):
             rec.held.setdefault(rank, []).append(line)  # nothing to write yet: nobody is woken
             return
@@ -485,8 +485,6 @@ class CellTable:
         if not rec.lines:
             rec.lines_since = now
         rec.lines.append(line)
-        rec.lines_bytes += nbytes
-        self.writer.backlog.add(nbytes)
         if not rec.waiting:
             self._deliver(rec)
         elif now >= rec.lines_due:  # else the waiter comes for them at lines_due (wake_wait): one wake per batch
@@ -502,8 +500,6 @@ class CellTable:
         if rec.fold and not rec.all_done and now - rec.lines_since < FOLD_WINDOW:
             return []
         lines, rec.lines = rec.lines, []
-        self.writer.backlog.done(rec.lines_bytes)  # the waiter holds them now (one batch), then writes them
-        rec.lines_bytes = 0
         if lines:
             rec.lines_due = now + LINE_BATCH
         return fold_lines(lines) if rec.fold else list(lines)  # type: ignore[arg-type]
@@ -539,8 +535,7 @@ class CellTable:
 
     def _deliver(self, rec: CellRecord) -> None:
         lines, rec.lines = rec.lines, []
-        held, rec.lines_bytes = rec.lines_bytes, 0
-        self.writer.put(fold_lines(lines) if rec.fold else lines, rec.ctx, held)  # type: ignore[arg-type]
+        self.writer.put(fold_lines(lines) if rec.fold else lines, rec.ctx)  # type: ignore[arg-type]
 
     @staticmethod
     def _frontier(rec: CellRecord) -> int | None:

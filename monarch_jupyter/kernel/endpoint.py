@@ -18,10 +18,7 @@ from monarch_worker.channel import send_frames
 
 from .state import owner_check
 
-__all__ = ["ControllerSocket", "RECV_QUEUE"]
-
-RECV_QUEUE = 64
-"""Messages the ROUTER socket queues per peer before that peer's sends wait (ZeroMQ's receive high-water mark)."""
+__all__ = ["ControllerSocket"]
 
 
 class ControllerSocket:
@@ -41,9 +38,6 @@ class ControllerSocket:
         self.router.setsockopt(zmq.LINGER, 0)
         # No handover: a second connection must never take over a rank's identity (and the code sent to it).
         self.router.setsockopt(zmq.ROUTER_HANDOVER, 0)
-        # Messages held per peer while the I/O thread does not read (output.Backlog): a host agent's batches of
-        # lines are up to ~256 KB each (monarch_worker.hostlink.BATCH_TEXT), so a paused flood holds ~16 MB per peer.
-        self.router.setsockopt(zmq.RCVHWM, RECV_QUEUE)
         return self.router
 
     def close(self, linger_ms: int) -> None:

@@ -18,11 +18,6 @@ agent that streams a flood of output would otherwise keep the ROUTER socket read
 hold up the cells sent to it and the pings that tell it the controller is there (it ends its ranks after
 ``heartbeat_timeout`` seconds without word). The ticks wait until the socket is empty: the heartbeats of the
 agent's ranks travel behind its output, and a check made with them still queued would find the ranks silent.
-
-While the output backlog is full (output.Backlog: the notebook's stdout is slower than the ranks print), the thread
-stops reading the socket, and still sends and pings: the ranks' messages wait in ZeroMQ's queues, whose high-water
-marks then hold up the senders (a host agent stops reading its ranks' pipes). The ticks wait too: nothing is heard
-meanwhile, and that is not the ranks' silence.
 """
 
 from __future__ import annotations
@@ -41,7 +36,6 @@ from monarch_worker.channel import recv_frames
 from . import lograte
 from .dispatch import Dispatcher, ToRanks
 from .endpoint import ControllerSocket
-from .output import Backlog
 from .state import BY_HOST, Handler, MeshState, RankInfo, RankState
 
 if TYPE_CHECKING:  # the host links are a launcher's part: their module imports launch/ (not the reverse)
@@ -50,7 +44,6 @@ if TYPE_CHECKING:  # the host links are a launcher's part: their module imports 
 log = logging.getLogger(__name__)
 log.addFilter(lograte.REJECTED)  # a stranger's messages are all rejected, but logged at a bounded rate
 RECV_BUDGET = 0.02  # seconds of received messages handled per turn of the loop (see the module docstring)
-PAUSED_LOOK = 0.02  # seconds between two looks at the output backlog while reading is paused
 DROPPED = lograte.kind("messages dropped by the controller")
 REFUSED = lograte.kind("hellos refused by the controller")
 
@@ -104,9 +97,8 @@ class IOThread:
 
     def __init__(self, state: MeshState, dispatcher: Dispatcher, socket: ControllerSocket,
                  admission: Admission | None, links: HostLinks | None, handlers: dict[type, Handler],
-                 ticks: Sequence[Callable[[float], None]], backlog: Backlog | None = None) -> None:
+                 ticks: Sequence[Callable[[float], None]]) -> None:
         self.state = state
-        self.backlog = backlog  # reads pause while it is full
         self.dispatcher = dispatcher
         self.socket = socket
         self.admission = admission
@@ -180,15 +172,7 @@ class IOThread:
         recv = recv_frames if self.links is None else self.links.recv
         next_ping = next_tick = 0.0
         interval = state.options.heartbeat_interval
-        backlog, paused = self.backlog, False
         while not self._stop.is_set():
-            full = backlog is not None and backlog.full and not state.stopping
-            if full != paused:  # stop reading while the notebook's output is behind (see the module docstring)
-                paused = full
-                if paused:
-                    poller.unregister(router)
-                else:
-                    poller.register(router, zmq.POLLIN)
             if self.links is not None and self.links.monitor is not monitor:
                 if monitor is not None:
                     poller.unregister(monitor)
@@ -200,16 +184,16 @@ class IOThread:
             waiting = dispatcher.waiting_fds()
             for fd in waiting:
                 poller.register(fd, zmq.POLLOUT)
-            events = dict(poller.poll(int((PAUSED_LOOK if paused else interval) * 1000)))
+            events = dict(poller.poll(int(interval * 1000)))
             for fd in waiting:
                 poller.unregister(fd)
             dispatcher.flush_pipes()
-            drained = not paused
+            drained = True
             if router in events:
                 budget = time.monotonic() + RECV_BUDGET
                 while (frames := recv(router)) is not None:
                     self._receive(bytes(frames[0]), frames[1:], by_identity)
-                    if time.monotonic() > budget or (backlog is not None and backlog.full):
+                    if time.monotonic() > budget:
                         drained = False  # the rest after the sends and pings: the next poll returns at once
                         break
             if monitor is not None and monitor in events and self.links is not None:

@@ -11,15 +11,6 @@ for, output of no cell) is queued to the mesh's ``OutputWriter`` (any thread, an
 writer first, so the lines of a cell come out in the order its ranks wrote them. What must follow the lines
 queued so far (a cell nobody waits for ends: its view closes) goes behind them (``OutputWriter.then``).
 
-Back-pressure: the lines taken from the ranks and not written yet are counted (``Backlog``, about their bytes). Once
-they pass ``BACKLOG_LIMIT``, the mesh stops taking more until half of them are written: the thread that reads local
-ranks' pipes waits (a rank that prints then blocks in its write, as it would on a slow terminal), and the I/O thread
-stops reading its socket (a host agent then stops reading its ranks' pipes; pings still go). A notebook's output
-stream never blocks, so this only acts where the controller's own stdout is slow (IPython in a terminal, a script
-piped to a slow reader): without it, a flood piled up there without bound (300 MiB for 100 MB printed through a
-5 MB/s pipe). Lines a cell with order "rank" holds back for ranks before them are not counted: they cannot be
-written before those ranks finish.
-
 A view that shows a cell's output itself (the cell's live dashboard, monarch_jupyter.widgets) sets ``OUTPUT_SINK``
 in the context the cell is submitted from: the lines and rich outputs written in that context then go to the view,
 in the order they would have been written, instead of to sys.stdout / sys.stderr, so each shows once.
@@ -44,8 +35,7 @@ from ..ranks import format_ranks
 from .records import Who
 
 __all__ = ["StreamSplitter", "temp_file_sink", "label", "write_lines", "fold_lines", "one_per_line", "OutputWriter",
-           "Backlog", "BACKLOG_LIMIT", "line_bytes", "FOLD_WINDOW", "LINE_BATCH", "MESSAGE_LIMIT", "OUTPUT_SINK",
-           "OutputSink", "PLACE_HOLDER", "hold_place"]
+           "FOLD_WINDOW", "LINE_BATCH", "MESSAGE_LIMIT", "OUTPUT_SINK", "OutputSink", "PLACE_HOLDER", "hold_place"]
 
 log = logging.getLogger(__name__)
 
@@ -58,14 +48,7 @@ LINE_BATCH = 0.05
 line after a quiet spell wakes it at once, the lines of a flood are written in batches (one wake of that thread per
 batch, not per read of a rank's pipe; a kernel's output stream sends what it holds every 0.2 s anyway)."""
 
-BACKLOG_LIMIT = 16 << 20
-"""Bytes (about: ``line_bytes``) of rank output taken in and not written yet from which the mesh stops taking more,
-until half of it is written (see the module docstring)."""
-
-LINE_OVERHEAD = 64
-"""Bytes counted for each line besides its characters: a short line's str object costs about that much again."""
-
-Batch = tuple[Sequence[tuple[Who, str, Any]], contextvars.Context | None, int]  # lines, where, their backlog bytes
+Batch = tuple[Sequence[tuple[Who, str, Any]], contextvars.Context | None]  # lines, and where to write them
 Step = Batch | Callable[[], None]  # what the writer's thread does next: write a batch, or call (OutputWriter.then)
 
 OutputSink = Callable[[Sequence[tuple[Who, str, Any]]], bool]
@@ -184,8 +167,8 @@ def write_lines(lines: Sequence[tuple[Who, str, Any]], ctx: contextvars.Context 
         return
     if ctx is None:
         _write_here(lines)
-    else:
-        ctx.run(_write_here, lines)
+    else:  # a copy (O(1)): the cell's own context may be entered in another thread (its waiter, writing too), and
+        ctx.copy().run(_write_here, lines)  # Context.run refuses that; writing only reads its variables
 
 
 def _write_here(lines: Sequence[tuple[Who, str, Any]]) -> None:
@@ -290,78 +273,21 @@ def _flush(*streams: Any) -> None:
             pass
 
 
-def line_bytes(texts: Sequence[str]) -> int:
-    """What a run of lines counts in the backlog: its characters plus ``LINE_OVERHEAD`` per line."""
-    return sum(map(len, texts)) + LINE_OVERHEAD * len(texts)
-
-
-class Backlog:
-    """How much rank output is taken in and not written yet (bytes, about), and the wait for room (thread-safe).
-
-    ``full`` turns True at ``limit`` bytes and False again below ``limit // 2`` (hysteresis: the readers resume
-    with room for a good batch, not one line at a time)."""
-
-    def __init__(self, limit: int = BACKLOG_LIMIT) -> None:
-        self.limit = limit
-        self.bytes = 0
-        self.peak = 0  # the most it held (bytes)
-        self.full = False  # read without the lock: a stale value only delays a pause or a resume by one look
-        self.pauses = 0  # times it filled
-        self._cond = threading.Condition(threading.Lock())
-        self._closed = False
-
-    def add(self, n: int) -> None:
-        """``n`` more bytes are held (any thread, any lock held)."""
-        with self._cond:
-            self.bytes += n
-            if self.bytes > self.peak:
-                self.peak = self.bytes
-            if not self.full and self.bytes >= self.limit and not self._closed:
-                self.full = True
-                self.pauses += 1
-
-    def done(self, n: int) -> None:
-        """``n`` of the bytes held are written (or handed to the thread that writes them and no longer held here)."""
-        if not n:
-            return
-        with self._cond:
-            self.bytes -= n
-            if self.full and self.bytes < self.limit // 2:
-                self.full = False
-                self._cond.notify_all()
-
-    def wait_room(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds while it is full; True when it is not (any thread without the mesh lock:
-        what empties it, the threads that write, may need that lock)."""
-        with self._cond:
-            return self._cond.wait_for(lambda: not self.full, timeout)
-
-    def close(self) -> None:
-        """Never full again (the mesh stops: nothing may wait for room any more)."""
-        with self._cond:
-            self._closed, self.full = True, False
-            self._cond.notify_all()
-
-
 class OutputWriter:
     """Writes queued lines from one thread, ``monarch-output``, in the order they were queued (see the module
     docstring). The thread starts with the first batch and ends after a second with nothing to write."""
 
-    def __init__(self, backlog: Backlog | None = None) -> None:
-        self.backlog = backlog if backlog is not None else Backlog()
+    def __init__(self) -> None:
         self._queue: deque[Step] = deque()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._queued = 0  # batches queued so far
         self._written = 0  # batches written
 
-    def put(self, lines: Sequence[tuple[Who, str, Any]], ctx: contextvars.Context | None, held: int = 0) -> None:
-        """Queue ``lines`` to be written inside ``ctx`` (any thread, any lock held: nothing is written here).
-        ``held``: bytes of the backlog these lines count for, given back once they are written."""
+    def put(self, lines: Sequence[tuple[Who, str, Any]], ctx: contextvars.Context | None) -> None:
+        """Queue ``lines`` to be written inside ``ctx`` (any thread, any lock held: nothing is written here)."""
         if lines:
-            self._push((lines, ctx, held))
-        else:
-            self.backlog.done(held)
+            self._push((lines, ctx))
 
     def then(self, fn: Callable[[], None]) -> None:
         """Call ``fn()`` once every batch queued so far is written: at once, on this thread, when none is left to
@@ -405,10 +331,9 @@ class OutputWriter:
                     if callable(step):
                         step()
                     else:
-                        write_lines(step[0], step[1])
+                        write_lines(*step)
                 except Exception:  # noqa: BLE001 - a broken stream must not stop later output
                     log.exception("writing rank output failed")
-            self.backlog.done(sum(step[2] for step in batch if not callable(step)))
             with self._cond:
                 self._written += len(batch)
                 self._cond.notify_all()

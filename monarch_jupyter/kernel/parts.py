@@ -125,7 +125,7 @@ def build(nproc: int, options: MeshOptions, join_launcher: JoinLauncher | None) 
                             lambda text: writer.put([(tuple(sorted(state.ranks)), "stderr", text)], None))
     ticks = [deaths.check_heartbeats, segments.idle_tick, lighthouse.check,
              *([listener.check] if listener is not None else [])]
-    io = IOThread(state, dispatcher, socket, listener, hosts, handlers, ticks, writer.backlog)
+    io = IOThread(state, dispatcher, socket, listener, hosts, handlers, ticks)
     lifecycle = Lifecycle(state, io, dispatcher, router, cells, segments, listener, sink, writer, lighthouse)
     restarts = Restarts(state, dispatcher, cells, interrupter, stacks, lifecycle)
     releases = Releases(state, dispatcher, cells, stacks, restarts.regroup)

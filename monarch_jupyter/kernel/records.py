@@ -43,8 +43,8 @@ class CellRecord:
                  "members", "values", "has_value", "errors", "results_in", "synced", "finished", "durations",
                  "duration_batches", "result_seen_at", "unmarked",
                  "death_at", "collective_released", "released", "collective_hint", "interrupted", "abandoned",
-                 "queued_on", "keep_outcome", "final", "lines", "lines_bytes", "lines_since", "lines_due", "held",
-                 "waiting", "wake", "handle", "rejoin", "left")
+                 "queued_on", "keep_outcome", "final", "lines", "lines_since", "lines_due", "held", "waiting", "wake",
+                 "handle", "rejoin", "left")
 
     def __init__(self, cell_id: int, ranks: Sequence[int], what: str, order: str, fold: bool, tracks_failures: bool,
                  background: bool) -> None:
@@ -80,7 +80,6 @@ class CellRecord:
         self.keep_outcome = False  # a handle the caller holds (block=False): result() may be asked again
         self.final: tuple[Any, BaseException | None] | None = None  # the outcome, once computed (waiting.py)
         self.lines: list[Line] = []  # lines for the thread that waits for it
-        self.lines_bytes = 0  # what they count in the output backlog (output.Backlog)
         self.lines_since = 0.0  # when the oldest of ``lines`` came
         # Lines that come before this time.monotonic() do not wake the waiter: it takes them when this time comes
         # (it writes at most every output.LINE_BATCH seconds while lines keep coming; cells.pop_lines sets it).

@@ -62,16 +62,8 @@ class OutputRouter:
         self._record_signer = P.Signer(secret)
 
     def on_output(self, rank: int, stream: str, data: bytes) -> None:
-        """Bytes a rank wrote on ``stream`` (the one thread that reads that rank's output, a launcher's reader
-        thread, without the mesh lock: its splitters and its record parts are that thread's own, so records are put
-        together and verified outside the lock). While the output backlog is full (output.Backlog) it first waits
-        for room: the reader then leaves the ranks' pipes alone, and a rank that prints blocks in its write."""
-        backlog, state = self.writer.backlog, self.state
-        while backlog.full and not state.stopping:
-            backlog.wait_room(0.5)
-        self._route_output(rank, stream, data)
-
-    def _route_output(self, rank: int, stream: str, data: bytes) -> None:
+        """Bytes a rank wrote on ``stream`` (the one thread that reads that rank's output: its splitters and its
+        record parts are that thread's own, so records are put together and verified outside the lock)."""
         state = self.state
         info = state.ranks.get(rank)
         if info is None:
@@ -108,8 +100,8 @@ class OutputRouter:
                 log.exception("handling %s from rank %d failed", msg.TYPE, rank)
 
     def on_stream(self, rank: int, msg: P.Stream, payload: bytes, bufs: list) -> None:
-        """Output that a rank relays itself (I/O thread: it pauses its reads itself while the backlog is full)."""
-        self._route_output(rank, msg.name, msg.data.encode())
+        """Output that a rank relays itself (I/O thread)."""
+        self.on_output(rank, msg.name, msg.data.encode())
 
     def on_progress(self, rank: int, msg: P.Progress, payload: bytes, bufs: list) -> None:
         """A rank's progress report (from the socket, or a record in its output: any thread). The two ways can

@@ -171,3 +171,35 @@ def test_a_flood_comes_as_runs_of_lines_with_embedded_stderr_in_its_place() -> N
                     flat.append((kind, value))
             expected += single.feed(data[i:i + step])
         assert flat == expected, step
+
+
+def test_lines_for_a_cell_are_written_while_another_thread_writes_in_that_cells_context() -> None:
+    """A note for a cell (a rank's death, queued to the writer with the cell's context) came while the thread that
+    waits for the cell was itself writing in that context (blocked on a slow stdout): ``Context.run`` refuses a
+    context entered in another thread, and the note was lost ("cannot enter context ... already entered")."""
+    import contextvars
+    import threading
+
+    from monarch_jupyter.kernel.output import OUTPUT_SINK, OutputWriter, write_lines
+
+    got: list = []
+    ctx = contextvars.copy_context()
+    ctx.run(OUTPUT_SINK.set, lambda lines: bool(got.extend(lines)) or True)
+    inside, release = threading.Event(), threading.Event()
+
+    def waiter_writing() -> None:
+        inside.set()
+        release.wait(30)
+
+    waiter = threading.Thread(target=ctx.run, args=(waiter_writing,))
+    waiter.start()
+    try:
+        assert inside.wait(30)
+        writer = OutputWriter()
+        writer.put([(0, "stderr", "rank 0 died")], ctx)
+        assert writer.flush(30)
+        write_lines([(1, "stdout", "from another thread")], ctx)
+    finally:
+        release.set()
+        waiter.join(30)
+    assert got == [(0, "stderr", "rank 0 died"), (1, "stdout", "from another thread")], got
