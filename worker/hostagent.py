@@ -129,7 +129,8 @@ class HostAgent:
                     self.flush()
         except Exception as e:  # noqa: BLE001 - say why, then end the ranks
             log.exception("host agent failed")
-            self.exit_code, self.exit_note = EXIT_FAILED, f"the host agent failed: {e!r}"
+            if self.exit_code is None:  # a reason said before (its fork server died) stays the reason
+                self.exit_code, self.exit_note = EXIT_FAILED, f"the host agent failed: {e!r}"
         return self.close()
 
     def _readable(self, item: Any) -> None:
@@ -316,6 +317,8 @@ class HostAgent:
     def _spawn(self, rank: int) -> None:
         welcome = self.welcome
         assert welcome is not None
+        if self.exit_code is not None:
+            return  # ending (its fork server died): no more ranks
         old = self.ranks.get(rank)
         local = welcome.ranks.index(rank)
         r = LocalRank(local, rank)
@@ -333,7 +336,7 @@ class HostAgent:
         work_r, work_w = os.pipe()
         try:
             r.sid = self.fork.spawn(env, config, work_r)
-        except OSError:  # it died (broken pipe): its ("gone",) event comes too, but the reason is known now
+        except (BrokenPipeError, ConnectionResetError):  # it died: the loop ends before its ("gone",) event
             os.close(work_w)
             self._fork_gone(f"its fork server died before it forked rank {rank}")
             return
@@ -371,7 +374,8 @@ class HostAgent:
             if r is not None:
                 self._rank_exited(r, returncode)
         elif kind == "log_closed":
-            self.poller.unregister(event[1])
+            with contextlib.suppress(KeyError):  # _fork_gone may have unregistered it already
+                self.poller.unregister(event[1])
         elif kind == "gone":
             self._fork_gone("its fork server died")
 

@@ -152,8 +152,8 @@ class ForkServerClient:
     def failure(self) -> str:
         """Why the fork server could not start: its exit status and last lines."""
         if self.proc is None:
-            return ("the kernel's fork server, which this agent's fork server is forked from, ended before the "
-                    "fork was ready (the kernel's stderr says why)")
+            return ("its fork server died before it was ready (a clone of the kernel's fork server; if the kernel's "
+                    "fork server ended, and the clone with it, the kernel's stderr says why)")
         try:
             rc: int | None = self.proc.wait(2.0)
         except subprocess.TimeoutExpired:

@@ -214,8 +214,12 @@ class Lifecycle:
                     if info.last_lines:
                         detail += "\nits last output:\n" + "\n".join(f"  {line}" for line in info.last_lines)
                     cause = f"; {info.death_reason}" if info.death_reason else ""  # e.g. its fork server died
-                    why = ("failed to join" if info.start_error else
-                           f"died ({describe_returncode(info.returncode)}{cause})")
+                    if info.start_error:
+                        why = "failed to join"
+                    elif info.returncode is None and info.death_reason:  # no exit status: lost (as RankDiedError)
+                        why = f"was lost ({info.death_reason})"
+                    else:
+                        why = f"died ({describe_returncode(info.returncode)}{cause})"
                     raise MeshStartError(f"rank {info.rank} {why} while the mesh was starting", info.rank,
                                          detail.strip("\n"))
                 if all(i.state is RankState.IDLE for i in (infos or state.ranks.values())):

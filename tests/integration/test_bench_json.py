@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # bench -> (quick arguments, figures the file must hold, goals, (printed label, figure, unit scale, decimals))
 QUICK = {
     "bench_backpressure": (["--n", "1", "--mb", "1", "--rate", "0", "--launchers", "local"], {"local_after"},
-                           {"local_held_MiB"}, ("local  after   flood", "local_after.flood_s", 1, 1)),
+                           {"local_held_MiB"}, ("local  after   flood", "local_after.flood_s", 1, 3)),
     "bench_core": (["--n", "1", "--cells", "5", "--repeat", "1", "--no-peers"],
                    {"import_torch_s", "cold_start_s", "restart_s", "api_s", "magic_s", "cpu_kernel_s"},
                    {"cold_start_x_import_torch", "magic_cell_s"},
