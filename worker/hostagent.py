@@ -387,9 +387,7 @@ class HostAgent:
             with contextlib.suppress(KeyError):
                 self.poller.unregister(fd)
         if not self.fork.ready:
-            note = self.fork.failure()
-            self.send(P.StartFailed(error=f"the host agent on {self.host} cannot start its ranks: {note}"))
-            self.stop(EXIT_FAILED, note)
+            self.stop(EXIT_FAILED, self.fork.failure())  # close() says it (a StartFailed: not welcomed yet)
             return
         # close() says why (a Goodbye with this note) before it reports the ranks' exits
         self.stop(EXIT_FAILED, f"{why}, and this host's ranks with it")
@@ -500,6 +498,12 @@ class HostAgent:
         code = self.exit_code if self.exit_code is not None else 0
         if self.exit_note:
             sys.stderr.write(f"monarch agent on {self.host}: {self.exit_note}\n")
+        if self.welcome is None and code == EXIT_FAILED and self.exit_note:
+            try:  # not welcomed yet (its start failed): a Goodbye would not be read as this host's, a StartFailed is
+                self.send(P.StartFailed(error=f"the host agent on {self.host} cannot start its ranks: "
+                                              f"{self.exit_note}"))
+            except zmq.ZMQError:
+                pass
         if self.welcome is not None and (self.signalled is not None or (code and self.exit_note)):
             why = P.Goodbye(returncode=-self.signalled) if self.signalled is not None else P.Goodbye(
                 returncode=code, note=self.exit_note)  # e.g. no word from the controller for heartbeat_timeout

@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["HostLinks", "Agent", "pseudo_identity"]  # Agent, pseudo_identity: from launch/agents.py
 
+OWN_WORD_GRACE = 2.0  # seconds all_gone waits for an exited agent's connection to drop (its last words read)
 LOSS_TOLD_TIMEOUT = 10.0  # seconds all_gone waits for another thread to tell an agent's loss
 ALL = [-1]  # a Forward's or Signal's ranks: every rank of the agent (hostmessages.Forward)
 
@@ -544,6 +545,12 @@ class HostLinks:
         connection drop) is telling: the caller reports the ranks' exits next, and those must not come first."""
         with self._lock:
             agents = list(self.agents.values())
+        # an agent's own word (a StartFailed, a Goodbye with a note) names the cause better than its exit status:
+        # the I/O thread reads it before its connection's drop, which then tells the loss (sets ``declared``)
+        end = time.monotonic() + OWN_WORD_GRACE
+        for agent in agents:
+            if agent.alive and not self.state.stopping:
+                agent.declared.wait(max(0.0, end - time.monotonic()))
         for agent in agents:
             self._agent_gone(agent, f"its host agent (pid {agent.pid} on {agent.host}) {why}")
         for agent in agents:

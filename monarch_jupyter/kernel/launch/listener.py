@@ -378,14 +378,14 @@ class Listener:
 
     def on_launcher_exit(self, returncode: int) -> None:
         """(launcher's waiter thread) The engine exited: so did every rank it ran."""
+        if self.hosts is not None:  # the ranks died of their agent's end: say so (else: "died (signal SIGKILL)")
+            code = describe_returncode(returncode)  # first: an agent's own word on why comes before the exit status
+            self.hosts.all_gone(f"exited ({code})" if self.launcher.name == "agent"
+                                else f"ended with {self.launcher.name}, which exited ({code})")
         with self.state.lock:
             self._launcher_rc = returncode
             ranks = list(self.state.ranks)
             self.state.cond.notify_all()
-        if self.hosts is not None:  # the ranks died of their agent's end: say so (else: "died (signal SIGKILL)")
-            code = describe_returncode(returncode)
-            self.hosts.all_gone(f"exited ({code})" if self.launcher.name == "agent"
-                                else f"ended with {self.launcher.name}, which exited ({code})")
         for r in ranks:
             self._rank_exited(r, returncode)
 
@@ -477,11 +477,14 @@ class Listener:
                     if self.failed:
                         first = next((r for r in range(m.nproc) if m.ranks[r].state is not RankState.IDLE), -1)
                         raise MeshStartError(f"the mesh did not start: {self.failed}", first)
-                    if self._launcher_rc is not None and not all(i.state is RankState.IDLE for i in m.ranks.values()):
+                    # a rank's own reason first: the launcher exits with the ranks whose start failed
+                    bad = ([i for i in m.ranks.values() if i.start_error]
+                           or [i for i in m.ranks.values() if i.state is RankState.DEAD])
+                    if self._launcher_rc is not None and not (bad and bad[0].start_error) and not all(
+                            i.state is RankState.IDLE for i in m.ranks.values()):
                         raise MeshStartError(
                             f"{self.launcher.name} exited ({describe_returncode(self._launcher_rc)}) before every rank "
                             f"joined; {self.missing_report()}")
-                    bad = [i for i in m.ranks.values() if i.start_error or i.state is RankState.DEAD]
                     if bad:
                         info = bad[0]
                         why = ("failed to join" if info.start_error
