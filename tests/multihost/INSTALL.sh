@@ -15,7 +15,16 @@ for bin in slurmctld slurmd srun munged; do
     command -v "$bin" >/dev/null || { missing+=(slurm-wlm munge); break; }
 done
 if [ ${#missing[@]} -gt 0 ]; then
-    apt-get update -qq -o DPkg::Lock::Timeout=300 || true
-    apt-get install -y -qq -o DPkg::Lock::Timeout=300 "${missing[@]}" >/dev/null
+    log=$(mktemp)
+    apt-get update -qq -o DPkg::Lock::Timeout=300 >"$log" 2>&1 || true
+    if ! apt-get install -y -qq -o DPkg::Lock::Timeout=300 "${missing[@]}" >>"$log" 2>&1; then
+        echo "tests/multihost/INSTALL.sh: apt-get install ${missing[*]} failed; its last lines:" >&2
+        tail -n 20 "$log" >&2
+        rm -f "$log"
+        exit 1
+    fi
+    rm -f "$log"
 fi
-command -v ip >/dev/null && command -v slurmctld >/dev/null && command -v munged >/dev/null
+for bin in ip slurmctld munged; do
+    command -v "$bin" >/dev/null || { echo "tests/multihost/INSTALL.sh: $bin is still missing" >&2; exit 1; }
+done
