@@ -28,7 +28,7 @@ from typing import Any
 from monarch_worker import protocol as P
 from monarch_worker.options import rank_settings
 
-from ..errors import MeshNotRunningError, MeshStartError, MonarchError, describe_returncode
+from ..errors import MeshNotRunningError, MeshStartError, MonarchError, describe_returncode, mesh_interrupt
 from ..ranks import ranks_text
 from .cells import CellTable
 from .dispatch import Dispatcher
@@ -156,6 +156,20 @@ class Lifecycle:
         state.held_output = None if final else []
         if held:
             self.writer.put(fold_lines(held), None)
+
+    def check_running(self, refuse_while_joining: str = "") -> None:
+        """Raise MeshNotRunningError unless the ranks are up. A mesh still listening for its ranks is waited for
+        (until its start timeout: MeshStartError), or, given ``refuse_while_joining`` (what the caller would do),
+        refused at once; an interrupt of that wait is one line (MeshInterrupt), and the mesh listens on."""
+        li = self.listener
+        if not self.state.running and li is not None and li.is_open:
+            if refuse_while_joining and not li.failed:
+                raise MeshNotRunningError(f"{refuse_while_joining}: nothing runs on the ranks yet, {li.joined_text()}")
+            try:
+                self.wait_ready(None)
+            except KeyboardInterrupt:
+                raise mesh_interrupt(f"interrupted while waiting for the ranks to join: {li.joined_text()}") from None
+        self.state.check_running()
 
     def wait_ready(self, timeout: float | None) -> bool:
         """Wait up to ``timeout`` seconds (None: until the start timeout passed) for every rank of a listening

@@ -372,7 +372,7 @@ class Mesh:
         """Where each rank's main thread is now, asked of its I/O thread (works while it blocks in a collective,
         and while a ``block=False`` cell runs). Identical stacks are grouped: "ranks 0,1,3: all_reduce at cell
         line 4". Ranks that do not answer within ``timeout`` seconds (dead, stopped) are listed as such."""
-        self._check_running()
+        self._check_running(refuse_while_joining="no stacks to show")
         return self.parts.stacks.ask(ranks, timeout)
 
     def complete(self, code: str, cursor_pos: int, rank: int = 0, *, inspect: bool = False,
@@ -391,9 +391,9 @@ class Mesh:
         re-create the process group when none had to be killed (else bring them back with ``restart(ranks=)``).
         Returns an InterruptReport (its ``text`` says what happened and what to do next).
 
-        Raises MeshNotRunningError (not running) or ValueError (bad rank selection).
+        Raises MeshNotRunningError (not running, or ranks still joining) or ValueError (bad rank selection).
         """
-        self._check_running()
+        self._check_running(refuse_while_joining="nothing to interrupt")
         report = self.recovery.interrupt(ranks, force, grace)
         self.events.flush()
         return report
@@ -437,10 +437,8 @@ class Mesh:
     def __repr__(self) -> str:
         return f"<Mesh {self.state.describe()}>"
 
-    def _check_running(self) -> None:
-        if not self.state.running and self.listener is not None and self.listener.is_open:
-            self.wait_ready()  # ranks started elsewhere: wait until all joined (or the start timeout passes)
-        self.state.check_running()
+    def _check_running(self, refuse_while_joining: str = "") -> None:
+        self.lifecycle.check_running(refuse_while_joining)
 
 
 config.add_option_attributes(Mesh)

@@ -294,6 +294,11 @@ class MeshMagics(Magics):
         """%mesh stop: stop every rank."""
         self.parse_args(self._stop, rest, "stop")
         m = self.current(require_running=False)
+        if m.listening or m.start_failure:  # still waiting for its ranks to join (or they did not all come)
+            late = "whose ranks did not all join in time" if m.start_failure else "which was waiting for its ranks"
+            m.stop()
+            print(f"stopped the mesh, {late}; the ranks that had joined were told to exit")
+            return
         if not m.running:
             print("the mesh is already stopped (%mesh restart starts it again)")
             return

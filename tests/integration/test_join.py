@@ -12,6 +12,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +20,8 @@ from pathlib import Path
 import pytest
 import zmq
 
-from monarch_jupyter import Mesh, MeshError, MeshStartError, RankDiedError, RemoteError
+from monarch_jupyter import Mesh, MeshError, MeshNotRunningError, MeshStartError, RankDiedError, RemoteError
+from monarch_jupyter.errors import MeshInterrupt
 from monarch_jupyter.kernel import registry
 from monarch_worker import protocol as P
 from tests.conftest import magic_shell, reap, wait_gone
@@ -183,6 +185,47 @@ def test_listen_timeout_with_nobody_waiting_reports_and_releases(capsys: pytest.
         assert second is not first and second.listening and not first.listener.is_open
         second.stop()
         assert not second.listening
+    finally:
+        registry.set_current(saved)
+
+
+def test_a_listening_mesh_can_be_stopped_interrupted_and_asked_without_waiting_for_the_join(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """helper-49: ``%mesh stop`` said "already stopped" to a mesh still waiting for its ranks (and ``%mesh start``
+    then refused: "a mesh is already running"); ``%mesh interrupt`` waited for the join and raised its timeout as
+    its own error; an interrupted ``%%mesh`` cell waiting for the join showed the controller's frames."""
+    shell = magic_shell()
+    saved = registry.peek_current()
+    registry.set_current(None)
+    try:
+        shell.run_line_magic("mesh", "listen --world-size 2 --timeout 600")
+        m = registry.peek_current()
+        for sub in ("interrupt", "stacks"):  # nothing to wait for: refused at once, the mesh listens on
+            with pytest.raises(MeshNotRunningError, match="0 of 2 joined so far and the mesh still listens"):
+                shell.run_line_magic("mesh", sub)
+            assert m.listening
+        main = threading.main_thread().ident
+        assert main is not None
+
+        def interrupt_once_waiting() -> None:
+            deadline = time.monotonic() + 60
+            while not m.listener.waiting and time.monotonic() < deadline:
+                time.sleep(0.01)
+            signal.pthread_kill(main, signal.SIGINT)  # the notebook's interrupt, once the cell waits for the join
+
+        threading.Thread(target=interrupt_once_waiting, daemon=True).start()
+        with pytest.raises(MeshInterrupt) as info:
+            shell.run_cell_magic("mesh", "--no-widget", "rank")
+        assert "interrupted while waiting for the ranks to join: 0 of 2 joined" in str(info.value)
+        assert info.value.__suppress_context__ and m.listening  # one line; the mesh still listens
+        capsys.readouterr()
+        shell.run_line_magic("mesh", "stop")
+        assert "stopped the mesh, which was waiting for its ranks" in capsys.readouterr().out
+        assert not m.listening and not m.listener.is_open and registry.peek_current() is None
+        shell.run_line_magic("mesh", "listen --world-size 1 --timeout 600")  # nothing in the way now
+        again = registry.peek_current()
+        assert again is not m and again.listening
+        again.stop()
     finally:
         registry.set_current(saved)
 

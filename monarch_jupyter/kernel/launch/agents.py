@@ -40,6 +40,7 @@ class Agent:
     group_rank: int = 0  # its host's place among the mesh's hosts (torchrun's GROUP_RANK)
     lost: str = ""  # why it is gone, once it is
     failed: str = ""  # why it could not start its ranks
+    exited: str = ""  # what became of the process that ran it, once its launcher saw (e.g. "exited (signal SIGKILL)")
     pending_welcome: set[int] = field(default_factory=set)  # ranks that said hello before the store was up
     limits: list = field(default_factory=list)  # [cores, available bytes, open-file limit] (AgentHello.limits)
     declared: threading.Event = field(default_factory=threading.Event)  # set once its loss was told (HostLinks)

@@ -125,9 +125,9 @@ class HostLinks:
                 event = recv_monitor_message(monitor)
                 with self._lock:
                     agent = self._by_fd.pop(int(event["value"]), None)
-                if agent is not None and agent.alive:
-                    self._agent_gone(agent, f"its host agent (pid {agent.pid} on {agent.host}) disconnected: it was "
-                                            "killed, or its host or network went down")
+                if agent is not None and agent.alive:  # its exit status, where its launcher saw it first
+                    self._agent_gone(agent, f"its host agent (pid {agent.pid} on {agent.host}) " + (
+                        agent.exited or "disconnected: it was killed, or its host or network went down"))
         except zmq.ZMQError:
             pass
 
@@ -548,6 +548,8 @@ class HostLinks:
         # an agent's own word (a StartFailed, a Goodbye with a note) names the cause better than its exit status:
         # the I/O thread reads it before its connection's drop, which then tells the loss (sets ``declared``)
         end = time.monotonic() + OWN_WORD_GRACE
+        for agent in agents:
+            agent.exited = why  # the drop of its connection says this, not a guess, if it comes first
         for agent in agents:
             if agent.alive and not self.state.stopping:
                 agent.declared.wait(max(0.0, end - time.monotonic()))

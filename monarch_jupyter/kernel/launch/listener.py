@@ -525,5 +525,10 @@ class Listener:
         return {r: {"host": j.hello.host, "local_rank": j.local_rank, "local_world_size": j.local_world_size,
                     "launcher_env": dict(j.hello.launcher_env)} for r, j in sorted(self._placement.items())}
 
+    def joined_text(self) -> str:
+        """How far the join got, and the way out, for what refuses or stops while the mesh listens."""
+        return (f"{self.joined_count()} of {self.state.nproc} joined so far and the mesh still listens for the others "
+                "(%mesh status  shows who joined,  %mesh stop  stops waiting)")
+
     def joined_count(self) -> int:
         return len(self._placement) if self._complete else slots(self._pending)
