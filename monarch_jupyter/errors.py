@@ -51,14 +51,19 @@ class CellSyntaxError(MonarchError):
     def __init__(self, error: SyntaxError) -> None:
         super().__init__(error)
         self.error = error
+        line = (error.text or "").lstrip()
+        self.hint = ("" if not line.startswith(("%", "!")) else
+                     "IPython's magics and ! shell commands do not run on the ranks: a %%mesh cell is plain Python "
+                     "(there, subprocess.run(...) runs a command, time.perf_counter() times code)")
 
     def __str__(self) -> str:
-        return str(self.error)
+        return f"{self.error}\n{self.hint}" if self.hint else str(self.error)
 
     def _render_traceback_(self) -> list[str]:
         import traceback
 
-        return "".join(traceback.format_exception_only(type(self.error), self.error)).rstrip("\n").splitlines()
+        text = "".join(traceback.format_exception_only(type(self.error), self.error)).rstrip("\n").splitlines()
+        return text + ([self.hint] if self.hint else [])
 
 
 class RankBusyError(MonarchError):

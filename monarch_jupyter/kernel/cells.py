@@ -398,12 +398,17 @@ class CellTable:
         rec.left -= gone
         self.finish_ranks(rec, [])  # it may be done now
 
-    def stop_all(self) -> None:
-        """The mesh stopped; every cell ends, each unfinished rank with a RankDiedError."""
+    def stop_all(self) -> int:
+        """The mesh stopped; every cell ends, each unfinished rank with a RankDiedError. Returns how many cells
+        had ranks still running."""
         self.state.assert_locked()
+        ended = 0
         for rec in list(self.state.cells.values()):
-            for r in rec.members.without(rec.finished):
+            unfinished = list(rec.members.without(rec.finished))
+            ended += bool(unfinished)
+            for r in unfinished:
                 self.fail_rank(rec, r, RankDiedError(r, None, reason="the mesh was stopped"))
+        return ended
 
     # ------------------------------------------------------------------ interrupts and releases (under the lock)
 

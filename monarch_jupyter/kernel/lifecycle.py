@@ -74,6 +74,7 @@ class Lifecycle:
         self.lighthouse = lighthouse  # torchft's, started with each generation when options.torchft
         self.started_at = 0.0  # time.time() when the mesh was last ready
         self.ready_seconds = 0.0  # seconds the last start took
+        self.ended_cells = 0  # cells the last teardown ended with ranks still running them (e.g. --async cells)
 
     @property
     def joined(self) -> bool:
@@ -317,7 +318,7 @@ class Lifecycle:
             for info in state.ranks.values():
                 if info.state is not RankState.DEAD:
                     info.state = RankState.STOPPED
-            self.cells.stop_all()
+            self.ended_cells = self.cells.stop_all()
             state.cond.notify_all()
         if self.listener is not None:
             self.listener.close()

@@ -68,9 +68,12 @@ def partition(spec: int | Sequence[Sequence[int]], nproc: int) -> list[list[int]
         raise ValueError(f"split takes a number of sub-meshes or a list of rank lists, got {spec!r}")
     if isinstance(spec, int):
         if spec < 2 or spec > nproc or nproc % spec:
+            if nproc < 2:
+                raise ValueError(f"a mesh of {nproc} rank does not split: start one of 2 or more ranks")
+            half = [list(range(nproc // 2)), list(range(nproc // 2, nproc))]  # an example that fits this mesh
             raise ValueError(f"{nproc} ranks do not split into {spec} equal sub-meshes (2 or more, dividing "
-                             f"{nproc}); give the groups instead, e.g.  m.split([[0, 1], [2, 3]])  or  "
-                             "%mesh split 0,1 2,3")
+                             f"{nproc}); give the groups instead, e.g.  m.split({half})  or  "
+                             f"%mesh split {' '.join(format_ranks(g) for g in half)}")
         size = nproc // spec
         return [list(range(i * size, (i + 1) * size)) for i in range(spec)]
     try:

@@ -227,7 +227,7 @@ class MeshMagics(Magics):
             raise UsageError(str(e)) from None
         except KeyboardInterrupt:  # Mesh.start tore down what it had started: one line, not the start's frames
             raise errors.mesh_interrupt(f"%mesh start was interrupted; no rank is left running "
-                                        f"(%mesh start -n {world_size}  starts again)") from None
+                                        f"(%mesh start {rest.strip()}  starts again)") from None
         self.meshes.append(m)
         from ..widgets import monitor_for
 
@@ -303,7 +303,7 @@ class MeshMagics(Magics):
             print("the mesh is already stopped (%mesh restart starts it again)")
             return
         m.stop()
-        print(f"stopped {m.nproc} ranks")
+        print(f"stopped {m.nproc} ranks{_ended(m)}")
 
     @magic_arguments()
     @argument("--rank", "--ranks", dest="ranks", default=None,
@@ -315,7 +315,10 @@ class MeshMagics(Magics):
         args = self.parse_args(self._restart, rest, "restart")
         m = self.current(require_running=args.ranks is not None)
         try:
-            return m.restart(ranks=args.ranks)
+            m.restart(ranks=args.ranks)
+            if args.ranks is None and (ended := _ended(m)):
+                print(f"restarted{ended}")
+            return m
         except ValueError as e:
             raise UsageError(str(e)) from None
         except KeyboardInterrupt:  # one line, not the restart's frames
@@ -505,6 +508,13 @@ class MeshMagics(Magics):
         if require_running and not m.running and not m.listening:
             raise UsageError("the mesh is stopped: start it with  %mesh restart  (or  %mesh start -n N)")
         return m
+
+
+def _ended(m: Mesh) -> str:
+    """What a stop or a full restart ended besides the ranks: cells still running (an --async cell's handle)."""
+    n = m.lifecycle.ended_cells
+    return (f"; it ended {n} cell{'s' * (n > 1)} still running (an --async cell's handle.result() raises "
+            "RankDiedError: the mesh was stopped)") if n else ""
 
 
 # Output that reaches a cell after it returned (block=False, --async, late rank output) is routed by the parent

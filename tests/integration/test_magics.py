@@ -175,6 +175,29 @@ def test_more_usage_errors(shell: InteractiveShell, capsys: pytest.CaptureFixtur
     assert cell(shell, "", "rank") == {0: 0, 1: 1}
 
 
+def test_a_stop_or_restart_says_which_async_cells_it_ended(shell: InteractiveShell,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """helper-49: a restart ended a running --async cell without a word (only its handle said so, later)."""
+    from monarch_jupyter import RankDiedError
+
+    running_mesh(shell)
+    for sub, said in (("restart", "restarted; it ended 1 cell still running"),
+                      ("stop", "stopped 2 ranks; it ended 1 cell still running")):
+        handle = cell(shell, "--async --no-widget", "import time; time.sleep(120)")
+        capsys.readouterr()
+        shell.run_line_magic("mesh", sub)
+        assert said in capsys.readouterr().out
+        with pytest.raises(MeshError) as info:
+            handle.result(timeout=30)
+        assert all(isinstance(e, RankDiedError) for e in info.value.errors.values())
+        if sub == "restart":
+            shell.run_line_magic("mesh", "stop")  # nothing was running: nothing more to say
+            assert capsys.readouterr().out.strip() == "stopped 2 ranks"
+            shell.run_line_magic("mesh", "restart")
+    shell.run_line_magic("mesh", "restart")
+    assert cell(shell, "", "rank") == {0: 0, 1: 1}
+
+
 def test_clean_rendering_of_errors(shell: InteractiveShell) -> None:
     """Errors the user can act on show their message, not the controller's frames."""
     running_mesh(shell)
@@ -187,6 +210,12 @@ def test_clean_rendering_of_errors(shell: InteractiveShell) -> None:
     # What the user sees through run_cell: the error's own lines, none of the controller's frames.
     result = shell.run_cell("%%mesh\nx = = 3\n")
     assert isinstance(result.error_in_exec, CellSyntaxError)
+    assert "magics" not in str(result.error_in_exec)  # the hint is for magics and shell commands only
+    for line in ("%time x = 1", "  !nvidia-smi"):  # helper-49: a bare "invalid syntax" did not say why
+        with pytest.raises(CellSyntaxError) as info:
+            cell(shell, "", f"y = 2\n{line}\n")
+        text = "\n".join(info.value._render_traceback_())
+        assert "magics and ! shell commands do not run on the ranks" in text and "subprocess.run" in text, text
     with pytest.raises(MeshError) as err:
         cell(shell, "", "undefined_name")
     text = "\n".join(err.value._render_traceback_())
@@ -234,8 +263,8 @@ def test_an_interrupted_start_says_so_in_one_line_and_leaves_nothing(tmp_path: P
     before = worker_pids()
     out = subprocess.run([sys.executable, "-c", INTERRUPTED_START, str(slow)], capture_output=True, text=True,
                          timeout=120).stdout
-    assert "KeyboardInterrupt: %mesh start was interrupted; no rank is left running (%mesh start -n 2  starts " \
-           "again)" in out, out
+    assert "KeyboardInterrupt: %mesh start was interrupted; no rank is left running (%mesh start -n 2 --timeout 120 " \
+           " starts again)" in out, out  # the command as given (helper-49: it dropped the launcher's options)
     assert "ERROR TYPE: KeyboardInterrupt" in out and "lifecycle.py" not in out, out
     assert not wait_gone(worker_pids() - before)
 

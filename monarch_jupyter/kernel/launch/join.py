@@ -101,7 +101,9 @@ def write_secret_file(path: str | None, secret: bytes) -> str:
         except ImportError:
             folder = os.path.join(os.path.expanduser("~"), ".local", "share", "jupyter", "runtime")
         os.makedirs(folder, mode=0o700, exist_ok=True)
-        path = os.path.join(folder, f"monarch-mesh-{os.getpid()}-{os.urandom(4).hex()}.key")
+        prefix = f"monarch-mesh-{socket.gethostname()}-"  # the host: a home folder may be shared by many
+        sweep_stale(folder, prefix, ".key")
+        path = os.path.join(folder, f"{prefix}{os.getpid()}-{os.urandom(4).hex()}.key")
     path = os.path.abspath(path)
     try:
         os.unlink(path)
@@ -111,6 +113,31 @@ def write_secret_file(path: str | None, secret: bytes) -> str:
     with os.fdopen(fd, "w") as f:
         f.write(secret.hex() + "\n")
     return path
+
+
+def sweep_stale(folder: str, prefix: str, suffix: str) -> None:
+    """Remove the files ``{prefix}{pid}-...{suffix}`` in ``folder`` whose process ``pid`` (on this host) is gone:
+    what a kernel killed by SIGKILL could not remove. The files of live processes, and those another user owns
+    (the unlink fails), stay."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(prefix):].split("-", 1)[0] if name.startswith(prefix) and name.endswith(suffix) else ""
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # alive (or, PermissionError below, another user's)
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue
+        try:
+            os.unlink(os.path.join(folder, name))
+        except OSError:
+            pass
 
 
 def open_rdzv_store(address: str, timeout: float) -> Any:
@@ -381,7 +408,9 @@ class ProcessLauncher(JoinLauncher):
         env = {**env, **commands.env, wjoin.ENV_RELAY_TEE: "0", **self.extra_env()}
         env.pop(wjoin.ENV_SECRET_FILE, None)
         env[wjoin.ENV_SECRET] = secret  # environment only (readable by this user and root), never argv
-        fd, self.log_path = tempfile.mkstemp(prefix=f"monarch-{self.name}-", suffix=".log")
+        prefix = f"monarch-{self.name}-"  # then the kernel's pid: a later kernel sweeps what a killed one left
+        sweep_stale(tempfile.gettempdir(), prefix, ".log")
+        fd, self.log_path = tempfile.mkstemp(prefix=f"{prefix}{os.getpid()}-", suffix=".log")
         try:
             with spawn_unpatched():  # a Python launcher must not be re-run under the kernel's debugger
                 self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=fd,

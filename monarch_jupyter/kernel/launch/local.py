@@ -122,7 +122,9 @@ class ForkServer:
                     f"run `{sys.executable} -c 'import torch, zmq, cloudpickle'` to see why"
                 )
             if time.monotonic() > deadline:
-                raise LaunchError(f"the local fork server did not import torch within {timeout:g} s")
+                raise LaunchError(f"the local fork server did not import torch within {timeout:g} s (the start "
+                                  "timeout): raise it,  %mesh start --timeout S  or  Mesh(start_timeout=S); a first "
+                                  "import of torch on a busy machine can take a minute")
 
     def _send(self, kind: int, sid: int, body: dict, fds: list[int] | None = None) -> None:
         frame = P.fork_server_json(kind, sid, body)
