@@ -1,5 +1,7 @@
 """A rank that raises never hangs the others: ``Releases`` tears the process group down for ranks that wait in a
 collective the raising rank will never join, as torchrun's fail-fast would end them, but keeps every namespace.
+The same holds for a rank that an interrupt of the cell stopped (the notebook's, or its timeout): the interrupt's
+waiter (waiting.py) asks ``release`` with ``interrupted`` once the grace passed with ranks still running.
 
 While a cell has a rank that raised and others still running it, the waiting thread asks those ranks, at once and
 then every ``COLLECTIVE_CHECK`` seconds, which collectives they have issued (their I/O thread answers from torch's
@@ -144,11 +146,11 @@ class Releases:
         self._next_check.pop(rec.cell_id, None)
         self._counts.pop(rec.cell_id, None)
 
-    def release(self, rec: CellRecord, failed: list[int], running: list[int]) -> None:
+    def release(self, rec: CellRecord, failed: list[int], running: list[int], interrupted: bool = False) -> None:
         """When ranks of ``running`` wait in a collective that ranks of ``failed`` (which raised in
-        ``rec``) never issued (``waiting_for``; from their Python stacks where a rank reports no numbers), tear the
-        process group down (``Abort`` to every rank) to release them; the waiter makes a fresh group once the cell
-        ended (``renew_group``)."""
+        ``rec``; ``interrupted``: which an interrupt stopped) never issued (``waiting_for``; from their Python
+        stacks where a rank reports no numbers), tear the process group down (``Abort`` to every rank) to release
+        them; the waiter makes a fresh group once the cell ended (``renew_group``)."""
         self.state.assert_unlocked()
         try:
             report = self.stacks.ask(failed + running, 1.0)
@@ -171,13 +173,16 @@ class Releases:
             seen = self._counts.get(rec.cell_id, {})
             waiting = {r: w for r, w in waiting.items() if r not in counts or seen.get(r) == counts[r]}
             self._counts[rec.cell_id] = counts
-            failed = failed_ranks(rec)
+            failed = ([r for r in failed if r in rec.finished and r in rec.errors] if interrupted
+                      else failed_ranks(rec))
             waiting = {r: w for r, w in waiting.items() if r not in rec.finished}
-            if not waiting or not failed or rec.all_done or rec.interrupted or state.stopping:
+            if not waiting or not failed or rec.all_done or (rec.interrupted and not interrupted) or state.stopping:
                 return
             first = rec.errors[failed[0]]
-            reason = (f"{ranks_text(failed)} raised {getattr(first, 'ename', 'an error')} while "
-                      f"{ranks_text(sorted(waiting))} waited for it in a collective")
+            did = (f"{plural(failed, 'were', 'was')} interrupted" if interrupted
+                   else f"raised {getattr(first, 'ename', 'an error')}")
+            reason = (f"{ranks_text(failed)} {did} while {ranks_text(sorted(waiting))} waited for "
+                      f"{plural(failed, 'them', 'it') if interrupted else 'it'} in a collective")
             self.cells.mark_released(rec, reason, waiting)
             self._forget(rec)
             state.mark_down(state.peers(rec.ranks), reason)  # its process group (split: its sub-mesh's)

@@ -22,7 +22,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from ..errors import MeshError, MeshInterrupt, MeshTimeoutError, MonarchError, RemoteError, mesh_interrupt
@@ -32,11 +32,11 @@ from .config import check_timeout
 from .deaths import Deaths
 from .dispatch import Dispatcher, Group
 from .hints import healing_interrupted_note, healing_wait_note
-from .interrupts import Interrupter
+from .interrupts import RESEND, Interrupter
 from .output import OutputWriter, write_lines
 from .records import CellRecord
 from .recovery import Restarts, keep_state, where_interrupted
-from .releases import Releases, failed_ranks
+from .releases import COLLECTIVE_CHECK, Releases, failed_ranks
 from .stacks import StackRequests, summarize
 from .state import MeshState
 
@@ -279,14 +279,16 @@ class Waiter:
             cells.wake_wait(rec, timeout)
             return cells.pop_lines(rec)
 
-        self.interrupter.until_stopped(dict.fromkeys(running, rec.cell_id), grace, left, wait_slice)
+        self._until_stopped_or_released(rec, running, grace, left, wait_slice)
         with state.lock:
             still = cells.abandon(rec)  # nobody waits for it now: later cells must not queue behind it
             stuck = [r for r in still if r not in queued]
             skipped = [r for r in still if r in queued]
             stopped = {r: e for r, e in rec.errors.items()
                        if r in running and isinstance(e, RemoteError) and e.interrupted}
-            failed = {r: rec.errors[r] for r in failed_ranks(rec)}
+            failed = {r: rec.errors[r] for r in failed_ranks(rec) if r not in rec.released}
+        if rec.collective_released and rec.all_done and not stuck:
+            self.releases.renew_group(rec)  # a fresh process group, as after a raise
         realigned = ""
         if stuck:
             # A second interrupt ends the wait early: say how long the ranks really had.
@@ -307,11 +309,40 @@ class Waiter:
                  if stopped else f"interrupted; {ranks_text(stuck)} did not stop" if stuck else "interrupted"]
         if realigned:
             parts.append(realigned)
+        if rec.collective_hint:
+            parts.append(rec.collective_hint)
         if skipped:
             parts.append(f"{ranks_text(skipped)} had not started it ({plural(skipped, 'they', 'it')} still "
                          f"{plural(skipped, 'run', 'runs')} an earlier cell, sent with block=False or --async) and "
                          f"{plural(skipped, 'skip', 'skips')} it")
         return "; ".join(parts)
+
+    def _until_stopped_or_released(self, rec: CellRecord, running: list[int], grace: float,
+                                   left: Callable[[], list[int]], wait_slice: Callable[[float], list]) -> None:
+        """Wait up to ``grace`` seconds for the interrupted ranks to stop. Those that wait in a collective that the
+        ranks the interrupt stopped will never issue in this cell are released as after a rank that raised
+        (releases.py: the process group is torn down), asked every ``COLLECTIVE_CHECK`` seconds; once released,
+        they get ``grace`` seconds more to stop."""
+        end = time.monotonic() + grace
+        resend = time.monotonic() + RESEND
+        targets, sent = dict.fromkeys(running, rec.cell_id), False
+        while True:
+            still = self.interrupter.until_stopped(targets, min(COLLECTIVE_CHECK, max(0.0, end - time.monotonic())),
+                                                   left, wait_slice, sent=sent)
+            if not still or time.monotonic() >= end:
+                return
+            targets, sent = dict.fromkeys(still, rec.cell_id), True
+            with self.state.lock:
+                stopped = sorted(r for r, e in rec.errors.items()
+                                 if r in running and isinstance(e, RemoteError) and e.interrupted)
+            if stopped:
+                self.releases.release(rec, stopped, still, interrupted=True)
+            if rec.collective_released:
+                self.interrupter.until_stopped(targets, grace, left, wait_slice, sent=True)
+                return
+            if time.monotonic() >= resend:  # as until_stopped does in a longer wait
+                resend = time.monotonic() + RESEND
+                self.interrupter.send(targets)
 
     def _on_timeout(self, rec: CellRecord, timeout: float) -> None:
         state, cells = self.state, self.cells
