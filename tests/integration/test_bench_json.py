@@ -20,6 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 QUICK = {
     "bench_backpressure": (["--n", "1", "--mb", "1", "--rate", "0", "--launchers", "local"], {"local_after"},
                            {"local_held_MiB"}, ("local  after   flood", "local_after.flood_s", 1, 3)),
+    "bench_interrupt": (["--n", "2", "--grace", "2", "--repeat", "1"], {"after"}, {"usable_s", "forced"},
+                        ("after   interrupt", "after.interrupt_s", 1, 2)),
     "bench_core": (["--n", "1", "--cells", "5", "--repeat", "1", "--no-peers"],
                    {"import_torch_s", "cold_start_s", "restart_s", "api_s", "magic_s", "cpu_kernel_s"},
                    {"cold_start_x_import_torch", "magic_cell_s"},
