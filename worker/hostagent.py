@@ -91,6 +91,7 @@ class HostAgent:
         self.exit_code: int | None = None
         self.exit_note = ""
         self.signalled: int | None = None  # the signal that stopped this agent (SIGTERM, SIGINT)
+        self.start_failed = False  # its fork server died before it was ready: no rank of this host ever started
         self.interval = 1.0
         self.heartbeat_timeout = 30.0
         self.tee = cfg.tee
@@ -386,8 +387,9 @@ class HostAgent:
         for fd in self.fork.poll_fds:
             with contextlib.suppress(KeyError):
                 self.poller.unregister(fd)
-        if not self.fork.ready:
-            self.stop(EXIT_FAILED, self.fork.failure())  # close() says it (a StartFailed: not welcomed yet)
+        if not self.fork.ready:  # no rank of this host ever started: close() says it in a StartFailed
+            self.start_failed = True
+            self.stop(EXIT_FAILED, self.fork.failure())
             return
         # close() says why (a Goodbye with this note) before it reports the ranks' exits
         self.stop(EXIT_FAILED, f"{why}, and this host's ranks with it")
@@ -498,8 +500,8 @@ class HostAgent:
         code = self.exit_code if self.exit_code is not None else 0
         if self.exit_note:
             sys.stderr.write(f"monarch agent on {self.host}: {self.exit_note}\n")
-        if self.welcome is None and code == EXIT_FAILED and self.exit_note:
-            try:  # not welcomed yet (its start failed): a Goodbye would not be read as this host's, a StartFailed is
+        if (self.welcome is None or self.start_failed) and code == EXIT_FAILED and self.exit_note:
+            try:  # its start failed (a Goodbye, sent too once welcomed, is not read as this host's before that)
                 self.send(P.StartFailed(error=f"the host agent on {self.host} cannot start its ranks: "
                                               f"{self.exit_note}"))
             except zmq.ZMQError:
