@@ -218,8 +218,8 @@ class RankAbortedError(MonarchError):
         """What happened, without the rank number (ranks with the same summary are shown on one line)."""
         who = ranks_text(self.dead)
         if self.raised:
-            never = plural(self.dead, "they never joined", "it never joined")
-            return (f"released from {self.collective or 'a collective'}, which {never} ({who} raised "
+            they = plural(self.dead, "they", "it")
+            return (f"released from {self.collective or 'a collective'}, which {who} never joined ({they} raised "
                     f"{self.raised}): the process group was torn down")
         if self.still_running:
             return (f"still running when {who} died (stuck in C code?): see  %mesh stacks ;  "

@@ -43,6 +43,8 @@ class CellWaiter(Protocol):
 
     def outcome(self, cell: CellRecord) -> RankMap | None: ...
 
+    def interrupted(self, cell: CellRecord) -> KeyboardInterrupt: ...
+
 
 class CellSnapshot:
     """A consistent copy of a cell's progress (for views): finished ranks, errors and durations (seconds)."""
@@ -108,6 +110,13 @@ class CellHandle:
         """
         self._waiter.wait(self.record, timeout, True)
         return self._waiter.outcome(self.record)
+
+    def interrupted(self) -> KeyboardInterrupt:
+        """The caller was interrupted between two waits for this cell (a loop of ``wait(0.1)`` and ``snapshot()``,
+        where the notebook's interrupt can land outside the wait): interrupt the ranks still running it and wait up
+        to ``interrupt_grace`` seconds, as an interrupt inside ``result()`` does. Returns the KeyboardInterrupt to
+        raise: where the ranks stopped, and ``.results`` (the values of the ranks that had finished)."""
+        return self._waiter.interrupted(self.record)
 
     def __repr__(self) -> str:
         with self._state.lock:

@@ -179,6 +179,8 @@ class Restarts:
                 report.stacks = self.stacks.ask(stuck, 2.0).summary()
             except MonarchError:
                 report.stacks = ""
+        if force and not busy:  # idle, and a release left their group down: make it again
+            report.regrouped = bool(self.renew(chosen))
         if not force:
             report.stuck = stuck
             self._abandon({busy[r] for r in stuck})
@@ -201,11 +203,38 @@ class Restarts:
         with an error or an interrupt since its numbers were last compared (``MeshState.unaligned``): a rank may
         have issued a collective (``async_op=True``, or an interrupt between issuing and waiting) that its peers
         never issued. Cheap when none did (no question is asked). Returns what was found and done, "" if nothing."""
+        renewed = self.renew(ranks) if self.state.unrenewed else ""
         if not self.state.unaligned or not self._flagged(ranks):  # the usual cell: no lock taken
-            return ""
+            return renewed
         with self._aligning:  # one check at a time (sweep trials submit from threads of their own)
             why = "a cell that ended with an error or an interrupt left it in flight"
-            return "; ".join(t for g in self._flagged(ranks) if (t := self._realign(g, why)))
+            return "; ".join(t for t in [renewed, *(self._realign(g, why) for g in self._flagged(ranks))] if t)
+
+    def renew(self, ranks: Sequence[int]) -> str:
+        """A fresh process group for each group of ``ranks`` (split: their sub-meshes) that a release tore down
+        while a rank of it still ran the cell (``MeshState.unrenewed``: it stopped after the interrupt's grace, or
+        a second interrupt cut the wait short), once every rank of it is idle; a group with a dead rank waits for
+        that rank's restart, which makes one. Returns what was done ("" if nothing)."""
+        state = self.state
+        with self._aligning, state.lock:
+            groups: list[list[int]] = []
+            for r in ranks:
+                if r in state.unrenewed and not any(r in g for g in groups):
+                    groups.append(state.peers([r]))
+            ready = [(g, state.down_for(g)) for g in groups if all(
+                not state.ranks[p].cells and state.ranks[p].state is not RankState.DEAD
+                and state.ranks[p].identity is not None for p in g)]
+        done: list[str] = []
+        for group, why in ready:
+            try:
+                self.regroup([], time.monotonic() + state.options.start_timeout, group if state.partition else None)
+            except MonarchError as e:
+                done.append(f"the process group torn down earlier ({why}) could not be made again ({e}); "
+                            "%mesh restart  starts a fresh mesh")
+                continue
+            done.append(f"the process group torn down earlier ({why}) was made again now that its ranks stopped; every "
+                        "rank kept its namespace (groups made with dist.new_group, and DDP models, must be made again)")
+        return "; ".join(done)
 
     def _flagged(self, ranks: Sequence[int]) -> list[list[int]]:
         """The process groups of ``ranks`` (split: their sub-meshes) that ``MeshState.unaligned`` names."""
@@ -395,6 +424,7 @@ class Restarts:
         with state.lock:
             if only is None:
                 state.down = {}  # the whole mesh regrouped (a scale may have dropped ranks that were down)
+                state.unrenewed = set()
             else:
                 state.mark_up([*survivors, *fresh])
         state.events.emit("regrouped", fresh=fresh)

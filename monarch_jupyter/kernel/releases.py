@@ -38,7 +38,8 @@ COLLECTIVE_CHECK = 0.5
 collectives they have issued (``waiting_for``)."""
 
 
-def waiting_for(failed: dict[int, dict], running: dict[int, dict]) -> dict[int, str]:
+def waiting_for(failed: dict[int, dict], running: dict[int, dict],
+                peers: list[int] | None = None) -> dict[int, str]:
     """Which ranks of ``running`` wait for a rank of ``failed`` in a collective it will never issue.
 
     ``failed``, ``running``: rank -> its collective summary (``Stacks.collective``, monarch_worker.recovery
@@ -48,16 +49,22 @@ def waiting_for(failed: dict[int, dict], running: dict[int, dict]) -> dict[int, 
     collective that completes one-sidedly) a collective that cannot complete: it waits whatever frame it waits
     in (Python, DDP's C++ reducer, autograd's engine, ``Work.wait()``, NCCL's later synchronisation).
 
+    ``failed`` and ``running`` are keyed by mesh rank; a group's ``ranks`` are torch ranks, which are mesh ranks
+    on a whole mesh and ``peers[i]`` for torch rank i on a sub-mesh (``peers``: its mesh ranks, sorted; None: the
+    whole mesh).
+
     Returns rank -> the collective it waits in ("gloo:all_reduce #5"); ranks without a summary are left out (the
     caller falls back to their stacks).
     """
     out: dict[int, str] = {}
     for r, c in running.items():
         for group, (seq, members, name) in (c.get("groups") or {}).items():
-            peers = [f for f in failed if f in members]
-            if not peers:  # a group without the raising ranks (or whose ranks are unknown): not waiting for them
+            if peers is not None:
+                members = [peers[i] for i in members if 0 <= i < len(peers)]
+            them = [f for f in failed if f in members]
+            if not them:  # a group without the raising ranks (or whose ranks are unknown): not waiting for them
                 continue
-            behind = min(int(((failed[f].get("groups") or {}).get(group) or [0])[0]) for f in peers)
+            behind = min(int(((failed[f].get("groups") or {}).get(group) or [0])[0]) for f in them)
             if int(seq) > behind:
                 out[r] = f"{name or 'collective'} #{seq}"
                 break
@@ -159,7 +166,9 @@ class Releases:
         replies = report.replies
         known = {r: replies[r].collective for r in failed if r in replies}
         recorded = {r: replies[r].collective for r in running if r in replies and "groups" in replies[r].collective}
-        waiting = waiting_for(known, recorded) if len(known) == len(failed) else {}
+        with self.state.lock:  # a sub-mesh numbers its torch ranks 0..k-1
+            peers = self.state.peers(rec.ranks) if self.state.partition else None
+        waiting = waiting_for(known, recorded, peers) if len(known) == len(failed) else {}
         for r in running:  # no numbers there: a collective's Python frames
             if r in replies and r not in recorded and any(
                     "torch/distributed/" in str(f[0]) or "torch/nn/parallel/" in str(f[0]) for f in replies[r].frames):
@@ -173,19 +182,24 @@ class Releases:
             seen = self._counts.get(rec.cell_id, {})
             waiting = {r: w for r, w in waiting.items() if r not in counts or seen.get(r) == counts[r]}
             self._counts[rec.cell_id] = counts
-            failed = ([r for r in failed if r in rec.finished and r in rec.errors] if interrupted
-                      else failed_ranks(rec))
+            failed = ([r for r in failed if r in rec.finished] if interrupted else failed_ranks(rec))
             waiting = {r: w for r, w in waiting.items() if r not in rec.finished}
             if not waiting or not failed or rec.all_done or (rec.interrupted and not interrupted) or state.stopping:
                 return
-            first = rec.errors[failed[0]]
-            did = (f"{plural(failed, 'were', 'was')} interrupted" if interrupted
-                   else f"raised {getattr(first, 'ename', 'an error')}")
-            reason = (f"{ranks_text(failed)} {did} while {ranks_text(sorted(waiting))} waited for "
+            if interrupted:  # stopped by the interrupt, or ended the cell before it without that collective
+                stopped = [r for r in failed if r in rec.errors]
+                ended = [r for r in failed if r not in rec.errors]
+                did = " and ".join(
+                    [*([f"{ranks_text(stopped)} {plural(stopped, 'were', 'was')} interrupted"] if stopped else []),
+                     *([f"{ranks_text(ended)} had ended the cell"] if ended else [])])
+            else:
+                did = f"{ranks_text(failed)} raised {getattr(rec.errors[failed[0]], 'ename', 'an error')}"
+            reason = (f"{did} while {ranks_text(sorted(waiting))} waited for "
                       f"{plural(failed, 'them', 'it') if interrupted else 'it'} in a collective")
             self.cells.mark_released(rec, reason, waiting)
             self._forget(rec)
             state.mark_down(state.peers(rec.ranks), reason)  # its process group (split: its sub-mesh's)
+            state.unrenewed.update(state.peers(rec.ranks))  # made again by renew_group, or before the next cell
             alive = [info.rank for info in state.ranks.values() if info.identity is not None and info.alive
                      and info.rank in state.peers(rec.ranks)]  # the cell's process group (split: its sub-mesh's)
         for r in alive:
@@ -223,7 +237,8 @@ class Releases:
             try:
                 self.regroup([], time.monotonic() + self.state.options.start_timeout, only)
                 hint = (f"{rec.collective_released}: the process group was torn down to release {them} and a fresh "
-                        "one was made (every rank kept its namespace)")
+                        "one was made (every rank kept its namespace; groups made with dist.new_group, and DDP "
+                        "models, must be made again)")
             except MonarchError as e:
                 hint = (f"{rec.collective_released}: the process group was torn down to release {them}, and a "
                         f"fresh one could not be made ({e}); %mesh restart  starts a fresh mesh")

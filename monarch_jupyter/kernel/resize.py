@@ -255,8 +255,14 @@ class Resizer:
                 for identity, its in placed.admit.items():
                     hosts.admit_late(identity, its)  # its agent forks them when welcomed
                 hosts.reassign(placed.ranks, state.nproc)
-            self.lifecycle.spawn([r for r in ranks if placed is None or r not in placed.admitted])
-            error = self._wait_started(ranks, deadline, wait)
+            error: MeshStartError | None
+            try:
+                self.lifecycle.spawn([r for r in ranks if placed is None or r not in placed.admitted])
+            except MeshStartError as e:  # the launcher cannot start them (their host agent went away meanwhile)
+                error = MeshStartError(f"new {ranks_text(ranks)} (host {state.ranks[ranks[0]].host or '?'}) failed to "
+                                       f"start ({e.args[0]})", ranks[0], getattr(e, "detail", ""))
+            else:
+                error = self._wait_started(ranks, deadline, wait)
             if error is None:
                 with state.lock:
                     state.solo -= set(ranks)

@@ -219,6 +219,9 @@ class MeshState:
         # Ranks of cells that ended with an error or an interrupt since their process group's collective numbers
         # were last compared (Restarts.check_alignment): one may have left a collective issued and not waited for.
         self.unaligned: set[int] = set()
+        # Ranks whose process group a release tore down (releases.py) while a rank of it still ran the cell, so that
+        # no fresh one was made then: Restarts.check_alignment makes it before their next cell.
+        self.unrenewed: set[int] = set()
 
     def new_generation(self, secret: bytes) -> None:
         """Fresh rank handles and secret for a start or restart (under no lock: nothing else runs yet)."""
@@ -231,6 +234,7 @@ class MeshState:
         self.store_port = None
         self.down = {}
         self.unaligned = set()
+        self.unrenewed = set()
         self.regrouping = set()
         self.regroup_active = False
         self.killing = {}
@@ -375,6 +379,7 @@ class MeshState:
         for r in ranks:
             self.down.pop(r, None)
             self.unaligned.discard(r)
+            self.unrenewed.discard(r)
 
     def down_for(self, ranks: Iterable[int]) -> str:
         """Under the lock: why the process group of some of ``ranks`` is broken ("" when theirs are fine)."""

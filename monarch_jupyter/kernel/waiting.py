@@ -38,7 +38,7 @@ from .records import CellRecord
 from .recovery import Restarts, keep_state, where_interrupted
 from .releases import COLLECTIVE_CHECK, Releases, failed_ranks
 from .stacks import StackRequests, summarize
-from .state import MeshState
+from .state import MeshState, RankState
 
 log = logging.getLogger(__name__)
 
@@ -289,6 +289,11 @@ class Waiter:
             failed = {r: rec.errors[r] for r in failed_ranks(rec) if r not in rec.released}
         if rec.collective_released and rec.all_done and not stuck:
             self.releases.renew_group(rec)  # a fresh process group, as after a raise
+        elif rec.collective_released and not rec.collective_hint:  # Restarts.renew makes it, once they stopped
+            with state.lock:
+                cells.set_hint(rec, f"{rec.collective_released}: the process group was torn down to release "
+                                    f"{plural(rec.released, 'them', 'it')}; a fresh one is made before the next "
+                                    "cell, once every rank stopped (every rank keeps its namespace)")
         realigned = ""
         if stuck:
             # A second interrupt ends the wait early: say how long the ranks really had.
@@ -329,16 +334,20 @@ class Waiter:
         while True:
             still = self.interrupter.until_stopped(targets, min(COLLECTIVE_CHECK, max(0.0, end - time.monotonic())),
                                                    left, wait_slice, sent=sent)
-            if not still or time.monotonic() >= end:
+            if not still:
                 return
             targets, sent = dict.fromkeys(still, rec.cell_id), True
-            with self.state.lock:
-                stopped = sorted(r for r, e in rec.errors.items()
-                                 if r in running and isinstance(e, RemoteError) and e.interrupted)
-            if stopped:
+            with self.state.lock:  # final for this cell: stopped by the interrupt, or ended it before
+                stopped = sorted(r for r in rec.ranks if r in rec.finished and r not in rec.queued_on
+                                 and self.state.ranks[r].state is not RankState.DEAD and (
+                                     r not in rec.errors or (isinstance(rec.errors[r], RemoteError)
+                                                             and rec.errors[r].interrupted)))
+            if stopped:  # asked at least once, however short the grace
                 self.releases.release(rec, stopped, still, interrupted=True)
             if rec.collective_released:
                 self.interrupter.until_stopped(targets, grace, left, wait_slice, sent=True)
+                return
+            if time.monotonic() >= end:
                 return
             if time.monotonic() >= resend:  # as until_stopped does in a longer wait
                 resend = time.monotonic() + RESEND
@@ -380,8 +389,8 @@ class Waiter:
             stuck = [r for r in left if r not in rec.queued_on]
             if not left:
                 cells.forget(rec)
-        hint = (f"%mesh interrupt --force --ranks {format_ranks(stuck)}  stops the ranks still running "
-                "(see the message above)" if stuck else rec.collective_hint)
+        hint = "\n".join(h for h in [f"%mesh interrupt --force --ranks {format_ranks(stuck)}  stops the ranks still "
+                                      "running (see the message above)" if stuck else "", rec.collective_hint] if h)
         raise MeshTimeoutError(errors, results, rec.what, "\n".join(where), timeout, hint, late)
 
     def outcome(self, rec: CellRecord) -> RankMap | None:

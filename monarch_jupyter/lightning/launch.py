@@ -279,6 +279,8 @@ def _run(target: Target, strategy: Any, job: rank_side.Job) -> RankMap:
             released = _watch(mesh, handle)
             results = handle.result()
         except KeyboardInterrupt as e:
+            if not str(e) and not handle.done():  # it landed between two of _watch's waits: as result() would
+                e = handle.interrupted()
             if not handle.done():  # some ranks are blocked in a collective that the others left
                 report = mesh.interrupt(target.call_ranks, force=True)
                 print(f"strategy='mesh': released the ranks still running after the interrupt: "

@@ -146,10 +146,27 @@ def test_interrupt_during_a_collective_releases_the_ranks_that_wait_for_an_inter
     text = str(info.value)
     assert "rank 2: time.sleep at cell line 5" in text, text
     assert ("rank 2 was interrupted while ranks 0,1 waited for it in a collective: the process group was torn down "
-            "to release them and a fresh one was made (every rank kept its namespace)") in text, text
+            "to release them and a fresh one was made (every rank kept its namespace; groups made with "
+            "dist.new_group") in text, text
     assert "did not stop" not in capsys.readouterr().err
     assert mesh.stacks().text == "ranks 0-2: idle"
     assert pids(mesh) == before
+    assert_recovered(mesh, kept=[0, 1, 2])
+
+
+def test_a_handle_interrupted_between_waits_stops_its_ranks_as_result_would(healthy: Mesh) -> None:
+    """A loop of handle.wait(0.1) and snapshot() (the Lightning launcher's) can take the notebook's interrupt
+    outside the wait, as a bare KeyboardInterrupt: handle.interrupted() then does what result() does with it."""
+    mesh = healthy
+    handle = mesh.run("import time\ntime.sleep(600)", block=False)
+    deadline = time.monotonic() + 30
+    while "time.sleep" not in mesh.stacks().text:
+        assert time.monotonic() < deadline, mesh.stacks().text
+        time.sleep(0.05)
+    error = handle.interrupted()
+    assert isinstance(error, KeyboardInterrupt)
+    assert "interrupted ranks 0-2 (they keep their state): ranks 0-2: time.sleep at cell line 2" in str(error), error
+    assert handle.done()
     assert_recovered(mesh, kept=[0, 1, 2])
 
 

@@ -68,9 +68,9 @@ def assert_released(err: MeshError, message: str) -> None:
     assert released.collective.startswith("gloo:"), released.collective
     shown = "\n".join(err._render_traceback_())
     assert shown.index("--- root cause: rank 1") < shown.index("--- rank 0: released from gloo:"), shown
-    assert "which it never joined (rank 1 raised RuntimeError)" in shown, shown
+    assert "which rank 1 never joined (it raised RuntimeError)" in shown, shown
     assert "rank 1 raised RuntimeError while rank 0 waited for it in a collective" in err.hint, err.hint
-    assert "a fresh one was made (every rank kept its namespace)" in err.hint, err.hint
+    assert "a fresh one was made (every rank kept its namespace; groups made with dist.new_group" in err.hint, err.hint
 
 
 CASES = {
@@ -305,3 +305,12 @@ def test_waiting_for_compares_the_collectives_each_rank_issued() -> None:
     assert waiting_for(failed, {0: summary(**{"0": (4, [0, 1, 2]), "9": (5, [])})}) == {}
     # A rank with no recorder summary is left to the caller's fallback (its stacks).
     assert waiting_for(failed, {0: {}}) == {}
+
+
+def test_waiting_for_reads_a_sub_meshs_torch_ranks_as_its_mesh_ranks() -> None:
+    """On a sub-mesh of mesh ranks [2, 3], torch ranks are 0 and 1: the stopped mesh rank 2 is torch rank 0 of
+    the group (it was compared as torch rank 2, which the group does not hold, and nobody was released)."""
+    failed = {2: summary(**{"0": (1, [0, 1])})}
+    running = {3: summary(**{"0": (2, [0, 1])})}
+    assert waiting_for(failed, running, peers=[2, 3]) == {3: "gloo:all_reduce #2"}
+    assert waiting_for(failed, running) == {}  # read as mesh ranks: not a member

@@ -113,15 +113,18 @@ def test_a_stuck_sub_mesh_never_blocks_another() -> None:
     with Mesh(4, start_timeout=WAIT, interrupt_grace=2.0) as m:
         m.run("x = rank")
         a, b = m.split(2)
-        # sub1's rank 0 waits in a barrier its peer never joins: a collective no interrupt releases.
+        # sub1's rank 0 waits in a barrier for its peer, which an interrupt cannot reach (it blocks SIGINT for
+        # 15 s, as a long call into C code would): nobody stops, so nothing is released.
         with pytest.raises(MeshTimeoutError):
-            b.run("if rank == 0:\n    dist.barrier()", timeout=3.0)
+            b.run("import signal, time\nif rank == 0:\n    dist.barrier()\nelse:\n"
+                  "    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})\n    time.sleep(15)\n"
+                  "    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})", timeout=3.0)
         with pytest.raises(RankBusyError):
             b.run(SUM)  # code on sub1 would pair with the stuck barrier
         assert a.run(SUM) == {0: 1.0, 1: 1.0}  # sub0 runs on
         with pytest.raises(MonarchError, match="a cell runs"):
             m.merge()
-        b.interrupt(force=True)  # releases the barrier: sub1 alone gets a fresh group
+        b.interrupt(force=True, grace=120)  # releases the barrier, then rank 1 stops: sub1 alone gets a fresh group
         assert b.run(SUM) == {0: 5.0, 1: 5.0}
         assert a.run(SUM) == {0: 1.0, 1: 1.0}
         m.merge()

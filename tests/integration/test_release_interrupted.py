@@ -1,0 +1,109 @@
+"""An interrupt (a blocking cell's timeout here) that stops some ranks while the others wait for them in a
+collective releases the waiters (waiting.py, releases.py), in the cases a review found left behind: on a sub-mesh
+whose mesh ranks are not its torch ranks, with released ranks that take longer than the grace to stop, with a rank
+that had ended the cell without the collective, and with a grace shorter than the check interval."""
+
+from __future__ import annotations
+
+import textwrap
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from monarch_jupyter import Mesh, MeshTimeoutError
+
+WORLD = 4
+ALL_REDUCE = "t = torch.ones(1); dist.all_reduce(t); int(t.item())"
+
+
+@pytest.fixture(scope="module")
+def mesh() -> Iterator[Mesh]:
+    m = Mesh(WORLD, interrupt_grace=1.5, start_timeout=120)
+    try:
+        yield m
+    finally:
+        m.stop()
+
+
+@pytest.fixture()
+def healthy(mesh: Mesh) -> Iterator[Mesh]:
+    """The whole mesh, every rank idle in one working process group, ``marker`` set on each rank."""
+    if mesh.subs:
+        mesh.merge()
+    mesh.interrupt_grace = 1.5
+    wait_idle(mesh)
+    assert mesh.run(ALL_REDUCE) == dict.fromkeys(range(WORLD), WORLD)
+    mesh.run("marker = rank * 10")
+    yield mesh
+
+
+def wait_idle(mesh: Mesh, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while (text := mesh.stacks().text) != f"ranks 0-{WORLD - 1}: idle":
+        assert time.monotonic() < deadline, text
+        time.sleep(0.1)
+
+
+def rendered(e: MeshTimeoutError) -> str:
+    return "\n".join(e._render_traceback_())
+
+
+def test_a_sub_mesh_whose_mesh_ranks_are_not_its_torch_ranks_is_released(healthy: Mesh) -> None:
+    a, b = healthy.split([[0, 1], [2, 3]])
+    code = "import time\nt = torch.ones(1)\nif rank == 0:\n    time.sleep(600)\nelse:\n    dist.all_reduce(t)\n"
+    with pytest.raises(MeshTimeoutError) as info:
+        b.run(code, timeout=1.0)  # its torch rank 0 is mesh rank 2
+    text = rendered(info.value)
+    assert ("rank 2 was interrupted while rank 3 waited for it in a collective: the process group was torn down "
+            "to release it and a fresh one was made") in text, text
+    assert "--force" not in text, text
+    assert b.run(ALL_REDUCE) == {0: 2, 1: 2}  # a sub-mesh's results are keyed by its own ranks
+    assert a.run(ALL_REDUCE) == {0: 2, 1: 2}  # the other sub-mesh kept its group
+    healthy.merge()
+    assert healthy.run(ALL_REDUCE) == dict.fromkeys(range(WORLD), WORLD)
+    assert healthy.run("marker") == {r: r * 10 for r in range(WORLD)}
+
+
+def test_released_ranks_slower_than_the_grace_get_a_fresh_group_before_the_next_cell(
+        healthy: Mesh, capsys: pytest.CaptureFixture) -> None:
+    healthy.interrupt_grace = 1.0
+    code = textwrap.dedent("""\
+        import signal, time
+        t = torch.ones(1)
+        if rank == 3:
+            time.sleep(600)
+        else:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            try:
+                dist.all_reduce(t)
+            except Exception:
+                time.sleep(3)  # a clean-up longer than the grace, which an interrupt cannot cut short
+            finally:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        """)
+    with pytest.raises(MeshTimeoutError) as info:
+        healthy.run(code, timeout=1.0)
+    text = rendered(info.value)
+    assert "rank 3 was interrupted while ranks 0-2 waited for it in a collective" in text, text
+    assert "a fresh one is made before the next cell, once every rank stopped" in text, text
+    wait_idle(healthy)
+    capsys.readouterr()
+    assert healthy.run(ALL_REDUCE) == dict.fromkeys(range(WORLD), WORLD)
+    err = capsys.readouterr().err
+    assert "was made again now that its ranks stopped; every rank kept its namespace" in err, err
+    assert healthy.run("marker") == {r: r * 10 for r in range(WORLD)}
+
+
+def test_a_rank_that_ended_the_cell_without_the_collective_releases_the_others_with_a_short_grace(
+        healthy: Mesh) -> None:
+    healthy.interrupt_grace = 0.3  # shorter than the check interval (COLLECTIVE_CHECK): asked once all the same
+    code = "t = torch.ones(1)\nif rank != 1:\n    dist.all_reduce(t)\n"
+    with pytest.raises(MeshTimeoutError) as info:
+        healthy.run(code, timeout=1.0)
+    text = rendered(info.value)
+    assert ("rank 1 had ended the cell while ranks 0,2,3 waited for it in a collective: the process group was torn "
+            "down to release them and a fresh one was made") in text, text
+    assert "--force" not in text, text
+    assert healthy.run(ALL_REDUCE) == dict.fromkeys(range(WORLD), WORLD)
+    assert healthy.run("marker") == {r: r * 10 for r in range(WORLD)}
