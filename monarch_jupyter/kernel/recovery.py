@@ -43,11 +43,14 @@ EXIT_WAIT = 5.0
 
 
 def where_interrupted(errors: dict[int, Any]) -> str:
-    """Ranks grouped by where an interrupt stopped them: "ranks 0,1: time.sleep at cell line 3 / rank 2: ..."."""
+    """Ranks grouped by where an interrupt stopped them: "ranks 0,1: time.sleep at cell line 3 / rank 2: ...".
+    A rank whose traceback has no frame outside the worker's own code was stopped as the cell began (worker/
+    executor.py strips those frames): "before the cell's first line"."""
     groups: dict[str, list[int]] = {}
     for r, e in sorted(errors.items()):
         frames = getattr(e, "frames", None) or []
-        groups.setdefault(summarize([tuple(f) for f in frames]) if frames else "?", []).append(r)
+        groups.setdefault(summarize([tuple(f) for f in frames]) if frames else "before the cell's first line",
+                          []).append(r)
     return " / ".join(f"{ranks_text(rs)}: {w}" for w, rs in groups.items())
 
 
@@ -180,7 +183,7 @@ class Restarts:
             except MonarchError:
                 report.stacks = ""
         if force and not busy:  # idle, and a release left their group down: make it again
-            report.regrouped = bool(self.renew(chosen))
+            report.realigned = self.renew(chosen)
         if not force:
             report.stuck = stuck
             self._abandon({busy[r] for r in stuck})

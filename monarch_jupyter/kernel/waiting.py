@@ -31,7 +31,7 @@ from .cells import CellHandle, CellTable
 from .config import check_timeout
 from .deaths import Deaths
 from .dispatch import Dispatcher, Group
-from .hints import healing_interrupted_note, healing_wait_note
+from .hints import healing_interrupted_note, healing_wait_note, restart_hint
 from .interrupts import RESEND, Interrupter
 from .output import OutputWriter, write_lines
 from .records import CellRecord
@@ -291,9 +291,13 @@ class Waiter:
             self.releases.renew_group(rec)  # a fresh process group, as after a raise
         elif rec.collective_released and not rec.collective_hint:  # Restarts.renew makes it, once they stopped
             with state.lock:
-                cells.set_hint(rec, f"{rec.collective_released}: the process group was torn down to release "
-                                    f"{plural(rec.released, 'them', 'it')}; a fresh one is made before the next "
-                                    "cell, once every rank stopped (every rank keeps its namespace)")
+                dead = [r for r in state.peers(rec.ranks) if state.ranks[r].state is RankState.DEAD]
+                torn = f"{rec.collective_released}: the process group was torn down to release " + plural(
+                    rec.released, "them", "it")
+                cells.set_hint(rec, f"{torn}; no fresh one is made while {ranks_text(dead)} "
+                                    f"{plural(dead, 'are', 'is')} dead ({restart_hint(dead, state.nproc)})" if dead
+                               else f"{torn}; a fresh one is made before the next cell, once every rank stopped "
+                                    "(every rank keeps its namespace)")
         realigned = ""
         if stuck:
             # A second interrupt ends the wait early: say how long the ranks really had.

@@ -65,10 +65,7 @@ def test_a_sub_mesh_whose_mesh_ranks_are_not_its_torch_ranks_is_released(healthy
     assert healthy.run("marker") == {r: r * 10 for r in range(WORLD)}
 
 
-def test_released_ranks_slower_than_the_grace_get_a_fresh_group_before_the_next_cell(
-        healthy: Mesh, capsys: pytest.CaptureFixture) -> None:
-    healthy.interrupt_grace = 1.0
-    code = textwrap.dedent("""\
+SLOW_CLEAN_UP = textwrap.dedent("""\
         import signal, time
         t = torch.ones(1)
         if rank == 3:
@@ -82,16 +79,26 @@ def test_released_ranks_slower_than_the_grace_get_a_fresh_group_before_the_next_
             finally:
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         """)
+
+
+@pytest.mark.parametrize("then", ["next cell", "interrupt --force"])
+def test_released_ranks_slower_than_the_grace_get_a_fresh_group_before_the_next_cell(
+        healthy: Mesh, capsys: pytest.CaptureFixture, then: str) -> None:
+    healthy.interrupt_grace = 1.0
     with pytest.raises(MeshTimeoutError) as info:
-        healthy.run(code, timeout=1.0)
+        healthy.run(SLOW_CLEAN_UP, timeout=1.0)
     text = rendered(info.value)
     assert "rank 3 was interrupted while ranks 0-2 waited for it in a collective" in text, text
     assert "a fresh one is made before the next cell, once every rank stopped" in text, text
     wait_idle(healthy)
     capsys.readouterr()
+    made_again = "was made again now that its ranks stopped; every rank kept its namespace"
+    if then == "interrupt --force":  # on idle ranks: makes it at once, and says so
+        text = healthy.interrupt(force=True).text
+        assert text.startswith("nothing to interrupt: ranks 0-3 idle\n") and made_again in text, text
     assert healthy.run(ALL_REDUCE) == dict.fromkeys(range(WORLD), WORLD)
     err = capsys.readouterr().err
-    assert "was made again now that its ranks stopped; every rank kept its namespace" in err, err
+    assert (made_again in err) == (then == "next cell"), err
     assert healthy.run("marker") == {r: r * 10 for r in range(WORLD)}
 
 

@@ -102,6 +102,9 @@ def test_interrupt_summary_groups_ranks_by_where_they_stopped() -> None:
     errors = {r: RemoteError(r, "KeyboardInterrupt", "", frames=SLEEPING) for r in (0, 1)}
     errors[2] = RemoteError(2, "KeyboardInterrupt", "", frames=IN_CELL)
     assert where_interrupted(errors) == "ranks 0,1: time.sleep at cell line 6 / rank 2: all_reduce at cell line 4"
+    # No frame of the cell's own (the worker strips its machinery): stopped before the cell's first line ran.
+    errors[3] = RemoteError(3, "KeyboardInterrupt", "", frames=[])
+    assert where_interrupted(errors).endswith(" / rank 3: before the cell's first line")
 
 
 def test_death_error_names_rank_status_and_last_output() -> None:
