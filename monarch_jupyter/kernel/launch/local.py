@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 __all__ = ["LocalLauncher", "ForkServer", "prewarm", "preload", "shutdown", "fork_server_pid", "fork_server_clone"]
 
 READ_SIZE = 1 << 16  # bytes of one read of a rank's output pipe (its default capacity)
+READER_JOIN = 10.0  # seconds ForkServer.close waits for its reader thread to report the ranks' exits
 
 
 class ForkServer:
@@ -333,6 +334,11 @@ class ForkServer:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(5)
+        # Its reader thread reports the ranks' exits: before this returns, so that they reach the mesh generation
+        # they belong to (a restart right after, as in `shutdown(); %mesh restart`, would take a late one for its
+        # own rank's death). Bounded: never a hang.
+        if self._reader is not threading.current_thread():
+            self._reader.join(READER_JOIN)
 
 
 atexit.register(ForkServer.shutdown_all)
