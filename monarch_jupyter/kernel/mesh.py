@@ -156,6 +156,7 @@ class Mesh:
     def stop(self) -> None:
         """Stop every rank (Shutdown, then SIGKILL after 3 s) and release the controller's socket."""
         self.lifecycle.teardown(graceful=True)
+        self.parts.releases.close()  # its watches of abandoned cells (they end with the mesh)
         registry.clear_current(self)
         self.events.emit("stopped")
         self.events.flush()

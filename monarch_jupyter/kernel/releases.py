@@ -1,7 +1,9 @@
 """A rank that raises never hangs the others: ``Releases`` tears the process group down for ranks that wait in a
 collective the raising rank will never join, as torchrun's fail-fast would end them, but keeps every namespace.
 The same holds for a rank that an interrupt of the cell stopped (the notebook's, or its timeout): the interrupt's
-waiter (waiting.py) asks ``release`` with ``interrupted`` once the grace passed with ranks still running.
+waiter (waiting.py) asks ``release`` with ``interrupted`` once the grace passed with ranks still running. A cell
+abandoned after the grace with ranks still running it is watched on (``watch``): a rank that stops it later (a
+``finally`` clause longer than the grace) releases the peers that wait for it then.
 
 While a cell has a rank that raised and others still running it, the waiting thread asks those ranks, at once and
 then every ``COLLECTIVE_CHECK`` seconds, which collectives they have issued (their I/O thread answers from torch's
@@ -15,6 +17,7 @@ is made (``renew_group``), unless a rank of the mesh is dead.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -25,17 +28,23 @@ from ..errors import MonarchError, RankAbortedError, RemoteError
 from ..ranks import plural, ranks_text
 from .cells import CellTable
 from .dispatch import Dispatcher
+from .hints import restart_hint
 from .records import CellRecord
 from .stacks import StackRequests
 from .state import MeshState, RankState
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Releases", "waiting_for", "unmatched", "failed_ranks", "COLLECTIVE_CHECK"]
+__all__ = ["Releases", "waiting_for", "unmatched", "failed_ranks", "COLLECTIVE_CHECK", "WATCH_CHECK_MAX"]
 
 COLLECTIVE_CHECK = 0.5
 """Seconds between the questions, to the ranks still running a cell that another rank of it raised in, which
 collectives they have issued (``waiting_for``)."""
+
+WATCH_CHECK_MAX = 5.0
+"""Seconds between those questions at most, about a cell abandoned after an interrupt's grace (``Releases.watch``):
+from ``COLLECTIVE_CHECK`` they double while no rank stops it (a rank that never stops is not asked about forever
+twice a second)."""
 
 
 def waiting_for(failed: dict[int, dict], running: dict[int, dict],
@@ -130,6 +139,7 @@ class Releases:
         self.regroup = regroup  # a fresh process group for every rank (recovery.Restarts.regroup)
         self._next_check: dict[int, float] = {}  # cell id -> when to ask its ranks next
         self._counts: dict[int, dict[int, dict]] = {}  # cell id -> rank -> its groups' counts at the last question
+        self._watched: dict[int, threading.Thread] = {}  # cell id -> the thread of ``watch`` (under the lock)
 
     def due(self, rec: CellRecord, now: float) -> tuple[list[int], list[int]]:
         """Under the lock: every ``COLLECTIVE_CHECK`` s while a rank of ``rec`` has raised and others still run
@@ -152,6 +162,16 @@ class Releases:
     def _forget(self, rec: CellRecord) -> None:
         self._next_check.pop(rec.cell_id, None)
         self._counts.pop(rec.cell_id, None)
+
+    def stopped(self, rec: CellRecord) -> list[int]:
+        """Under the lock: the ranks of interrupted ``rec`` whose collective numbers in it are final: they stopped
+        it (interrupted, or raised) or had ended it; not the dead, not those given up on, not those that had not
+        started it (they skip it)."""
+        self.state.assert_locked()
+        ranks = self.state.ranks
+        return sorted(r for r in rec.ranks if r in rec.finished and r not in rec.queued_on
+                      and (info := ranks.get(r)) is not None and info.state is not RankState.DEAD
+                      and (r not in rec.errors or isinstance(rec.errors[r], RemoteError)))
 
     def release(self, rec: CellRecord, failed: list[int], running: list[int], interrupted: bool = False) -> None:
         """When ranks of ``running`` wait in a collective that ranks of ``failed`` (which raised in
@@ -184,13 +204,17 @@ class Releases:
             self._counts[rec.cell_id] = counts
             failed = ([r for r in failed if r in rec.finished] if interrupted else failed_ranks(rec))
             waiting = {r: w for r, w in waiting.items() if r not in rec.finished}
-            if not waiting or not failed or rec.all_done or (rec.interrupted and not interrupted) or state.stopping:
+            if (not waiting or not failed or rec.all_done or (rec.interrupted and not interrupted) or state.stopping
+                    or rec.collective_released):  # released already (by the grace, or by ``watch``)
                 return
-            if interrupted:  # stopped by the interrupt, or ended the cell before it without that collective
-                stopped = [r for r in failed if r in rec.errors]
+            if interrupted:  # stopped by the interrupt (or raised after it), or ended the cell before it
+                stopped = [r for r in failed if getattr(rec.errors.get(r), "interrupted", False)]
+                raised = [r for r in failed if r in rec.errors and r not in stopped]
                 ended = [r for r in failed if r not in rec.errors]
                 did = " and ".join(
                     [*([f"{ranks_text(stopped)} {plural(stopped, 'were', 'was')} interrupted"] if stopped else []),
+                     *([f"{ranks_text(raised)} raised {getattr(rec.errors[raised[0]], 'ename', 'an error')}"]
+                       if raised else []),
                      *([f"{ranks_text(ended)} had ended the cell"] if ended else [])])
             else:
                 did = f"{ranks_text(failed)} raised {getattr(rec.errors[failed[0]], 'ename', 'an error')}"
@@ -244,3 +268,75 @@ class Releases:
                         f"fresh one could not be made ({e}); %mesh restart  starts a fresh mesh")
         with self.state.lock:
             self.cells.set_hint(rec, hint)
+
+    def hint_pending(self, rec: CellRecord) -> None:
+        """Under the lock: after ``release``, while a rank of ``rec`` still ran it: its error's hint says when the
+        fresh process group comes (``Restarts.renew``: before the next cell, once every rank of it stopped)."""
+        state = self.state
+        state.assert_locked()
+        dead = [r for r in state.peers(rec.ranks) if state.ranks[r].state is RankState.DEAD]
+        torn = f"{rec.collective_released}: the process group was torn down to release " + plural(
+            rec.released, "them", "it")
+        self.cells.set_hint(rec, f"{torn}; no fresh one is made while {ranks_text(dead)} "
+                                 f"{plural(dead, 'are', 'is')} dead ({restart_hint(dead, state.nproc)})" if dead
+                            else f"{torn}; a fresh one is made before the next cell, once every rank stopped "
+                                 "(every rank keeps its namespace)")
+
+    # ------------------------------------------------------------------ after the interrupt's grace
+
+    def watch(self, rec: CellRecord) -> None:
+        """After an interrupt's grace (waiting.py): ``rec`` was abandoned with ranks still running it. Go on asking,
+        on a thread of its own (``monarch-release-ID``), whether ranks that still run it wait in a collective for
+        ranks that stopped it since (``stopped``: a ``finally`` clause longer than the grace), and release them as
+        the grace would have (``release``); their group is made again before the next cell (``Restarts.renew``).
+        Asked as soon as a rank stops it, then every ``COLLECTIVE_CHECK`` s, doubling up to ``WATCH_CHECK_MAX`` s
+        while no rank stops. The thread ends with the cell (every rank stopped it or died), a release, or the
+        mesh's generation (``close`` waits for it)."""
+        state = self.state
+        with state.lock:
+            if rec.cell_id in self._watched or rec.all_done or rec.collective_released or not state.running:
+                return
+            thread = threading.Thread(target=self._watch, args=(rec, state.generation),
+                                      name=f"monarch-release-{rec.cell_id}", daemon=True)
+            self._watched[rec.cell_id] = thread
+        thread.start()
+
+    def _watch(self, rec: CellRecord, generation: int) -> None:
+        state = self.state
+        seen, interval, due = 0, COLLECTIVE_CHECK, 0.0
+        try:
+            while True:
+                with state.lock:
+                    if (rec.all_done or rec.collective_released or not state.running or state.stopping
+                            or state.generation != generation):
+                        if rec.collective_released and not rec.collective_hint:
+                            self.hint_pending(rec)  # for a handle's result() (block=False)
+                        return
+                    stopped = self.stopped(rec)
+                    running = [r for r in rec.ranks if r not in rec.finished and r not in rec.queued_on
+                               and (info := state.ranks.get(r)) is not None and info.state is not RankState.DEAD]
+                    now = time.monotonic()
+                    if len(stopped) > seen:  # a rank stopped it since the last look: ask at once
+                        seen, interval, due = len(stopped), COLLECTIVE_CHECK, now
+                    if not (stopped and running) or now < due:
+                        state.cond.wait(min(COLLECTIVE_CHECK, due - now) if now < due else COLLECTIVE_CHECK)
+                        continue
+                self.release(rec, stopped, running, interrupted=True)
+                due, interval = time.monotonic() + interval, min(2 * interval, WATCH_CHECK_MAX)
+        except Exception:  # noqa: BLE001 - a watch that fails leaves the cell as the grace did (RankBusyError)
+            log.exception("cell %d: watching the ranks that still run it failed", rec.cell_id)
+        finally:
+            with state.lock:
+                self._watched.pop(rec.cell_id, None)
+                self._forget(rec)
+
+    def close(self, timeout: float = 2.0) -> None:
+        """The mesh stopped: wait up to ``timeout`` s for the threads of ``watch`` to end (each sees the stop at its
+        next look, within ``release``'s question of 1 s at most)."""
+        self.state.assert_unlocked()
+        with self.state.lock:
+            threads = list(self._watched.values())
+        deadline = time.monotonic() + timeout
+        for thread in threads:
+            if thread.ident is not None and thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))

@@ -31,14 +31,14 @@ from .cells import CellHandle, CellTable
 from .config import check_timeout
 from .deaths import Deaths
 from .dispatch import Dispatcher, Group
-from .hints import healing_interrupted_note, healing_wait_note, restart_hint
+from .hints import healing_interrupted_note, healing_wait_note
 from .interrupts import RESEND, Interrupter
 from .output import OutputWriter, write_lines
 from .records import CellRecord
 from .recovery import Restarts, keep_state, where_interrupted
 from .releases import COLLECTIVE_CHECK, Releases, failed_ranks
 from .stacks import StackRequests, summarize
-from .state import MeshState, RankState
+from .state import MeshState
 
 log = logging.getLogger(__name__)
 
@@ -291,13 +291,9 @@ class Waiter:
             self.releases.renew_group(rec)  # a fresh process group, as after a raise
         elif rec.collective_released and not rec.collective_hint:  # Restarts.renew makes it, once they stopped
             with state.lock:
-                dead = [r for r in state.peers(rec.ranks) if state.ranks[r].state is RankState.DEAD]
-                torn = f"{rec.collective_released}: the process group was torn down to release " + plural(
-                    rec.released, "them", "it")
-                cells.set_hint(rec, f"{torn}; no fresh one is made while {ranks_text(dead)} "
-                                    f"{plural(dead, 'are', 'is')} dead ({restart_hint(dead, state.nproc)})" if dead
-                               else f"{torn}; a fresh one is made before the next cell, once every rank stopped "
-                                    "(every rank keeps its namespace)")
+                self.releases.hint_pending(rec)
+        elif stuck:  # a rank that stops later releases those that wait for it then (a long finally clause)
+            self.releases.watch(rec)
         realigned = ""
         if stuck:
             # A second interrupt ends the wait early: say how long the ranks really had.
@@ -341,11 +337,8 @@ class Waiter:
             if not still:
                 return
             targets, sent = dict.fromkeys(still, rec.cell_id), True
-            with self.state.lock:  # final for this cell: stopped by the interrupt, or ended it before
-                stopped = sorted(r for r in rec.ranks if r in rec.finished and r not in rec.queued_on
-                                 and self.state.ranks[r].state is not RankState.DEAD and (
-                                     r not in rec.errors or (isinstance(rec.errors[r], RemoteError)
-                                                             and rec.errors[r].interrupted)))
+            with self.state.lock:  # final for this cell: stopped by the interrupt (or raised), or ended it before
+                stopped = self.releases.stopped(rec)
             if stopped:  # asked at least once, however short the grace
                 self.releases.release(rec, stopped, still, interrupted=True)
             if rec.collective_released:

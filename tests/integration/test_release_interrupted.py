@@ -1,7 +1,8 @@
 """An interrupt (a blocking cell's timeout here) that stops some ranks while the others wait for them in a
 collective releases the waiters (waiting.py, releases.py), in the cases a review found left behind: on a sub-mesh
 whose mesh ranks are not its torch ranks, with released ranks that take longer than the grace to stop, with a rank
-that had ended the cell without the collective, and with a grace shorter than the check interval."""
+that had ended the cell without the collective, with a grace shorter than the check interval, and with a rank that
+stops only after the grace (a long finally clause): the cell is abandoned, then its waiters are released."""
 
 from __future__ import annotations
 
@@ -112,5 +113,47 @@ def test_a_rank_that_ended_the_cell_without_the_collective_releases_the_others_w
     assert ("rank 1 had ended the cell while ranks 0,2,3 waited for it in a collective: the process group was torn "
             "down to release them and a fresh one was made") in text, text
     assert "--force" not in text, text
+    assert healthy.run(ALL_REDUCE) == dict.fromkeys(range(WORLD), WORLD)
+    assert healthy.run("marker") == {r: r * 10 for r in range(WORLD)}
+
+
+LONG_FINALLY = textwrap.dedent("""\
+        import signal, time
+        t = torch.ones(1)
+        try:
+            if rank == 0:
+                time.sleep(600)
+            else:
+                dist.all_reduce(t)
+        finally:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            time.sleep(3)  # a clean-up longer than the grace, which an interrupt cannot cut short
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        """)
+
+
+@pytest.mark.parametrize("where", ["mesh", "sub-mesh"])
+def test_ranks_that_wait_for_a_rank_slower_than_the_grace_are_released_once_it_stops(
+        healthy: Mesh, capsys: pytest.CaptureFixture, where: str) -> None:
+    """Rank 0 (of the sub-mesh: mesh rank 2) leaves the cell only after the grace: nobody had stopped within it, so
+    the cell is abandoned with every rank still running it; once rank 0 stops, the ranks waiting for it in the
+    all_reduce are released, and the next cell runs in a fresh group, without --force."""
+    healthy.interrupt_grace = 1.0  # one interrupt: none is sent again within the grace
+    target = healthy if where == "mesh" else healthy.split([[0, 1], [2, 3]])[1]
+    slow, waiting = ("rank 0", "ranks 1-3") if where == "mesh" else ("rank 2", "rank 3")
+    with pytest.raises(MeshTimeoutError) as info:
+        target.run(LONG_FINALLY, timeout=1.0)
+    text = rendered(info.value)
+    stuck = "0-3" if where == "mesh" else "2,3"
+    assert f"%mesh interrupt --force --ranks {stuck}  stops the ranks still running" in text, text
+    wait_idle(healthy)  # before: ranks 1-3 stayed in the all_reduce until --force
+    capsys.readouterr()
+    expected = dict.fromkeys(range(WORLD), WORLD) if where == "mesh" else {0: 2, 1: 2}
+    assert target.run(ALL_REDUCE) == expected
+    err = capsys.readouterr().err
+    assert (f"the process group torn down earlier ({slow} was interrupted while {waiting} waited for it in a "
+            "collective) was made again now that its ranks stopped") in err, err
+    if where == "sub-mesh":
+        healthy.merge()
     assert healthy.run(ALL_REDUCE) == dict.fromkeys(range(WORLD), WORLD)
     assert healthy.run("marker") == {r: r * 10 for r in range(WORLD)}
