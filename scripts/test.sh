@@ -12,8 +12,8 @@ source scripts/env.sh
 mj_python
 mj_scripts_first
 # The test and notebooks extras (the main job's .venv has no test extra: pytest would run without its timeouts).
-if ! "$PY" -c "import pytest_timeout, nbval" 2>/dev/null; then
-  echo "test.sh: $PY lacks the test extra (pytest-timeout) or nbval:" \
+if ! "$PY" -c "import pytest_timeout, xdist, nbval" 2>/dev/null; then
+  echo "test.sh: $PY lacks the test extra (pytest-timeout, pytest-xdist) or nbval:" \
        "run  bash scripts/setup.sh --dev  (or  bash .ci/run) first" >&2
   exit 1
 fi
@@ -26,6 +26,11 @@ for arg in "$@"; do
 done
 # nbval's own cell timeout comes before pytest-timeout's (300 s): nbval then interrupts the kernel, so the cell
 # fails with the kernel's traceback and the notebook's later cells still run, instead of each waiting 300 s.
-exec "$PY" -m pytest -p no:cacheprovider --durations=25 --nbval --nbval-cell-timeout 240 \
-  --nbval-sanitize-with notebooks/nbval_sanitize.cfg \
+# pytest-xdist runs the test files on MJ_TEST_WORKERS processes (default 2; 0 runs them in this one), each file
+# whole on one of them (--dist loadfile: a module's mesh or kernel is started once). Most tests wait on processes
+# starting, sockets and kernels rather than compute, so 2 workers on 2 cores took the suite from 28 to 18 minutes
+# here; every test passes under CPU contention (scripts/stress.sh). `-n 0` among the arguments wins.
+workers=${MJ_TEST_WORKERS:-2}
+exec "$PY" -m pytest -p no:cacheprovider --durations=25 -n "$workers" --dist loadfile \
+  --nbval --nbval-cell-timeout 240 --nbval-sanitize-with notebooks/nbval_sanitize.cfg \
   "${targets[@]}" "$@"

@@ -91,11 +91,20 @@ def magic_shell() -> object:
 
 
 @pytest.fixture(scope="session")
-def mesh() -> Iterator[Mesh]:
-    """A 4-rank gloo mesh shared by the tests that only run code (they must leave it usable)."""
+def _shared_mesh() -> Iterator[Mesh]:
     m = Mesh(4, start_timeout=120)
     yield m
     m.stop()
+
+
+@pytest.fixture()
+def mesh(_shared_mesh: Mesh) -> Mesh:
+    """A 4-rank gloo mesh shared by the tests that only run code (they must leave it usable). Started again, with
+    fresh namespaces, when a test that ran before in this process took its ranks (the tests that kill the kernel's
+    fork server do: where they run first depends on how pytest-xdist shares the files out)."""
+    if not _shared_mesh.running or any(s["state"] == "dead" for s in _shared_mesh.status().values()):
+        _shared_mesh.restart()
+    return _shared_mesh
 
 
 @pytest.fixture(scope="session", autouse=True)
