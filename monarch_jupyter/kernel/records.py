@@ -41,7 +41,7 @@ class CellRecord:
 
     __slots__ = ("cell_id", "ranks", "what", "order", "ctx", "submitted", "tracks_failures", "background", "fold",
                  "members", "values", "has_value", "errors", "results_in", "synced", "finished", "durations",
-                 "duration_batches", "result_seen_at", "unmarked",
+                 "duration_batches", "result_seen_at", "unmarked", "torn_down",
                  "death_at", "collective_released", "released", "collective_hint", "interrupted", "abandoned",
                  "queued_on", "keep_outcome", "final", "lines", "lines_since", "lines_due", "held", "waiting", "wake",
                  "handle", "rejoin", "left")
@@ -74,6 +74,7 @@ class CellRecord:
         self.collective_released = ""  # why the process group was torn down to release its ranks (releases.py)
         self.released: dict[int, str] = {}  # rank -> the collective it was released from
         self.collective_hint = ""  # what the cell's error says about that (and the fresh group)
+        self.torn_down = ""  # why its ranks' process group was torn down while it ran (another cell's release)
         self.interrupted = False  # its ranks were sent an interrupt
         self.abandoned = False  # interrupted or timed out while some ranks still ran it
         self.queued_on: set[int] = set()  # ranks that had not started it when it was interrupted: they skip it

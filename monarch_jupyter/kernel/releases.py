@@ -222,10 +222,14 @@ class Releases:
                       f"{plural(failed, 'them', 'it') if interrupted else 'it'} in a collective")
             self.cells.mark_released(rec, reason, waiting)
             self._forget(rec)
-            state.mark_down(state.peers(rec.ranks), reason)  # its process group (split: its sub-mesh's)
-            state.unrenewed.update(state.peers(rec.ranks))  # made again by renew_group, or before the next cell
+            group = state.peers(rec.ranks)  # the cell's process group (split: its sub-mesh's)
+            state.mark_down(group, reason)
+            state.unrenewed.update(group)  # made again by renew_group, or before the next cell
+            for other in state.cells.values():  # cells of the group's other ranks (--async ones) lose it too
+                if other is not rec and not other.all_done and not set(other.ranks).isdisjoint(group):
+                    other.torn_down = reason
             alive = [info.rank for info in state.ranks.values() if info.identity is not None and info.alive
-                     and info.rank in state.peers(rec.ranks)]  # the cell's process group (split: its sub-mesh's)
+                     and info.rank in group]
         for r in alive:
             self.dispatcher.post(r, P.Abort(reason=reason))
         log.info("cell %d: %s: process group torn down to release them", rec.cell_id, reason)

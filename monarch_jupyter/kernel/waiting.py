@@ -413,7 +413,10 @@ class Waiter:
                 raise mesh_interrupt(f"interrupted {ranks_text(errors)} ({keep_state(errors)}): "
                                      f"{where_interrupted(errors)}{finished_note(results)}{hint}", results)
             errors, hint = self.deaths.fold_errors(rec, self.releases.fold_released(rec, errors))
-            hint = "; ".join(h for h in (rec.collective_hint, hint) if h)
+            torn = (f"the process group of {ranks_text(rec.ranks)} was torn down while this cell ran, to release "
+                    f"the ranks of another cell ({rec.torn_down}): a collective issued on it since then fails; a "
+                    "fresh group is made before the next cell" if rec.torn_down else "")
+            hint = "; ".join(h for h in (rec.collective_hint, torn, hint) if h)
             raise MeshError(errors, results, rec.what, hint)
         if not valued:
             return None

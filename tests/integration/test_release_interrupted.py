@@ -2,7 +2,8 @@
 collective releases the waiters (waiting.py, releases.py), in the cases a review found left behind: on a sub-mesh
 whose mesh ranks are not its torch ranks, with released ranks that take longer than the grace to stop, with a rank
 that had ended the cell without the collective, with a grace shorter than the check interval, and with a rank that
-stops only after the grace (a long finally clause): the cell is abandoned, then its waiters are released."""
+stops only after the grace (a long finally clause): the cell is abandoned, then its waiters are released; and an
+--async cell whose group such a release tore down is told why."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from monarch_jupyter import Mesh, MeshTimeoutError
+from monarch_jupyter import Mesh, MeshError, MeshTimeoutError
 
 WORLD = 4
 ALL_REDUCE = "t = torch.ones(1); dist.all_reduce(t); int(t.item())"
@@ -155,5 +156,40 @@ def test_ranks_that_wait_for_a_rank_slower_than_the_grace_are_released_once_it_s
             "collective) was made again now that its ranks stopped") in err, err
     if where == "sub-mesh":
         healthy.merge()
+    assert healthy.run(ALL_REDUCE) == dict.fromkeys(range(WORLD), WORLD)
+    assert healthy.run("marker") == {r: r * 10 for r in range(WORLD)}
+
+
+PAIR_LOOP = textwrap.dedent("""\
+        import pathlib, time
+        for i in range(1200):  # about a minute of all_reduce on the group of ranks 2 and 3 alone
+            t = torch.ones(1)
+            dist.all_reduce(t, group=g23)
+            if i == 0 and rank == 2:
+                pathlib.Path({flag!r}).write_text("in the loop")
+            time.sleep(0.05)
+        """)
+
+
+def test_an_async_cell_whose_group_another_cells_release_tore_down_is_told_why(healthy: Mesh, tmp_path) -> None:
+    """Releasing ranks 0 and 1 tears down the process groups of every rank of the mesh: an --async cell that ranks
+    2 and 3 run meanwhile on a group of their own sees its collective fail, and its error says why."""
+    healthy.run("g23 = dist.new_group([2, 3])")
+    flag = tmp_path / "flag"
+    handle = healthy.run(PAIR_LOOP.format(flag=str(flag)), ranks=[2, 3], block=False)
+    deadline = time.monotonic() + 60
+    while not flag.exists():
+        assert time.monotonic() < deadline and not handle.done(), "ranks 2 and 3 never ran their all_reduce"
+        time.sleep(0.05)
+    code = "import time\nt = torch.ones(1)\nif rank == 0:\n    time.sleep(600)\nelse:\n    dist.all_reduce(t)\n"
+    with pytest.raises(MeshTimeoutError):
+        healthy.run(code, ranks=[0, 1], timeout=1.0)
+    with pytest.raises(MeshError) as info:
+        handle.result(timeout=120)
+    text = "\n".join(info.value._render_traceback_())
+    assert ("the process group of ranks 2,3 was torn down while this cell ran, to release the ranks of another "
+            "cell") in text, text
+    assert "rank 0 was interrupted while rank 1 waited for it in a collective" in text, text
+    wait_idle(healthy)
     assert healthy.run(ALL_REDUCE) == dict.fromkeys(range(WORLD), WORLD)
     assert healthy.run("marker") == {r: r * 10 for r in range(WORLD)}
