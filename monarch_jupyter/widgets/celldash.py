@@ -8,8 +8,9 @@ what frontends without widgets, nbval and a saved notebook's plain view read; it
 
 A stable place, and few messages. Where a person watches (the request allows stdin: JupyterLab, Notebook 7, VS Code),
 the view shows nothing as the cell starts: a cell that ends within ``DEFER`` seconds gets one display, its compact
-result (a header line and the output, no table, no widget), and nothing else; a cell still running then gets the
-live widget, as its first display. When the kernel itself is about to print into the cell before that (a pdb
+result (a header line and the output, no table, no widget), and nothing else, or no display at all when it went well
+on every rank and printed, displayed and reported nothing (as a Python cell: its result is its ``Out``); a cell still
+running then gets the live widget, as its first display. When the kernel itself is about to print into the cell before that (a pdb
 prompt, a note; ``kernel.output.hold_place``), the view first shows a one-line placeholder, so what the kernel
 prints lands below it. Where nobody watches (nbval, nbconvert, papermill run with stdin off), the view is one
 display at the cell's end (a placeholder at the start only for ``--async`` cells).
@@ -201,7 +202,10 @@ class CellDashboardView(DashboardView):
             if final and not late:  # a quick cell (or nobody watches): one display of its final state
                 self._output_seen = self.output.version
                 if quick and self._clean(summary):
-                    if not self._shown:  # else the placeholder says it all: no message at all
+                    # Where a person watches, nothing: a Python cell that printed nothing shows nothing either (its
+                    # result is its Out). Where nobody does, the header records where it ran. Shown already: the
+                    # placeholder says it all, no message at all.
+                    if not self._shown and not self.live:
                         self._send(self._compact_bundle())
                 else:
                     self._send(self._final_bundle(rows, summary, compact=quick))
