@@ -12,8 +12,8 @@ result (a header line and the output, no table, no widget), and nothing else, or
 on every rank and printed, displayed and reported nothing (as a Python cell: its result is its ``Out``); a cell still
 running then gets the live widget, as its first display. When the kernel itself is about to print into the cell
 before that (a pdb prompt, a note; ``kernel.output.hold_place``), the view first shows a one-line placeholder, so
-what the kernel prints lands below it. Where nobody watches (nbval, nbconvert, papermill run with stdin off), the view is one
-display at the cell's end (a placeholder at the start only for ``--async`` cells).
+what the kernel prints lands below it. Where nobody watches (nbval, nbconvert, papermill run with stdin off), the
+view is one display at the cell's end (a placeholder at the start only for ``--async`` cells).
 
 The live widget (ipywidgets 8, no extension of ours), a ``VBox``: the dashboard (``dashboard.MeshDashboard`` or
 ``FoldedDashboard``), an HTML widget with the charts (``outputs.render_charts``), a ``Tab`` strip ("all ranks", then a
