@@ -227,9 +227,10 @@ class CellDashboardView(DashboardView):
         return time.monotonic() - self._born < self.defer
 
     def final_shown(self) -> bool:
-        """A quick cell that went well and printed nothing, under its placeholder: that is its final view."""
+        """A quick cell that went well and printed nothing: under its placeholder, that is its final view; where a
+        person watches and nothing is shown yet, nothing is (``render``), and nothing needs rendering to know it."""
         handle = self.handle
-        if not (self._shown and self.widget_made is None and self._quick() and self.output.version == 0
+        if not ((self._shown or self.live) and self.widget_made is None and self._quick() and self.output.version == 0
                 and self.monitor.metrics_version == self._metrics_born and handle is not None):
             return False
         snap = handle.snapshot()
