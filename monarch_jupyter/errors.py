@@ -40,6 +40,11 @@ class MonarchError(Exception):
     def _render_traceback_(self) -> list[str]:
         return f"{type(self).__name__}: {self}".splitlines()
 
+    def report(self) -> str:
+        """The whole report, as a notebook shows it (each rank's traceback, the hint): for a script or a log, where
+        ``str()`` is its first line only."""
+        return "\n".join(self._render_traceback_())
+
 
 class CellSyntaxError(MonarchError):
     """A ``%%mesh`` cell does not compile; raised by the magic, before anything runs on the ranks.
@@ -253,7 +258,8 @@ class MeshError(MonarchError):
     results:
         rank -> value of the cell's last expression on the ranks that finished (None where there was none).
     hint:
-        What to do next (e.g. how to bring dead ranks back), shown last.
+        What to do next (e.g. how to bring dead ranks back), shown last; also a note (PEP 678), which a script's
+        traceback prints under the message.
     not_run:
         True: nothing ran, as chosen ranks are dead (``errors`` holds their RankDiedErrors, whose last output was
         shown when they died, and is not shown again).
@@ -267,6 +273,8 @@ class MeshError(MonarchError):
         self.what = what
         self.hint = hint
         self.not_run = not_run
+        if hint:  # a script's traceback prints it under the message (PEP 678); a notebook renders it last, itself
+            self.add_note(hint)
 
     @property
     def root_cause(self) -> MonarchError:

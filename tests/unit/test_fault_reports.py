@@ -194,3 +194,15 @@ def test_an_interrupt_is_a_keyboard_interrupt_that_carries_the_finished_ranks_va
     assert e.results == {0: 3} and e._render_traceback_() == ["KeyboardInterrupt: interrupted rank 1"]
     again = pickle.loads(pickle.dumps(e))
     assert type(again) is MeshInterrupt and again.results == {0: 3} and str(again) == "interrupted rank 1"
+
+
+def test_a_scripts_traceback_and_report_carry_the_hint() -> None:
+    import traceback
+
+    e = MeshError({2: RemoteError(2, "RuntimeError", "Connection closed by peer")}, hint="a fresh group comes next")
+    printed = "".join(traceback.format_exception(e))  # what an uncaught error prints in a script
+    assert "MeshError: the cell failed on rank 2" in printed and "a fresh group comes next" in printed, printed
+    assert "a fresh group comes next" not in str(e)  # a kernel's evalue (nbval compares it) stays the first line
+    assert e.report() == "\n".join(e._render_traceback_()) and e.report().endswith("a fresh group comes next")
+    again = pickle.loads(pickle.dumps(e))
+    assert again.__notes__ == ["a fresh group comes next"]  # once, not once more per unpickling
