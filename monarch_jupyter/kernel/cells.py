@@ -328,6 +328,8 @@ class CellTable:
                 rec.unmarked.pop(rank, None)
         if rec.all_done:
             state.pending.pop(rec.cell_id, None)  # no rank runs it any more (RankInfo.cells, RankInfo.state)
+            if rec.abandoned:  # its error was told already and nobody takes its outcome from the table: it goes
+                state.cells.pop(rec.cell_id, None)
             if rec.errors and not rec.collective_released:  # torn down already when released
                 state.unaligned.update(rec.ranks)  # did a rank leave a collective in flight? (check_alignment)
         if rec.order == "rank" and rec.held:

@@ -148,6 +148,10 @@ def test_ranks_that_wait_for_a_rank_slower_than_the_grace_are_released_once_it_s
     stuck = "0-3" if where == "mesh" else "2,3"
     assert f"%mesh interrupt --force --ranks {stuck}  stops the ranks still running" in text, text
     wait_idle(healthy)  # before: ranks 1-3 stayed in the all_reduce until --force
+    deadline = time.monotonic() + 30  # every rank ended it: its record leaves the cell table (it stayed for good)
+    while healthy.state.cells:
+        assert time.monotonic() < deadline, sorted(healthy.state.cells)
+        time.sleep(0.05)
     capsys.readouterr()
     expected = dict.fromkeys(range(WORLD), WORLD) if where == "mesh" else {0: 2, 1: 2}
     assert target.run(ALL_REDUCE) == expected
