@@ -52,23 +52,16 @@ class FakeHosts:
         return [int(p) for p in out.split()]
 
     def left(self, k: int, timeout: float = 20) -> list[tuple[int, str]]:
-        """What runs on fake host ``k`` once it is empty but for the SLURM cluster's ``slurmd`` (a session fixture
-        of test_slurm.py and the Lightning tests keeps it there), waiting up to ``timeout`` seconds: (pid, command
-        line) pairs, for assertion messages."""
+        """What still runs on fake host ``k`` after waiting up to ``timeout`` seconds for it to be empty (processes
+        that were told to end take a moment to be gone): (pid, command line) pairs, for assertion messages. The
+        SLURM cluster's ``slurmd`` does not count: a session fixture of test_slurm.py and the Lightning tests keeps
+        it there, and with the files spread over pytest-xdist workers it may have started before any test here."""
         deadline = time.monotonic() + timeout
         while True:
             left = [(pid, cmd) for pid in self.pids(k) if (cmd := comm_of(pid)) and cmd.split()[0] != "slurmd"]
             if not left or time.monotonic() >= deadline:
                 return left
             time.sleep(0.1)
-
-    def wait_empty(self, k: int, timeout: float = 20) -> list[int]:
-        """Wait until nothing runs on fake host ``k`` (processes that were told to end take a moment to be gone);
-        returns what is left after ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
-        while (left := self.pids(k)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        return left
 
 
 def comm_of(pid: int) -> str:

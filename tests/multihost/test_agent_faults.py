@@ -53,13 +53,13 @@ def test_link_down_is_reported_within_the_heartbeat_window(fake_hosts: FakeHosts
         assert isinstance(err, RankDiedError) and "no heartbeat for 4 s" in str(err)
         assert took < 4 + 10  # the heartbeat window, and slack for a loaded machine; never a hang
         assert reap(procs[1:], 30) == [3]  # the agent cut off gave up on the controller, ending its ranks
-        assert not fake_hosts.wait_empty(2)
+        assert not fake_hosts.left(2)
         assert m.run("rank", ranks=0) == {0: 0}  # the rest of the mesh goes on
     finally:
         subprocess.run(["ip", "link", "set", link, "up"])
         m.stop()
         reap(procs)
-    assert not fake_hosts.wait_empty(1)
+    assert not fake_hosts.left(1)
 
 
 KERNEL = """
@@ -157,7 +157,7 @@ def test_agents_turned_away_name_the_host_and_the_fix(fake_hosts: FakeHosts, tmp
     finally:
         m.stop()
         reap(procs, 5)
-    assert not fake_hosts.wait_empty(1) and not fake_hosts.wait_empty(2)
+    assert not fake_hosts.left(1) and not fake_hosts.left(2)
 
 
 def fake_host_cmd(hosts: FakeHosts, k: int) -> list[str]:
@@ -206,7 +206,7 @@ def test_late_host_and_host_without_torch(fake_hosts: FakeHosts, tmp_path: Path)
     codes = reap(procs, 30)
     assert codes[1] == 1  # the broken host's agent said why and ended
     assert codes[0] in (0, 2)  # the good one was stopped (admitted: 0) or turned away (still waiting: 2)
-    assert not fake_hosts.wait_empty(1) and not fake_hosts.wait_empty(2)
+    assert not fake_hosts.left(1) and not fake_hosts.left(2)
 
 
 def test_a_host_agents_rank_that_dies_is_restarted_on_its_host(fake_hosts: FakeHosts, tmp_path: Path) -> None:

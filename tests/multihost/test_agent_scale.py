@@ -108,7 +108,7 @@ def test_scale_across_host_agents(fake_hosts: FakeHosts, tmp_path: Path) -> None
     finally:
         m.stop()
         reap(procs)
-    assert not fake_hosts.wait_empty(1) and not fake_hosts.wait_empty(2)
+    assert not fake_hosts.left(1) and not fake_hosts.left(2)
 
 
 def _catch(into: list[BaseException], fn: object, *args: object, **kw: object) -> None:
@@ -156,4 +156,4 @@ def test_a_host_that_comes_later_waits_and_the_next_scale_admits_it(fake_hosts: 
     finally:
         m.stop()
         assert reap(procs) == [0, 0]
-    assert not fake_hosts.wait_empty(1) and not fake_hosts.wait_empty(2)
+    assert not fake_hosts.left(1) and not fake_hosts.left(2)

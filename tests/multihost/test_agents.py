@@ -34,7 +34,7 @@ def agents(fake_hosts: FakeHosts, tmp_path_factory: pytest.TempPathFactory) -> I
     finally:
         m.stop()
         assert reap(procs) == [0, 0]  # each torchrun ends cleanly: its agent exited 0
-        assert not fake_hosts.wait_empty(1) and not fake_hosts.wait_empty(2)
+        assert not fake_hosts.left(1) and not fake_hosts.left(2)
 
 
 def test_one_agent_per_host_forks_ranks_with_torchruns_variables(agents: Mesh, fake_hosts: FakeHosts) -> None:

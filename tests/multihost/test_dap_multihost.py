@@ -46,7 +46,7 @@ def k(fake_hosts: FakeHosts, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     finally:
         kernel.close()
         reap(procs)
-    assert not fake_hosts.wait_empty(HOST, timeout=30)
+    assert not fake_hosts.left(HOST, timeout=30)
 
 
 def _breakpoints(k: DapKernel, code: str, lines: list[int]) -> str:
