@@ -98,6 +98,10 @@ class Rank:
         self._stderr_fd = -1  # a copy of fd 2, for sync markers (user code may redirect fd 2)
         self._pid = os.getpid()  # a process forked by user code (multiprocessing) must not write records
         self._record_types = P.record_types()
+        # A SIGINT for the cell that lands while its main thread writes a record is held until the record is whole
+        # (``_write_records``): raised mid-write it would cut the record, or write it twice.
+        self._writing_record = False
+        self._held_sigint = False
         self._main_signer = P.Signer(bytes.fromhex(config.secret))  # the main thread's own sender session
         self.rich: Any = None  # the display publisher (display.Publisher), set at start-up
 
@@ -126,13 +130,20 @@ class Rank:
         body = P.pack_frames(self._main_signer.pack(msg, payload, buffers))
         if limit is not None and len(body) > limit:
             return False
-        for record in P.records(body, sync):
-            view = memoryview(record)
-            while view:
-                try:
+        # on_sigint holds an interrupt of the cell meanwhile: a KeyboardInterrupt raised as os.write returns would
+        # lose how much it wrote (the record went out twice), and one swallowed here would never stop the cell.
+        self._writing_record, self._held_sigint = True, False
+        try:
+            for record in P.records(body, sync):
+                view = memoryview(record)
+                while view:
                     view = view[os.write(self._record_fd, view):]
-                except KeyboardInterrupt:
-                    continue  # a late interrupt of the cell that just ended: the record must still go out
+        finally:
+            self._writing_record = False
+        if self._held_sigint:
+            self._held_sigint = False
+            if self._in_cell:  # the cell goes on to its next line only to stop there
+                raise KeyboardInterrupt
         return True
 
     # ---- I/O thread ------------------------------------------------------------------------------------------
@@ -238,6 +249,9 @@ class Rank:
             self.debugger.sigint_pending = True
             return
         self.note_interrupt(self.current_cell)
+        if self._writing_record:  # raised once the record is whole (_write_records)
+            self._held_sigint = True
+            return
         raise KeyboardInterrupt
 
     def note_interrupt(self, cell_id: int) -> None:

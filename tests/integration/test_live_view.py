@@ -339,3 +339,31 @@ def test_worker_imports_no_notebook_packages():
             "bad = [m for m in ('IPython', 'ipywidgets', 'monarch_jupyter', 'tqdm') if m in sys.modules]\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_an_interrupt_that_lands_while_a_rank_writes_a_progress_report_stops_the_cell(mesh, tmp_path, caplog):
+    """A rank writes each report into its stdout pipe (a record) from the cell's own thread. An interrupt that lands
+    during that write is held until the report is whole, then stops the cell: it was swallowed before (the cell ran
+    on, stuck after the grace, in 10 of 10 tries), or the report went out twice ('dropped a record ... replayed').
+    Big reports (60 kB, 15 pipe writes each) sent back to back make the write where the interrupt lands."""
+    started = tmp_path / "started"
+    code = ("import pathlib\nfrom monarch_worker import progress\ni = 0\nwhile True:\n    i += 1\n"
+            "    progress(i, i, desc='d' * 60000)  # n == total: sent at once, never held back by throttling\n"
+            f"    pathlib.Path({str(started)!r} + str(rank)).touch()\n")
+    for attempt in range(3):
+        for r in (0, 1):
+            (tmp_path / f"started{r}").unlink(missing_ok=True)
+        handle = mesh.run(code, block=False)
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"started{r}").exists() for r in (0, 1)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        report = mesh.interrupt(grace=20)
+        try:
+            assert report.interrupted == [0, 1] and not report.stuck, (attempt, report.text)
+            with pytest.raises(KeyboardInterrupt):
+                handle.result(30)
+        finally:
+            if report.stuck:
+                mesh.interrupt(force=True)
+    assert mesh.run("rank") == {0: 0, 1: 1}
+    assert "dropped a record" not in caplog.text, caplog.text
