@@ -24,7 +24,8 @@ While a rank heals, cells, calls and transfers that include it wait (waiting.Wai
 dies while it heals is one more death of that rank: it is healed again, within the same limit.
 
 Threads: ``DeathQueue.put`` from the thread that saw the death (the fork server's reader, the I/O thread); the
-healing on ``monarch-heal``, which holds no lock while it waits, sends or writes.
+healing on ``monarch-heal``, which holds no lock while it waits, sends or writes. That thread is started by a death
+and ends once no death came for ``SERVE_IDLE`` seconds: a mesh that loses no rank, or has stopped, keeps none.
 """
 
 from __future__ import annotations
@@ -55,10 +56,12 @@ from .state import MeshState, RankState
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DeathQueue", "Healer", "SETTLE", "REPLAY_TIMEOUT"]
+__all__ = ["DeathQueue", "Healer", "SETTLE", "SERVE_IDLE", "REPLAY_TIMEOUT"]
 
 #: Seconds the healer waits after a death for more (two deaths at once are healed together).
 SETTLE = 0.1
+#: Seconds the healer's thread waits for another death before it ends (the next death starts a new one).
+SERVE_IDLE = 5.0
 #: Seconds one replayed item (a cell, a push, a hook) may take on the replacement before it is reported as failed.
 REPLAY_TIMEOUT = 300.0
 
@@ -72,6 +75,8 @@ class DeathQueue:
         self.cond = threading.Condition()
         self.pending: list[tuple[int, float]] = []  # (rank, time.monotonic() of the death)
         self.deaths: dict[int, collections.deque[float]] = {}  # rank -> times it died (the mesh lock guards it)
+        self.healer: weakref.ref | None = None  # the Healer, for the thread that ``put`` starts
+        self._thread: threading.Thread | None = None  # the healer's thread while deaths come (under ``cond``)
 
     def admit(self, rank: int, when: float) -> str:
         """Under the mesh lock, as ``rank`` dies by itself at ``when`` (time.monotonic()): "" when it is to be
@@ -99,12 +104,34 @@ class DeathQueue:
         with self.cond:
             self.pending.append((rank, time.monotonic()))
             self.cond.notify_all()
+            if self._thread is None and self.healer is not None:  # none runs: a mesh that loses no rank has none
+                self._thread = threading.Thread(target=_serve, args=(self.healer, self), name="monarch-heal",
+                                                daemon=True)
+                self._thread.start()
 
     def take(self, timeout: float) -> list[tuple[int, float]]:
         """The deaths queued so far, waiting up to ``timeout`` seconds for the first."""
         with self.cond:
             if not self.pending:
                 self.cond.wait(timeout)
+            taken, self.pending = self.pending, []
+            return taken
+
+    @property
+    def serving(self) -> bool:
+        """Whether the healer's thread runs now (a death started it; it ends ``SERVE_IDLE`` s after the last)."""
+        with self.cond:
+            return self._thread is not None
+
+    def next_deaths(self, idle: float) -> list[tuple[int, float]] | None:
+        """The healer's thread: the deaths queued, waiting up to ``idle`` seconds for the first; None when none
+        came: the thread ends (decided under ``cond``, so the next ``put`` starts another)."""
+        with self.cond:
+            if not self.pending:
+                self.cond.wait(idle)
+            if not self.pending:
+                self._thread = None
+                return None
             taken, self.pending = self.pending, []
             return taken
 
@@ -133,8 +160,7 @@ class Healer:
         self.replay_push = replay_push
         self.healed = 0  # ranks restarted so far
         self.last_seconds = 0.0  # seconds from the death to the replacement's Ready, last time
-        thread = threading.Thread(target=_serve, args=(weakref.ref(self), queue), name="monarch-heal", daemon=True)
-        thread.start()
+        queue.healer = weakref.ref(self)  # the queue starts the healer's thread at a death (``_serve``)
 
     # ------------------------------------------------------------------ the healer's thread
 
@@ -370,12 +396,11 @@ def _death(info: Any) -> str:
 
 
 def _serve(ref: weakref.ref, queue: DeathQueue) -> None:
-    """The healer's thread: heal what the queue holds, as long as the healer exists."""
-    while True:
-        deaths = queue.take(5.0)
+    """The healer's thread: heal the deaths the queue holds; it ends once none came for ``SERVE_IDLE`` seconds (a
+    stopped mesh keeps no thread), or with the healer."""
+    while (deaths := queue.next_deaths(SERVE_IDLE)) is not None:
         healer = ref()
         if healer is None:
             return
-        if deaths:
-            healer.heal(deaths)
+        healer.heal(deaths)
         del healer

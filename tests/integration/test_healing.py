@@ -11,6 +11,7 @@ from collections.abc import Callable
 import pytest
 
 from monarch_jupyter import Mesh, MeshError
+from monarch_jupyter.kernel.healing import SERVE_IDLE
 
 pytestmark = pytest.mark.slow
 
@@ -45,6 +46,7 @@ def notebook() -> dict:
 
 def test_a_dead_rank_is_restarted_and_gets_back_what_the_notebook_sent(capfd: pytest.CaptureFixture) -> None:
     with Mesh(2, on_rank_death="restart", start_timeout=WAIT) as m:
+        assert not m.parts.healer.queue.serving  # a mesh that lost no rank keeps no healer's thread
         m.push(x=41)
         m.scatter("part", list(range(4)))
         m.run("import os\ny = 5", replay=True)
@@ -59,6 +61,8 @@ def test_a_dead_rank_is_restarted_and_gets_back_what_the_notebook_sent(capfd: py
         assert got[1][6] != old[1]
         assert m.run("t = torch.ones(1) * (rank + 1); dist.all_reduce(t); t.item()") == {0: 3.0, 1: 3.0}
         assert m.state.group_status().startswith("up")
+    # The healer's thread ends once no death came for SERVE_IDLE seconds (a stopped mesh keeps no thread).
+    wait_for("the healer's thread to end", lambda: not m.parts.healer.queue.serving, SERVE_IDLE + WAIT)
     err = capfd.readouterr().err
     assert "rank 1 died (signal SIGKILL) and was restarted (on_rank_death=restart)" in err
     assert "got back 2 pushed values, 1 notebook definition, 1 replayed cell and 1 on_rejoin hook" in err
