@@ -281,6 +281,11 @@ class Waiter:
 
         self._until_stopped_or_released(rec, running, grace, left, wait_slice)
         with state.lock:
+            # What the ranks wrote before they stopped, written here, inside the cell, ahead of its error (queued
+            # to the writer it would come after the cell ended, in the next one's output)
+            lines = cells.pop_lines(rec)
+        write_lines(lines, rec.ctx)
+        with state.lock:
             still = cells.abandon(rec)  # nobody waits for it now: later cells must not queue behind it
             stuck = [r for r in still if r not in queued]
             skipped = [r for r in still if r in queued]
