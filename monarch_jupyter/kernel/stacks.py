@@ -16,12 +16,14 @@ ranks skipped or added a collective.
 
 from __future__ import annotations
 
+import os
 import re
 import sysconfig
 import time
 from collections.abc import Iterable
 from typing import Any
 
+import monarch_worker
 from monarch_worker import protocol as P
 
 from ..ranks import parse_ranks, ranks_text
@@ -35,6 +37,10 @@ Frame = tuple  # (filename, lineno, function, source line[, source of the runnin
 
 _LIBRARY_DIRS = tuple({p for k in ("stdlib", "platstdlib", "purelib", "platlib")
                        if (p := sysconfig.get_paths().get(k))})
+# The rank runtime's own files (progress(), display, records) are not the user's code, wherever it is installed (an
+# editable install has them outside site-packages): a rank interrupted while it sends a report stopped "at the cell
+# line that called progress", not "at worker/protocol.py:94 in _digest".
+_RUNTIME_DIR = os.path.dirname(os.path.abspath(monarch_worker.__file__)) + os.sep
 _CALL = re.compile(r"([A-Za-z_][\w.]*)\s*\(")
 _KEYWORDS = {"if", "while", "for", "return", "assert", "not", "and", "or", "in", "with", "elif", "yield", "await",
              "lambda", "del", "raise"}
@@ -42,11 +48,13 @@ _KEYWORDS = {"if", "while", "for", "return", "assert", "not", "and", "or", "in",
 
 def _is_library(filename: str) -> bool:
     return ("site-packages" in filename or "dist-packages" in filename or filename.startswith(_LIBRARY_DIRS)
-            or filename.startswith("<frozen "))
+            or filename.startswith(("<frozen ", _RUNTIME_DIR)))
 
 
 def _short(filename: str) -> str:
     """A library path from its package on (".../site-packages/torch/x.py" -> "torch/x.py")."""
+    if filename.startswith(_RUNTIME_DIR):
+        return "monarch_worker/" + filename[len(_RUNTIME_DIR):]
     for marker in ("site-packages/", "dist-packages/"):
         if marker in filename:
             return filename.split(marker, 1)[1]
@@ -93,7 +101,8 @@ def summarize(frames: list[Frame]) -> str:
         # The innermost public function below the user's frame: not a wrapper's or a private helper's name (torch's
         # c10d logger runs _get_msg_dict while a collective's error unwinds, its frame gone), else the line's call.
         below = frames[frames.index(anchor) + 1:]
-        named = [f for f in below if not str(f[2]).startswith(("_", "<")) and f[2] != "wrapper"]
+        named = [f for f in below if not str(f[2]).startswith(("_", "<")) and f[2] != "wrapper"
+                 and not str(f[0]).startswith(_RUNTIME_DIR)]  # progress()'s helpers: the call on the line says more
         running = str(anchor[4]) if len(anchor) > 4 else ""
         what = named[-1][2] if named else _called(running) or _called(str(anchor[3])) or innermost[2]
     return f"{what} at {where(anchor, cell)}"

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import sys
 import threading
 import time
 
+import monarch_worker.live
 from monarch_jupyter.errors import (
     MeshError,
     MeshTimeoutError,
@@ -43,6 +45,16 @@ def test_summaries_name_the_function_and_the_cell_line() -> None:
     # A collective's error unwinding through torch's c10d logger: the helper it runs is not what the rank does.
     unwinding = [*IN_CELL[:2], (LOGGER, 96, "_get_msg_dict", "msg_dict = {")]
     assert summarize(unwinding) == "dist.all_reduce at cell line 4"
+    # Interrupted while it sends a progress report: the cell's call, not the rank runtime's own frames (an editable
+    # install has them outside site-packages; helper-58 saw "digest at .../worker/protocol.py:94 in _digest").
+    runtime = os.path.dirname(monarch_worker.live.__file__)
+    reporting = [("<mesh In[7]>", 5, "<module>", "progress(i, n, loss=loss)"),
+                 (f"{runtime}/live.py", 150, "_report", "_send(msg)"),
+                 (f"{runtime}/runtime.py", 130, "send", "self._write_records(msg, payload, buffers)"),
+                 (f"{runtime}/protocol.py", 94, "_digest", "return hmac.digest(self._key, data, 'sha256')")]
+    assert summarize(reporting) == "progress at cell line 5"
+    assert StackReport([0], {0: P.Stacks(1, 5, reporting, "running")}, {}).text.splitlines()[-1] == (
+        "    monarch_worker/protocol.py:94 in _digest: return hmac.digest(self._key, data, 'sha256')")
 
 
 def test_report_groups_identical_stacks() -> None:
