@@ -144,7 +144,7 @@ def _report(n: float, total: float | None, desc: str, postfix: str, *, final: bo
                          metrics=metrics)
         if not (final or first) and now - _last_sent < MIN_INTERVAL:
             _pending = msg
-            if _timer is None:
+            if _timer is None or not _timer.is_alive():  # not alive: an interrupt landed before it started
                 _timer = threading.Timer(MIN_INTERVAL - (now - _last_sent), _send_held)
                 _timer.name, _timer.daemon = "monarch-progress", True
                 _timer.start()

@@ -70,3 +70,24 @@ live.flush()  # the runtime's end of cell
 time.sleep(0.3)  # past the interval: the timer finds nothing left to send
 """)
     assert [n for n, _, _, _ in sent] == [1.0, 2.0]
+
+
+def test_an_interrupt_that_lands_as_the_timer_starts_leaves_later_reports_flowing() -> None:
+    """The cell's interrupt can land after the timer of a held-back report was made but before it started: every
+    later report held back waited for the end of the cell then, in every later cell too (helper-58, by reading)."""
+    sent = _run("""
+live.MIN_INTERVAL = 1.0
+start = threading.Timer.start
+def interrupted(self):
+    threading.Timer.start = start
+    raise KeyboardInterrupt
+threading.Timer.start = interrupted
+live.progress(1, 10)
+try:
+    live.progress(2, 10)  # held back: its timer is made, and the interrupt lands as it starts
+except KeyboardInterrupt:
+    pass
+live.progress(3, 10)  # held back too (within the interval): its timer sends it
+wait_for(2)
+""")
+    assert [n for n, _, _, _ in sent] == [1.0, 3.0]
