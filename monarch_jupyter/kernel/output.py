@@ -18,7 +18,6 @@ in the order they would have been written, instead of to sys.stdout / sys.stderr
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import heapq
 import logging
@@ -26,7 +25,7 @@ import signal
 import sys
 import threading
 from collections import Counter, deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from itertools import groupby, repeat
 from operator import itemgetter
 from typing import Any
@@ -36,8 +35,9 @@ from monarch_worker.streams import StreamSplitter, temp_file_sink
 from ..ranks import format_ranks
 from .records import Who
 
-__all__ = ["StreamSplitter", "temp_file_sink", "label", "write_lines", "fold_lines", "one_per_line", "OutputWriter",
-           "FOLD_WINDOW", "LINE_BATCH", "MESSAGE_LIMIT", "OUTPUT_SINK", "OutputSink", "PLACE_HOLDER", "hold_place"]
+__all__ = ["StreamSplitter", "temp_file_sink", "label", "write_lines", "InterruptGuard", "fold_lines", "one_per_line",
+           "OutputWriter", "FOLD_WINDOW", "LINE_BATCH", "MESSAGE_LIMIT", "OUTPUT_SINK", "OutputSink", "PLACE_HOLDER",
+           "hold_place"]
 
 log = logging.getLogger(__name__)
 
@@ -167,38 +167,56 @@ def write_lines(lines: Sequence[tuple[Who, str, Any]], ctx: contextvars.Context 
     """
     if not lines:
         return
-    with interrupts_after_writing():
-        if ctx is None:
-            _write_here(lines)
-        else:  # a copy (O(1)): the cell's own context may be entered in another thread (its waiter, writing too),
-            ctx.copy().run(_write_here, lines)  # and Context.run refuses that; writing only reads its variables
+    if ctx is None:
+        _write_here(lines)
+    else:  # a copy (O(1)): the cell's own context may be entered in another thread (its waiter, writing too), and
+        ctx.copy().run(_write_here, lines)  # Context.run refuses that; writing only reads its variables
 
 
-@contextlib.contextmanager
-def interrupts_after_writing() -> Iterator[None]:
-    """In the main thread: a SIGINT (the notebook's interrupt) that comes while a batch of lines is written raises
-    its KeyboardInterrupt once the batch is written. Raised in the middle, it dropped the rest of the batch, which
-    its waiter had already taken: thousands of lines of a flood, in 18 of 26 interrupts (helper-58). A second
-    SIGINT meanwhile raises at once (a write that blocks, on a stuck terminal, can still be cut short). Other
-    threads get no SIGINT: nothing changes there."""
-    previous = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
-    if not callable(previous):  # another thread, or SIGINT ignored or left to the OS: nothing to hold
-        yield
-        return
-    held: list[int] = []
+class InterruptGuard:
+    """For the thread that waits for a cell and writes its lines (waiting.Waiter.wait): ``write`` is
+    ``write_lines``, except that in the main thread a SIGINT (the notebook's interrupt) that comes while a batch
+    is written raises its KeyboardInterrupt once the batch is written. Raised in the middle, it dropped the rest of
+    the batch, which the waiter had already taken: thousands of lines of a flood, in 18 of 26 interrupts
+    (helper-58). A second SIGINT meanwhile raises at once (a write that blocks, on a stuck terminal, can still be
+    cut short); between batches a SIGINT raises at once, as before. The handler goes in at the first batch and
+    ``close`` puts the previous one back: one pair of ``sigaction`` calls for a cell that prints, none for one that
+    does not. Other threads get no SIGINT: nothing changes there."""
 
-    def hold(signum: int, frame: Any) -> None:
-        if held:
-            previous(signum, frame)
-        held.append(signum)
+    def __init__(self) -> None:
+        self._previous: Any = None  # the SIGINT handler this one stands in front of (None: not installed)
+        self._writing = False
+        self._held = False
 
-    signal.signal(signal.SIGINT, hold)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if held:
-        previous(signal.SIGINT, None)
+    def write(self, lines: Sequence[tuple[Who, str, Any]], ctx: contextvars.Context | None = None) -> None:
+        """``write_lines(lines, ctx)``; KeyboardInterrupt once written when a SIGINT came meanwhile."""
+        if not lines:
+            return
+        if self._previous is None and threading.current_thread() is threading.main_thread():
+            previous = signal.getsignal(signal.SIGINT)
+            if callable(previous):  # else SIGINT is ignored or left to the OS: nothing to hold
+                signal.signal(signal.SIGINT, self._on_sigint)
+                self._previous = previous
+        self._writing = True
+        try:
+            write_lines(lines, ctx)
+        finally:
+            self._writing = False
+        if self._held:
+            self._held = False
+            self._previous(signal.SIGINT, None)
+
+    def close(self) -> None:
+        """Put the previous SIGINT handler back (the thread that wrote; again: nothing)."""
+        previous, self._previous = self._previous, None
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        if self._writing and not self._held:
+            self._held = True
+            return
+        self._previous(signum, frame)
 
 
 def _write_here(lines: Sequence[tuple[Who, str, Any]]) -> None:

@@ -33,7 +33,7 @@ from .deaths import Deaths
 from .dispatch import Dispatcher, Group
 from .hints import healing_interrupted_note, healing_wait_note
 from .interrupts import RESEND, Interrupter
-from .output import OutputWriter, write_lines
+from .output import InterruptGuard, OutputWriter, write_lines
 from .records import CellRecord
 from .recovery import Restarts, keep_state, where_interrupted
 from .releases import COLLECTIVE_CHECK, Releases, failed_ranks
@@ -190,6 +190,7 @@ class Waiter:
         state, cells = self.state, self.cells
         deadline = None if timeout is None else time.monotonic() + timeout
         note_at: float | None = time.monotonic() + QUEUE_NOTE_AFTER
+        guard = InterruptGuard()  # an interrupt never cuts a batch of lines short
         try:
             self.claim(rec)
             while True:
@@ -206,7 +207,7 @@ class Waiter:
                                   if cells.queued_behind(rec, r, background=False)]
                 # In the submitter's context: a handle's result() called from a later cell (an --async cell's)
                 # writes the lines into the cell that ran it (its view), not into the cell that waits.
-                write_lines(lines, rec.ctx)
+                guard.write(lines, rec.ctx)
                 if behind:  # an --async cell (block=False) still runs there: say why nothing happens
                     sys.stderr.write(f"note: {ranks_text(behind)} still {plural(behind, 'run', 'runs')} an earlier "
                                      f"cell (sent with block=False or --async); {rec.what} starts there when it "
@@ -228,8 +229,10 @@ class Waiter:
                         self._on_timeout(rec, timeout or 0.0)
                     return False
         except KeyboardInterrupt:
+            guard.close()
             raise self.interrupted(rec) from None
         finally:
+            guard.close()
             with state.lock:
                 cells.set_waiting(rec, False)
 
