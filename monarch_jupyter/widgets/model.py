@@ -284,6 +284,7 @@ class MeshMonitor:
                 if c.state not in FINAL_STATES:
                     c.state, c.ended, c.error = state, now, why
             info.state = state
+            info.rss = info.cuda_allocated = info.cuda_reserved = 0  # its last heartbeat's: that memory is free now
         elif state in ("breakpoint", "running"):  # the debugger stopped or resumed the rank's current cell
             for c in info.cells.values():  # none when the resume came after the cell's result: nothing to change
                 if c.state in ("running", "breakpoint"):

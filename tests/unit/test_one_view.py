@@ -14,6 +14,7 @@ from monarch_jupyter.kernel.output import OUTPUT_SINK, write_lines
 from monarch_jupyter.widgets import model
 from monarch_jupyter.widgets.outputs import render_charts, render_failure, render_items
 from monarch_jupyter.widgets.record import CellOutput
+from monarch_jupyter.widgets.text import fmt_memory, table_text
 
 
 class Rich:
@@ -269,3 +270,14 @@ def test_a_rank_a_scale_stopped_leaves_the_view_even_when_its_exit_comes_after_t
     mesh.nproc = 3  # and a rank a grow starts shows up from the "resized" event
     mon.on_event("resized", {"before": 2, "after": 3, "started": [2], "stopped": []})
     assert [r.rank for r in mon.snapshot()[0]] == [0, 1, 2]
+
+
+def test_a_dead_rank_shows_no_memory() -> None:
+    """Its last heartbeat's memory is not held by anything once it died (helper-59: '1  dead ... 164 MiB')."""
+    mon = model.MeshMonitor(_IdleMesh(2))
+    for r in (0, 1):
+        mon.on_event("heartbeat", {"rank": r, "rss": 164 << 20, "cuda_allocated": 1 << 30, "cuda_reserved": 2 << 30})
+    mon.on_event("rank_state", {"rank": 1, "state": "dead", "returncode": 3})
+    rows, _ = mon.snapshot()
+    assert [fmt_memory(row) for row in rows] == ["164 MiB · cuda 1.0 GiB/2.0 GiB", ""]
+    assert table_text(rows)[2].split()[:2] == ["1", "dead"] and "exit code 3" in table_text(rows)[3]
