@@ -201,6 +201,14 @@ class TextLiveView(LiveView):
 
     def _write(self, line: str) -> None:
         stream = self.stream or sys.stderr
+        if stream is sys.stderr:
+            # The ranks' lines written to stdout before this one go out first: a kernel sends each stream on its
+            # own (ipykernel's OutStream holds stdout up to 0.2 s), and this line was flushed at once, so an
+            # interrupted cell's summary came above the last lines of its ranks (helper-59: 2 of 3 interrupts).
+            try:
+                sys.stdout.flush()
+            except (OSError, ValueError):  # closed or broken: what it held is gone either way
+                pass
         stream.write(line + "\n")
         stream.flush()
 

@@ -234,3 +234,34 @@ def test_a_self_healing_mesh_in_the_notebook(kernel: tuple[KernelManager, Any]) 
     assert values[0][:3] == values[1][:3] == (42, 2, 2.0)
     assert values[1][3] not in old and values[0][3] in old
     assert "note: rank 1 died (signal SIGKILL) and was restarted (on_rank_death=restart)" in r.stderr, r.stderr
+
+
+def test_the_text_views_summary_of_an_interrupted_cell_comes_after_its_ranks_lines(
+        kernel: tuple[KernelManager, Any]) -> None:
+    """The text view's lines go to stderr at once; the ranks' lines to stdout, which ipykernel sends up to 0.2 s
+    later: an interrupted cell's '[mesh] ranks 0,1: error ...' came above its ranks' last lines (helper-59, 2 of 3
+    interrupts). The view flushes stdout first."""
+    km, kc = kernel
+    start_mesh(kc)
+    assert execute(kc, "%config MeshMagics.live_view = 'text'").status == "ok"
+    for attempt in range(3):
+        msg_id = kc.execute("%%mesh\nimport time\nfor i in range(10**6):\n    print(f'i={i}', flush=True)\n"
+                            "    time.sleep(0.05)\n", stop_on_error=False)
+        order: list[tuple[str, str]] = []
+        interrupted = False
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            msg = kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+                break
+            if msg["msg_type"] == "stream":
+                order += [(msg["content"]["name"], line) for line in msg["content"]["text"].splitlines()]
+                if not interrupted and len(order) >= 20:  # the ranks print: interrupt while they do
+                    km.interrupt_kernel()
+                    interrupted = True
+        lines = [line for _, line in order]
+        ranks = [k for k, line in enumerate(lines) if line.startswith("[rank")]
+        summary = [k for k, line in enumerate(lines) if line.startswith("[mesh] ranks 0,1: error")]
+        assert ranks and summary and summary[-1] > ranks[-1], (attempt, lines[-8:])
