@@ -48,6 +48,8 @@ class Reply:
                               if m["msg_type"] == "stream" and m["content"]["name"] == "stdout")
         self.stderr = "".join(m["content"]["text"] for m in msgs
                               if m["msg_type"] == "stream" and m["content"]["name"] == "stderr")
+        self.lines = [line for m in msgs if m["msg_type"] == "stream"  # both streams' lines, in the order sent
+                      for line in m["content"]["text"].splitlines()]
         self.results = [m["content"]["data"]["text/plain"] for m in msgs if m["msg_type"] == "execute_result"]
         errors = [m["content"] for m in msgs if m["msg_type"] == "error"]
         self.ename = errors[0]["ename"] if errors else ""
@@ -245,23 +247,15 @@ def test_the_text_views_summary_of_an_interrupted_cell_comes_after_its_ranks_lin
     start_mesh(kc)
     assert execute(kc, "%config MeshMagics.live_view = 'text'").status == "ok"
     for attempt in range(3):
-        msg_id = kc.execute("%%mesh\nimport time\nfor i in range(10**6):\n    print(f'i={i}', flush=True)\n"
-                            "    time.sleep(0.05)\n", stop_on_error=False)
-        order: list[tuple[str, str]] = []
-        interrupted = False
-        deadline = time.monotonic() + TIMEOUT
-        while True:
-            msg = kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
-            if msg["parent_header"].get("msg_id") != msg_id:
-                continue
-            if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-                break
-            if msg["msg_type"] == "stream":
-                order += [(msg["content"]["name"], line) for line in msg["content"]["text"].splitlines()]
-                if not interrupted and len(order) >= 20:  # the ranks print: interrupt while they do
-                    km.interrupt_kernel()
-                    interrupted = True
-        lines = [line for _, line in order]
+        seen: list[str] = []
+
+        def interrupt_while_printing(text: str, seen: list[str] = seen) -> None:
+            seen.append(text)
+            if len(seen) == 20:  # the ranks print: interrupt while they do
+                km.interrupt_kernel()
+
+        lines = execute(kc, "%%mesh\nimport time\nfor i in range(10**6):\n    print(f'i={i}', flush=True)\n"
+                            "    time.sleep(0.05)\n", on_stream=interrupt_while_printing).lines
         ranks = [k for k, line in enumerate(lines) if line.startswith("[rank")]
         summary = [k for k, line in enumerate(lines) if line.startswith("[mesh] ranks 0,1: error")]
         assert ranks and summary and summary[-1] > ranks[-1], (attempt, lines[-8:])
