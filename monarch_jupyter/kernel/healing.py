@@ -11,6 +11,9 @@ that died (several deaths close together are healed at once):
    decision is taken before anything reports the death, so no report says "restarted" of a rank given up);
 2. waits until the survivors have stopped the cells that failed (``interrupt_grace`` plus a second at most);
 3. starts a fresh process for it through the launcher that started it (the local fork server, or its host agent);
+   while another rank of its group stays dead (given up in 1.), the replacement starts without a process group
+   and gets back what the notebook had sent: cells that use no collective run on it, and  %mesh restart --rank R
+   of the dead rank makes the group of every rank;
 4. when no survivor runs a cell: makes a fresh process group of every rank (recovery.Restarts.regroup, as
    ``%mesh restart --rank R``), then sends the replacement what the notebook had sent (history.py); on a split
    mesh (submesh.py) only the dead rank's sub-mesh regroups: its replacement starts without a group, then joins
@@ -206,9 +209,14 @@ class Healer:
             group = state.peers(ranks) if state.partition else None  # split: only the dead ranks' sub-meshes
             alone = any(i.cells for i in state.ranks.values()
                         if i.rank not in ranks and (group is None or i.rank in group))
+            # Ranks given up earlier (past restart_limit) stay dead: no group can be made with them until the user
+            # restarts them, so the replacements start without one (a cell then waited forever for a regroup).
+            blocked = [i.rank for i in state.ranks.values() if i.state is RankState.DEAD
+                       and i.rank not in state.healing and (group is None or i.rank in group)]
+            before = {r: state.ranks[r] for r in ranks}
         deadline = time.monotonic() + state.options.start_timeout
         try:
-            if alone:
+            if alone or blocked:
                 self.start_alone(ranks, deadline)
             elif group is not None:  # the replacement starts alone, then its sub-mesh regroups (the others run on)
                 self.start_alone(ranks, deadline)
@@ -216,9 +224,9 @@ class Healer:
             else:
                 self.restarts.regroup(ranks, deadline)
         except MonarchError as e:
-            with state.lock:
-                again = [r for r in ranks if state.ranks[r].state is RankState.DEAD]
-            if not again:  # its replacement failed to join: nobody else reports it
+            with state.lock:  # a replacement that died is queued again; one never started is given up here
+                again = [r for r in ranks if state.ranks[r].state is RankState.DEAD and state.ranks[r] is not before[r]]
+            if not again:  # its replacement failed to join, or none was started: nobody else reports it
                 self._give_up(ranks, heal_failed_note(ranks, str(e), state.nproc))
             return  # a replacement that died is queued again: healed within the same limit
         self.last_seconds = time.monotonic() - first
@@ -227,16 +235,16 @@ class Healer:
         with state.lock:
             if any(state.ranks[r].state is RankState.DEAD for r in ranks):
                 return  # it died while it got back what it had: that death is healed next, within the limit
-            if not alone:
+            if not alone or blocked:
                 state.healing -= set(ranks)
                 state.cond.notify_all()
         self.healed += len(ranks)
-        note = healed_note(ranks, why_dead, self.last_seconds, sent, rejoined, not alone)
+        note = healed_note(ranks, why_dead, self.last_seconds, sent, rejoined, not alone, blocked)
         with state.lock:
             state.healed_note = note
         self._say(note, ranks)
         state.events.emit("healed", ranks=ranks, seconds=self.last_seconds, rejoined=rejoined)
-        if alone:
+        if alone and not blocked:
             self.regroup_when_idle(ranks, group)
 
     def _give_up(self, ranks: list[int], text: str) -> None:

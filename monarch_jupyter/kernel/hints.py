@@ -106,14 +106,21 @@ def stuck_message(stuck: list[int], grace: float, where: str) -> str:
 # ---------------------------------------------------------------------------------------------------- self-healing
 
 
-def healed_note(ranks: list[int], why: str, seconds: float, sent: str, rejoined: list[str], grouped: bool) -> str:
+def healed_note(ranks: list[int], why: str, seconds: float, sent: str, rejoined: list[str], grouped: bool,
+                blocked: list[int] | None = None) -> str:
     """The one line the notebook gets when ``ranks`` died (``why``) and were restarted (on_rank_death="restart")
     within ``seconds``; ``sent``: what they got back; ``rejoined``: the cells they rejoined; ``grouped``: they are
-    in the process group already (else once those cells end)."""
+    in the process group already (else once those cells end); ``blocked``: ranks that stay dead, so no group was
+    made."""
     them = plural(ranks, "they", "it")
-    group = ("joined a fresh process group with the others" if grouped
-             else f"{plural(ranks, 'join', 'joins')} a fresh process group with the others when "
-                  f"{'those cells end' if len(rejoined) > 1 else 'that cell ends'}")
+    if blocked:
+        group = (f"{plural(ranks, 'are', 'is')} in no process group, as {ranks_text(blocked)} "
+                 f"{plural(blocked, 'stay', 'stays')} dead (collectives fail until  %mesh restart --rank "
+                 f"{format_ranks(blocked)}  makes a group of every rank)")
+    else:
+        group = ("joined a fresh process group with the others" if grouped
+                 else f"{plural(ranks, 'join', 'joins')} a fresh process group with the others when "
+                      f"{'those cells end' if len(rejoined) > 1 else 'that cell ends'}")
     text = (f"{ranks_text(ranks)} died ({why}) and {plural(ranks, 'were', 'was')} restarted (on_rank_death=restart) "
             f"in {seconds:.1f} s: {them} {group}" + (f"; got back {sent}" if sent else ""))
     if rejoined:
@@ -165,6 +172,13 @@ def healing_interrupted_note(ranks: list[int], what: str) -> str:
     return (f"interrupted while {what} waited for {ranks_text(ranks)} to be restarted (on_rank_death=restart): it "
             "did not run. The restart goes on (%mesh status shows it); run the cell again to wait for it, or leave "
             f"{plural(ranks, 'those ranks', 'that rank')} out (--ranks)")
+
+
+def healing_timeout_note(ranks: list[int], what: str, timeout: float) -> str:
+    """``what`` waited ``timeout`` seconds for ``ranks`` to be restarted, in vain (nothing was sent)."""
+    return (f"{what} did not run: {ranks_text(ranks)} {plural(ranks, 'were', 'was')} still being restarted "
+            f"(on_rank_death=restart) after its timeout of {timeout:g} s. %mesh status shows the restart; run the cell "
+            f"again to wait for it, or leave {plural(ranks, 'those ranks', 'that rank')} out (--ranks)")
 
 
 def lighthouse_note(pid: int, returncode: int | None, address: str, error: str) -> str:

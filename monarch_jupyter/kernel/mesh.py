@@ -210,7 +210,8 @@ class Mesh:
         ranks:
             Rank selection: None/"all", an int, a list, or a spec like "0,2", "1-3", "::2".
         timeout:
-            Seconds before the cell is interrupted and reported with each rank's stack (default: the mesh's).
+            Seconds before the cell is interrupted and reported with each rank's stack (default: the mesh's); a
+            cell that waits for a rank's restart (on_rank_death="restart") waits that long at most before it is sent.
         block:
             False returns a CellHandle at once (``done()``, ``wait(timeout)``, ``result()``).
         namespace:
@@ -254,7 +255,8 @@ class Mesh:
         refs, sources = notebook_refs(code, namespace, compiled) if namespace is not None else ({}, {})
         payload, buffers = dumps(refs) if refs else (b"", [])
         handle = self.waiter.submit(cell_id, [(chosen, P.Exec(cell_id, code, filename, sources), payload, buffers)],
-                                    "the cell", order, waited=block, rejoin=rejoin)
+                                    "the cell", order, waited=block, rejoin=rejoin,
+                                    timeout=timeout)
         self.parts.history.cell(code, filename, sources, refs, chosen, replay)
         try:
             return self._finish(handle, timeout, block)
@@ -277,7 +279,8 @@ class Mesh:
         cell_id = next(self.state.ids)
         payload, buffers = dumps((fn, args, kwargs))
         handle = self.waiter.submit(cell_id, [(chosen, P.Call(cell_id, sources_of([fn])), payload, buffers)],
-                                    f"call of {getattr(fn, '__qualname__', fn)!s}")
+                                    f"call of {getattr(fn, '__qualname__', fn)!s}",
+                                    timeout=timeout)
         return self._finish(handle, timeout, block)
 
     def run_script(self, path: Any, *args: Any, module: bool = False, ranks: str | int | Iterable[int] | None = None,

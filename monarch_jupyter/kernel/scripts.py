@@ -98,6 +98,6 @@ def run_script(state: MeshState, waiter: Waiter, target: str | os.PathLike, args
     cell_id = next(state.ids)
     payload, buffers = dumps((fn, args, kwargs))
     what = f"the {'module' if module else 'script'} {os.fspath(target)}"
-    handle = waiter.submit(cell_id, [(chosen, P.Call(cell_id, {}), payload, buffers)], what, order)
+    handle = waiter.submit(cell_id, [(chosen, P.Call(cell_id, {}), payload, buffers)], what, order, timeout=timeout)
     result = waiter.result(handle.record, timeout if timeout is not None else (state.options.timeout or None))
     return result if result is not None else RankMap(dict.fromkeys(chosen, 0))

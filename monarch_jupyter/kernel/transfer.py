@@ -71,8 +71,9 @@ class Transfers:
         self.agent_held = agent_held  # a host agent holds the rank (launch/hosts.py): one copy per host
         self.record = record  # what was bound where, for replacements (history.History.pushed)
 
-    def _submit(self, per_rank: Mapping[int, tuple[P.Message, bytes, list]], cell_id: int, what: str) -> CellHandle:
-        return self.waiter.submit(cell_id, _grouped(per_rank), what)
+    def _submit(self, per_rank: Mapping[int, tuple[P.Message, bytes, list]], cell_id: int, what: str,
+                timeout: float | None) -> CellHandle:
+        return self.waiter.submit(cell_id, _grouped(per_rank), what, timeout=timeout)
 
     def _wait(self, handle: CellHandle, timeout: float | None) -> RankMap | None:
         try:
@@ -190,7 +191,7 @@ class Transfers:
         cell_id = next(self.state.ids)
         per_rank = {r: (P.Push(cell_id, items[r], device), payloads[r], frames[r]) for r in chosen}
         try:
-            handle = self._submit(per_rank, cell_id, what)
+            handle = self._submit(per_rank, cell_id, what, timeout)
         except BaseException:
             self.segments.give_back(lent)
             raise
@@ -212,7 +213,7 @@ class Transfers:
                 its, frs, data = repack(r)
                 resend[r] = (P.Push(cell_id, its, device), data, frs)
             try:
-                self._wait(self._submit(resend, cell_id, what), timeout)
+                self._wait(self._submit(resend, cell_id, what, timeout), timeout)
             except MeshError as e2:
                 others.update(e2.errors)
             if others:
@@ -230,7 +231,7 @@ class Transfers:
         cell_id = next(self.state.ids)
         per_rank: dict[int, tuple[P.Message, bytes, list]] = {
             r: (P.Pull(cell_id, name, shm=ok), b"", []) for r, ok in use_shm.items()}
-        handle = self._submit(per_rank, cell_id, what)
+        handle = self._submit(per_rank, cell_id, what, timeout)
         try:
             # The values must live only as long as the caller keeps them (they may be views of a rank's memory):
             # the mesh keeps its last handle (for late output), so the handle forgets them.

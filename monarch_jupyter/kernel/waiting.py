@@ -31,7 +31,7 @@ from .cells import CellHandle, CellTable
 from .config import check_timeout
 from .deaths import Deaths
 from .dispatch import Dispatcher, Group
-from .hints import healing_interrupted_note, healing_wait_note
+from .hints import healing_interrupted_note, healing_timeout_note, healing_wait_note
 from .interrupts import RESEND, Interrupter
 from .output import InterruptGuard, OutputWriter, write_lines
 from .records import CellRecord
@@ -82,25 +82,29 @@ class Waiter:
         self.prompts = prompts
 
     def submit(self, cell_id: int, groups: Sequence[Group], what: str, order: str = "arrival",
-               tracks_failures: bool = True, waited: bool = False, rejoin: bool = False) -> CellHandle:
+               tracks_failures: bool = True, waited: bool = False, rejoin: bool = False,
+               timeout: float | None = None) -> CellHandle:
         """Send one cell (``groups``: ranks that get the same message) and return its handle. ``order``: see
         ``Mesh.run``; ``tracks_failures``: its failures are the ones post-mortem opens; ``waited``: the caller
         waits for it next (``wait``), so its lines are held for that thread from the start (folding and rank
         order then see every line, also those a fast rank writes before the caller is back); ``rejoin``: a
         replacement of a rank that dies running it rejoins it (kernel/healing.py). While a chosen rank is being
-        restarted (on_rank_death="restart"), it waits until that is done, with a note.
+        restarted (on_rank_death="restart"), it waits until that is done, with a note, ``timeout`` seconds at most
+        (None: the mesh's timeout option; when that is unset too, as long as the restart takes).
 
         Raises
         ------
         MeshError, RankBusyError
             A chosen rank is dead or stuck (nothing was sent).
+        MeshTimeoutError
+            A chosen rank was still being restarted after ``timeout`` seconds (nothing was sent).
         KeyboardInterrupt
             The caller was interrupted once the cell was on its way: the ranks were interrupted too.
         """
         first = groups[0][0]
         ranks = (sorted(itertools.chain.from_iterable(g[0] for g in groups)) if len(groups) > 1
                  else first if isinstance(first, range) else sorted(first))  # every rank: a range, no list
-        self._wait_healed(ranks, what)
+        self._wait_healed(ranks, what, timeout)
         self._check_alignment(None, ranks)
         handle = self.cells.new(cell_id, ranks, what, order, self, tracks_failures=tracks_failures,
                                 rejoin=list(groups) if rejoin else None)
@@ -115,12 +119,15 @@ class Waiter:
                 self.cells.set_waiting(rec, False)  # nobody will wait: lines go out as they come
             raise
 
-    def _wait_healed(self, ranks: Sequence[int], what: str) -> None:
+    def _wait_healed(self, ranks: Sequence[int], what: str, timeout: float | None) -> None:
         """Wait while some of ``ranks`` are being restarted (``MeshState.healing``), in 50 ms slices (SIGINT reaches
-        the caller); the healer's own work (``MeshState.healer``) does not wait."""
+        the caller), ``timeout`` seconds at most (then MeshTimeoutError); the healer's own work
+        (``MeshState.healer``) does not wait."""
         state = self.state
         noted = False
         healing: list[int] = []
+        timeout = timeout if timeout is not None else (state.options.timeout or None)
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while True:
                 with state.lock:
@@ -132,6 +139,11 @@ class Waiter:
                     if noted and state.healed_note:  # where the user looks now, besides the cell that saw the death
                         sys.stderr.write(f"note: {state.healed_note}\n")
                     return
+                if deadline is not None and time.monotonic() > deadline:
+                    assert timeout is not None
+                    raise MeshTimeoutError({r: MonarchError("still being restarted: the cell was not sent to it")
+                                            for r in healing}, what=what, timeout=timeout,
+                                           hint=healing_timeout_note(healing, what, timeout))
                 if not noted:
                     noted = True
                     sys.stderr.write(healing_wait_note(healing, what))

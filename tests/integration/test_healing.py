@@ -195,6 +195,56 @@ def test_interrupting_a_cell_that_waits_for_a_restart_says_so_in_one_line() -> N
         assert m.run("rank") == {0: 0, 1: 1}  # the healing went on; this cell waits for it, then runs
 
 
+def test_a_death_while_a_given_up_rank_stays_dead_restarts_the_rank_without_a_group(
+        capfd: pytest.CaptureFixture) -> None:
+    """No process group can be made while a rank given up (past restart_limit) stays dead: the next death's
+    replacement starts without one, gets back what the notebook sent, and cells do not wait (a fresh user's
+    ``run("rank", timeout=20)`` waited for a regroup that could never happen, past its timeout)."""
+    with Mesh(4, on_rank_death="restart", restart_limit=1, start_timeout=WAIT, oversubscribe=True) as m:
+        m.push(w=7)
+        first = kill(m, 1)
+        wait_for("rank 1 to be restarted", lambda: m.status()[1]["state"] == "idle"
+                 and m.status()[1]["pid"] != first[1] and not m.state.healing)
+        kill(m, 1)  # its second death within restart_window: given up
+        wait_for("rank 1 to be given up", lambda: m.status()[1]["state"] == "dead" and not m.state.healing)
+        old = kill(m, 2)
+        with pytest.raises(MeshError, match="not run") as info:  # rank 1 is dead: said at once, not after 60 s
+            m.run("rank", timeout=60)
+        assert 1 in info.value.errors
+        wait_for("rank 2 to be restarted", lambda: m.status()[2]["state"] == "idle"
+                 and m.status()[2]["pid"] != old[2] and not m.state.healing)
+        assert m.run("w + rank", ranks=[0, 2, 3]) == {0: 7, 2: 9, 3: 10}  # it got back what the notebook sent
+        m.restart(ranks=1)  # as the note says: a group of every rank
+        assert m.run("t = torch.ones(1); dist.all_reduce(t); t.item()") == dict.fromkeys(range(4), 4.0)
+    err = capfd.readouterr().err
+    assert ("rank 2 died (signal SIGKILL) and was restarted (on_rank_death=restart) in" in err
+            and "it is in no process group, as rank 1 stays dead" in err), err
+
+
+def test_a_cell_waits_for_a_restart_no_longer_than_its_timeout() -> None:
+    """A cell waits for a healing rank at most its own timeout: MeshTimeoutError, nothing ran; the healing goes
+    on and a later cell runs on the replacement."""
+    from monarch_jupyter.errors import MeshTimeoutError
+
+    flag = f"/tmp/monarch-heal-hold-{os.getpid()}"
+    with Mesh(2, on_rank_death="restart", start_timeout=WAIT) as m:
+        # The replacement gets this cell back and holds its healing until the flag is gone.
+        m.run(f"import os, time\nwhile rank == 1 and os.path.exists({flag!r}):\n    time.sleep(0.02)", replay=True)
+        open(flag, "w").close()
+        try:
+            kill(m, 1)
+            with pytest.raises(MeshTimeoutError) as info:
+                m.run("rank", timeout=1.0)
+            assert info.value.late == [1]
+            assert "the cell did not run: rank 1 was still being restarted (on_rank_death=restart) after its " \
+                   "timeout of 1 s" in info.value.hint, info.value.hint
+            assert 1 in m.state.healing  # the healing goes on
+        finally:
+            if os.path.exists(flag):
+                os.unlink(flag)
+        assert m.run("rank") == {0: 0, 1: 1}
+
+
 def _frames(frame: object) -> list:
     out = []
     while frame is not None:
