@@ -26,13 +26,13 @@ for arg in "$@"; do
 done
 # nbval's own cell timeout comes before pytest-timeout's (300 s): nbval then interrupts the kernel, so the cell
 # fails with the kernel's traceback and the notebook's later cells still run, instead of each waiting 300 s.
-# pytest-xdist runs the test files on MJ_TEST_WORKERS processes (default 2; 0 runs them in this one), each file
+# pytest-xdist runs the test files on MJ_TEST_WORKERS processes (default 3; 0 runs them in this one), each file
 # whole on one of them (--dist loadfile: a module's mesh or kernel is started once). Most tests wait on processes
 # starting, sockets and kernels rather than compute: on 2 cores, 2 workers took the whole suite from 28.5 minutes
 # (CI, one file after another) to 20 alone and 23 in CI beside its side job. Tests wait for states, never for
 # times, so the order and the load they run under do not matter (scripts/stress.sh runs them under busy loops).
 # `-n 0` among the arguments wins.
-workers=${MJ_TEST_WORKERS:-2}
+workers=${MJ_TEST_WORKERS:-3}
 exec "$PY" -m pytest -p no:cacheprovider --durations=25 -n "$workers" --dist loadfile \
   --nbval --nbval-cell-timeout 240 --nbval-sanitize-with notebooks/nbval_sanitize.cfg \
   "${targets[@]}" "$@"
