@@ -100,6 +100,8 @@ class CellDashboardView(DashboardView):
         self._segments: dict[int, tuple[tuple, widgets.HTML]] = {}  # chunk index -> (its items' key, widget)
         self._metrics_seen = -1
         self._metrics_born = monitor.metrics_version
+        self._static_bundle: dict | None = None  # the final state without the widget (``retire`` shows it)
+        self.retired = False
         super().__init__(monitor, ranks, follow_cell=True, title=title, fold_threshold=fold_threshold, plain=plain,
                          lazy=True)
 
@@ -181,6 +183,20 @@ class CellDashboardView(DashboardView):
             self.render_again()
         return waited or not self._close_output()
 
+    def retire(self) -> bool:
+        """A finished cell's live widget becomes its final state as static HTML, in place (update_display under
+        its display_id, which also changes what a saved notebook keeps), and its widget models are closed: a long
+        session keeps the comms of its last few cells only (widgets.LIVE_CELL_VIEWS). False, doing nothing, while
+        the cell runs or output may still come, or when the view has no live widget."""
+        with self.lock:
+            if (self.retired or not self.final or self.lingers() or self.widget_made is None
+                    or self._static_bundle is None):
+                return False
+            self._publish(self._static_bundle, self.display_id, True)
+            self.close()
+            self.retired = True
+            return True
+
     def abandon(self) -> None:
         """The cell never started: the placeholder goes (the error shows in its place)."""
         self.output.close()
@@ -218,6 +234,7 @@ class CellDashboardView(DashboardView):
         self._render_extras(rows, final)
         if final:  # frontends without widgets (nbconvert, GitHub) show the final state too
             bundle = self._final_bundle(rows, summary, compact=False)
+            self._static_bundle = dict(bundle)
             assert self.widget_made is not None
             bundle["application/vnd.jupyter.widget-view+json"] = self._view_json()
             self._send(bundle)

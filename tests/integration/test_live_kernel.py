@@ -310,3 +310,37 @@ def test_a_pdb_prompt_lands_below_the_view(kernel):
     prompt = "".join(m["content"]["text"] for m in msgs if m["msg_type"] == "stream")
     assert "Pdb rank 0" in prompt and "c" in prompt, prompt
     assert shown.index("display_data") < shown.index("stream")
+
+
+def test_only_the_last_cells_keep_a_live_widget(kernel):
+    """A long session keeps the widget models (17 comms a cell) of its last LIVE_CELL_VIEWS cells only: an older
+    cell's display becomes its final state as static HTML, in place, and its widgets are closed."""
+    execute(kernel, "import monarch_jupyter.widgets as _w\n_live, _w.LIVE_CELL_VIEWS = _w.LIVE_CELL_VIEWS, 2")
+    seen: list[dict] = []
+    try:
+        firsts = []
+        for i in range(4):  # each runs past DEFER: a live widget
+            msg_id = kernel.execute(f"%%mesh\nimport time\nprint('cell {i}', rank)\ntime.sleep(0.6)",
+                                    allow_stdin=True)
+            deadline = time.monotonic() + 60
+            while True:  # every message, also those sent under an earlier cell's parent (the retired view's)
+                msg = kernel.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+                seen.append(msg)
+                if (msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "status"
+                        and msg["content"]["execution_state"] == "idle"):
+                    break
+            firsts.append([m for m in seen if m["msg_type"] == "display_data"
+                           and m["parent_header"].get("msg_id") == msg_id][0]["content"])
+    finally:
+        execute(kernel, "_w.LIVE_CELL_VIEWS = _live")
+    ids = [f["transient"]["display_id"] for f in firsts]
+    models = [f["data"][WIDGET]["model_id"] for f in firsts]
+    updates = {i: [m["content"]["data"] for m in seen if m["msg_type"] == "update_display_data"
+                   and m["content"]["transient"]["display_id"] == d] for i, d in enumerate(ids)}
+    closed = {m["content"]["comm_id"] for m in seen if m["msg_type"] == "comm_close"}
+    # The first cell: its last update is static (no widget), with its output; its widget is closed.
+    assert WIDGET not in updates[0][-1] and "cell 0 0" in updates[0][-1]["text/html"], updates[0][-1]
+    assert "[rank1]: cell 0 1" in updates[0][-1]["text/plain"]
+    assert models[0] in closed
+    # The last two cells (LIVE_CELL_VIEWS) keep theirs.
+    assert all(WIDGET in updates[i][-1] for i in (2, 3)) and not {models[2], models[3]} & closed
