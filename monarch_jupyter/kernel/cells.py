@@ -192,7 +192,7 @@ class CellTable:
 
     def on_result(self, rank: int, msg: P.Result, payload: bytes, bufs: list) -> None:
         """A rank's Result (I/O thread or output reader): its value is unpickled here, outside the lock."""
-        value, error = None, None
+        value, error, stopped = None, None, False
         if msg.status == "ok" and msg.has_value:
             try:
                 value = loads(payload, bufs)
@@ -218,6 +218,11 @@ class CellTable:
             rec.result_seen_at[rank] = now = time.monotonic()
             if error is not None:
                 rec.errors[rank] = error
+                # Stopped by an interrupt, and no rank failed (the views say "interrupted", not "error"): as
+                # waiting.Waiter.outcome, which raises MeshInterrupt then. Survivors interrupted after a rank
+                # raised or died are part of that failure (its error and death come first).
+                stopped = bool(error.interrupted) and all(
+                    isinstance(e, RemoteError) and e.interrupted for e in rec.errors.values())
             else:
                 if value is not None:
                     rec.values[rank] = value
@@ -227,7 +232,8 @@ class CellTable:
                 rec.unmarked[rank] = now  # its output markers are late (waiting.Waiter finishes it without them)
         self.state.events.emit("rank_result", rank=rank, cell_id=msg.cell_id, status=msg.status,
                                error=None if error is None else str(error), duration=msg.duration,
-                               ename=getattr(error, "ename", ""), evalue=getattr(error, "evalue", ""))
+                               ename=getattr(error, "ename", ""), evalue=getattr(error, "evalue", ""),
+                               interrupted=stopped)
 
     def on_done(self, cell_id: int, ranks: list[int] | range, durations: list[float] | bytes) -> None:
         """``ranks`` finished cell ``cell_id`` with no value and no error (a host agent's summary of its ranks;

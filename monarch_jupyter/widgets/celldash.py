@@ -295,8 +295,8 @@ class CellDashboardView(DashboardView):
         return html_page(body + charts + (f'<div class="mj-outputs">{out}</div>' if out else ""), True, style)
 
     def _failures_html(self, rows: list[RowView], final: bool) -> str:
-        """Failed ranks (with their tracebacks at the end) and ranks stopped at a prompt."""
-        shown = [r for r in rows if r.state in FAILED_STATES or r.state == "breakpoint"]
+        """Failed and interrupted ranks (with their tracebacks at the end) and ranks stopped at a prompt."""
+        shown = [r for r in rows if r.state in FAILED_STATES or r.state in ("breakpoint", "interrupted")]
         if not shown:
             return ""
         errors = self.handle.snapshot().errors if final and self.handle is not None else {}

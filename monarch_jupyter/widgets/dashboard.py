@@ -34,7 +34,8 @@ STATE_COLORS = {
     "starting": "var(--jp-layout-color4,#757575)", "queued": "var(--jp-layout-color4,#757575)",
     "idle": "var(--jp-layout-color4,#757575)", "stopped": "var(--jp-layout-color4,#757575)",
     "running": "var(--jp-brand-color1,#1976d2)", "done": "var(--jp-success-color1,#388e3c)",
-    "breakpoint": "var(--jp-warn-color1,#f57c00)", "error": "var(--jp-error-color1,#d32f2f)",
+    "breakpoint": "var(--jp-warn-color1,#f57c00)", "interrupted": "var(--jp-warn-color1,#f57c00)",
+    "error": "var(--jp-error-color1,#d32f2f)",
     "dead": "var(--jp-error-color0,#b71c1c)",
 }
 LAST_LINE_CHARS = 300  # of the last output line put in a row (shown cut with an ellipsis; the full line is its tooltip)

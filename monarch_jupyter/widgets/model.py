@@ -35,11 +35,12 @@ log = logging.getLogger(__name__)
 
 __all__ = ["MeshMonitor", "monitor_for", "RowView", "Summary", "CELL_STATES", "FAILED_STATES", "FINAL_STATES"]
 
-CELL_STATES = ("queued", "running", "breakpoint", "done", "error", "dead", "stopped")
-FINAL_STATES = frozenset({"done", "error", "dead", "stopped"})
+CELL_STATES = ("queued", "running", "breakpoint", "done", "error", "interrupted", "dead", "stopped")
+FINAL_STATES = frozenset({"done", "error", "interrupted", "dead", "stopped"})
 FAILED_STATES = frozenset({"error", "dead"})
 ATTENTION_STATES = frozenset({"error", "dead", "breakpoint"})  # always shown, even when the table is folded
-STATE_ORDER = ("starting", "queued", "running", "breakpoint", "error", "dead", "done", "idle", "stopped")
+STATE_ORDER = ("starting", "queued", "running", "breakpoint", "error", "dead", "interrupted", "done", "idle",
+               "stopped")
 CELLS_KEPT = 32  # cells remembered per rank
 BEHIND_BY = 0.02  # a running rank is "the slowest" when this fraction of the total behind the rank ahead
 SLOWER_BY = 0.1  # a finished rank is "the slowest" when it took this fraction longer than the fastest
@@ -255,8 +256,8 @@ class MeshMonitor:
             if data.get("status") == "ok":
                 cell.state = "done"
                 cell.error = ""  # a debugger's note ("stopped at a breakpoint ...") ends with the cell
-            else:
-                cell.state = "error"
+            else:  # an interrupt (the notebook's, %mesh interrupt, a timeout) is no error of the rank's code
+                cell.state = "interrupted" if data.get("interrupted") else "error"
                 ename, evalue = data.get("ename", ""), data.get("evalue", "")
                 cell.error = f"{ename}: {evalue}" if ename and evalue else (ename or str(data.get("error") or ""))
         self._promote(info, now)

@@ -85,8 +85,8 @@ def render_item(item: Item) -> str:
 
 
 def render_failure(rank: int, state: str, error: str, traceback: str = "") -> str:
-    """A failed rank's error (``traceback`` collapsed under it), or a rank stopped at a breakpoint (``error``: where
-    to look, when not at its pdb prompt)."""
+    """A failed (or interrupted) rank's error (``traceback`` collapsed under it), or a rank stopped at a breakpoint
+    (``error``: where to look, when not at its pdb prompt)."""
     if state == "breakpoint":
         body = error or f"stopped at a breakpoint: answer at its (Pdb rank {rank}) prompt below"
         return (f'<div class="mj-item mj-prompt" {_attr((rank,))}>{_label((rank,))}'
@@ -94,8 +94,9 @@ def render_failure(rank: int, state: str, error: str, traceback: str = "") -> st
     tb = _ANSI.sub("", traceback).rstrip()
     details = (f'<details class="mj-tb"><summary>traceback</summary><pre class="mj-text">{_e(tb)}</pre></details>'
                if tb else "")
+    kind = "mj-note" if state == "interrupted" else "mj-error"  # an interrupt is no error of the rank's code
     return (f'<div class="mj-item mj-failure" {_attr((rank,))}>{_label((rank,))}'
-            f'<div><div class="mj-error">{_e(_WHAT.get(state, "") + error)}</div>{details}</div></div>')
+            f'<div><div class="{kind}">{_e(_WHAT.get(state, "") + error)}</div>{details}</div></div>')
 
 
 def render_items(items: list[Item]) -> str:

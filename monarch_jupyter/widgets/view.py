@@ -293,7 +293,9 @@ class LiveView:
                     evalue = getattr(err, "evalue", None)
                     if evalue is None:  # not a rank's exception: its own message
                         evalue = str(err)
-                    row = replace(row, state="error", error=f"{name}: {evalue}" if evalue else name)
+                    stopped = all(getattr(e, "interrupted", False) for e in errors.values())  # Waiter.outcome's test
+                    row = replace(row, state="interrupted" if stopped else "error",
+                                  error=f"{name}: {evalue}" if evalue else name)
             fixed.append(row)
         return fixed, summarize(fixed, summary.world_size, True)
 

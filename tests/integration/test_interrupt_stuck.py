@@ -27,9 +27,18 @@ STUCK = ("if rank != 0:\n    t = torch.ones(1) * 100\n    dist.all_reduce(t)\n"
 
 
 def in_collective(m: Mesh, ranks: list[int]) -> None:
-    """Wait until ``ranks`` (of the mesh) are inside the all_reduce (an interrupt before it would stop them)."""
+    """Wait until ``ranks`` (of the mesh) are blocked in the all_reduce's ``work.wait()``, seen there twice 0.1 s
+    apart: an interrupt that lands before, in the Python around it (torch's c10d_logger wrapper), stops them (a CI
+    run under load saw rank 1 "interrupted" where it was to be stuck)."""
+    def blocked() -> bool:
+        replies = m.stacks(ranks).replies
+        return all(r in replies and replies[r].frames and replies[r].frames[-1][3].strip() == "work.wait()"
+                   for r in ranks)
+
     deadline = time.monotonic() + WAIT
-    while "all_reduce" not in m.stacks(ranks).summary():
+    seen = 0
+    while seen < 2:
+        seen = seen + 1 if blocked() else 0
         assert time.monotonic() < deadline, m.stacks(ranks).summary()
         time.sleep(0.1)
 

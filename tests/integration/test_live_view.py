@@ -326,7 +326,7 @@ time.sleep(2)
             break
         time.sleep(0.02)
     assert (rows[1].state, rows[1].error) == ("dead", "signal SIGKILL")
-    assert rows[0].state in ("running", "error")  # the survivor is interrupted as rank 1 died (recovery.py)
+    assert rows[0].state in ("running", "error")  # the survivor is interrupted as rank 1 died: part of that failure
     with pytest.raises(MeshError):
         handle.result(30)
     mesh.restart()

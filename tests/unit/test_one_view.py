@@ -206,6 +206,27 @@ def test_a_debugger_note_ends_with_the_cell_even_with_no_running_event_between()
     assert [r.state for r in rows] == ["idle", "idle"]
 
 
+def test_an_interrupted_rank_shows_interrupted_not_error() -> None:
+    """An interrupt (the notebook's, %mesh interrupt, a timeout) is no error of the rank's code: the views said
+    "error on ranks 0,1" for a cell the user stopped (helper-59). A rank that raised shows "error" still."""
+    from monarch_jupyter.widgets.dashboard import render_table
+    from monarch_jupyter.widgets.text import header_text
+
+    mon = model.MeshMonitor(_IdleMesh(2))
+    mon.on_event("cell_started", {"cell_id": 1, "ranks": [0, 1]})
+    mon.on_event("rank_result", {"rank": 0, "cell_id": 1, "status": "error", "duration": 0.1, "interrupted": True,
+                                 "ename": "KeyboardInterrupt", "evalue": ""})
+    mon.on_event("rank_result", {"rank": 1, "cell_id": 1, "status": "error", "duration": 0.1,
+                                 "ename": "ValueError", "evalue": "bad"})
+    rows, summary = mon.snapshot(cell_id=1)
+    assert [(r.state, r.error) for r in rows] == [("interrupted", "KeyboardInterrupt"), ("error", "ValueError: bad")]
+    assert header_text(summary, times=False) == "ranks 0,1: error on rank 1 · interrupted on rank 0"
+    assert summary.failed == (1,)  # counted among the failures: only the rank that raised
+    assert 'data-state="interrupted"' in render_table(rows)
+    stopped = render_failure(0, "interrupted", "KeyboardInterrupt", "Traceback ...\nKeyboardInterrupt")
+    assert 'class="mj-note"' in stopped and "mj-error" not in stopped
+
+
 def test_the_final_view_of_a_rank_done_before_its_result_reached_the_view_has_no_debugger_note() -> None:
     """At the end of a cell the handle is the authority (``LiveView._reconcile``): a rank that the handle says
     finished while the view still has it stopped at a breakpoint (its result event on its way) shows done and no
