@@ -314,7 +314,7 @@ class CellDashboardView(DashboardView):
         self.segments = widgets.VBox([], layout=shared("layout", widgets.Layout))
         self.segments.add_class("mj-outputs-box")
         self.failures = _html()
-        self.outputs = widgets.Tab(children=[_html()], titles=(MERGED,))
+        self.outputs = widgets.Tab(children=[_html()], titles=(MERGED,), layout=shared("layout", widgets.Layout))
         self.outputs.add_class("mj-tabs")
         ranks = [r.rank for r in rows]
         self._set_tabs([] if self.folded else ranks, ranks)
@@ -447,10 +447,17 @@ class CellDashboardView(DashboardView):
     def close(self) -> None:
         if self.widget_made is not None:
             assert self.segments is not None and self.outputs is not None
-            for w in (*self.segments.children, self.segments, self.outputs.children[0], self.outputs, self.charts,
-                      self.failures, self.picker, self.picked, self.widget_made):
-                if w is not None:
-                    w.close()
+            common = {id(shared("layout", widgets.Layout)), id(shared("style", HTMLStyle))}
+            for w in (*self.segments.children, self.segments, self.outputs.children[0], *self.outputs.children[1:],
+                      self.outputs, self.charts, self.failures, self.picker, self.picked, self.widget_made):
+                if w is None or id(w) in common or w is shared("empty", _html):
+                    continue
+                # Its own layout and style models too (the charts' layout, the rank selector's): ipywidgets closes
+                # a widget's comm only, and they would stay for the session.
+                for part in (getattr(w, "layout", None), getattr(w, "style", None)):
+                    if part is not None and id(part) not in common:
+                        part.close()
+                w.close()
             super().close()
 
 
