@@ -96,6 +96,7 @@ class CellDashboardView(DashboardView):
         self.failures: widgets.HTML | None = None  # failed ranks and ranks at a prompt, after the output
         self.picker: widgets.Dropdown | None = None
         self.picked: widgets.HTML | None = None
+        self._other: widgets.VBox | None = None  # the "other ranks" panel (folded): the selector and its output
         self._tab_ranks: list[int] = []
         self._segments: dict[int, tuple[tuple, widgets.HTML]] = {}  # chunk index -> (its items' key, widget)
         self._metrics_seen = -1
@@ -308,20 +309,17 @@ class CellDashboardView(DashboardView):
         return {"version_major": 2, "version_minor": 0, "model_id": self.widget_made.model_id}
 
     def _make_live(self, rows: list[RowView], summary: Summary) -> None:
+        # Every model is made with its final state (classes, children, titles): each later change is a comm message
+        # more. The charts and the failures are made when they first have something to show (most cells have
+        # neither): two models, and the charts' own layout, fewer per cell.
         core = self.make_widget(rows, summary)
-        self.charts = _html()
-        self.charts.layout = widgets.Layout(display="none")
-        self.segments = widgets.VBox([], layout=shared("layout", widgets.Layout))
-        self.segments.add_class("mj-outputs-box")
-        self.failures = _html()
-        self.outputs = widgets.Tab(children=[_html()], titles=(MERGED,), layout=shared("layout", widgets.Layout))
-        self.outputs.add_class("mj-tabs")
+        layout = shared("layout", widgets.Layout)
+        self.segments = widgets.VBox([], layout=layout, _dom_classes=("mj-outputs-box",))
         ranks = [r.rank for r in rows]
-        self._set_tabs([] if self.folded else ranks, ranks)
-        box = widgets.VBox([core, self.charts, self.outputs, self.segments, self.failures],
-                           layout=shared("layout", widgets.Layout))
-        box.add_class("mj-cellview")
-        box.add_class(f"mj-cv-{self.uid}")
+        children, titles = self._tabs([] if self.folded else ranks, ranks, None)
+        self.outputs = widgets.Tab(children=children, titles=titles, layout=layout, _dom_classes=("mj-tabs",))
+        box = widgets.VBox([core, self.outputs, self.segments], layout=layout,
+                           _dom_classes=("mj-cellview", f"mj-cv-{self.uid}"))
         box.plain = self.fixed_plain
         self.widget_made = box
         head = render_header(summary, self.title)
@@ -329,9 +327,8 @@ class CellDashboardView(DashboardView):
                     "application/vnd.jupyter.widget-view+json": self._view_json()})
 
     def _render_extras(self, rows: list[RowView], final: bool) -> None:
-        cell = self.cell_id
-        if (cell is None or self.outputs is None or self.charts is None or self.segments is None
-                or self.failures is None):
+        cell, box = self.cell_id, self.widget_made
+        if cell is None or self.outputs is None or self.segments is None or box is None:
             return
         ranks = [r.rank for r in rows]
         if self.monitor.metrics_version != self._metrics_seen:
@@ -339,13 +336,17 @@ class CellDashboardView(DashboardView):
             # The dashboard's own HTML carries the style (dashboard.STYLE) of everything in the view.
             charts = render_charts(self.monitor.metrics(cell, ranks), self.uid)
             charts = f'<div class="mj-dashboard">{charts}</div>' if charts else ""
-            if charts != self.charts.value:
-                with self.charts.hold_sync():
-                    self.charts.value = charts
-                    self.charts.layout.display = "" if charts else "none"
+            if self.charts is None and charts:  # under the table
+                self.charts = _html(charts)
+                box.children = (box.children[0], self.charts, *box.children[1:])
+            elif self.charts is not None and charts != self.charts.value:
+                self.charts.value = charts
         failures = self._failures_html(rows, final)
         failures = f'<div class="mj-outputs">{failures}</div>' if failures else ""
-        if failures != self.failures.value:
+        if self.failures is None and failures:  # after the output
+            self.failures = _html(failures)
+            box.children = (*box.children, self.failures)
+        elif self.failures is not None and failures != self.failures.value:
             self.failures.value = failures
         version = self.output.version
         now = time.monotonic()
@@ -391,21 +392,31 @@ class CellDashboardView(DashboardView):
     def _set_tabs(self, wanted: list[int], ranks: list[int]) -> None:
         """Tabs "all ranks", then ``wanted`` (each shown once its rank has an item), then "other ranks" (folded)."""
         assert self.outputs is not None
+        children, titles = self._tabs(wanted, ranks, self.outputs.children[0])
+        with self.outputs.hold_sync():
+            self.outputs.children = children
+            self.outputs.titles = titles
+
+    def _tabs(self, wanted: list[int], ranks: list[int], first: widgets.HTML | None) -> tuple[list, tuple[str, ...]]:
+        """The tab strip's children and titles for ``_set_tabs``; ``first``: the first tab's panel, which holds the
+        style that filters the output by the current tab (None: make it)."""
         self._tab_ranks = list(wanted)
-        children = list(self.outputs.children[:1])
-        children[0].value = self._tab_style(wanted)
-        children += [shared("empty", _html)] * len(wanted)  # the panels stay empty: one widget serves them all
+        style = self._tab_style(wanted)
+        if first is None:
+            first = _html(style)
+        elif first.value != style:
+            first.value = style
+        children: list = [first, *[shared("empty", _html)] * len(wanted)]  # the panels stay empty: one serves all
         titles = [MERGED] + [f"rank {r}" for r in wanted]
         if self.folded:
             if self.picker is None:
                 self.picker = widgets.Dropdown(options=ranks, value=None, description="rank")
                 self.picked = _html()
                 self.picker.observe(lambda change: self._show_picked(change["new"]), "value")
-            children.append(widgets.VBox([self.picker, self.picked]))
+                self._other = widgets.VBox([self.picker, self.picked])
+            children.append(self._other)
             titles.append("other ranks")
-        with self.outputs.hold_sync():
-            self.outputs.children = children
-            self.outputs.titles = tuple(titles)
+        return children, tuple(titles)
 
     def _tab_style(self, tab_ranks: list[int]) -> str:
         """CSS that filters the output by the current tab (scoped to this cell's widget)."""
