@@ -123,7 +123,9 @@ def _e(text: Any) -> str:
 
 def _badge(state: str) -> str:
     color = STATE_COLORS.get(state, STATE_COLORS["idle"])
-    return f'<span class="mj-state" style="background:{color}">{_e(state)}</span>'
+    # White on the theme's warn orange is about 2.2:1 (dark theme) to 2.7:1 (light); dark text is over 7:1.
+    text = ";color:rgba(0,0,0,.87)" if color == STATE_COLORS["breakpoint"] else ""
+    return f'<span class="mj-state" style="background:{color}{text}">{_e(state)}</span>'
 
 
 def _bar(row: RowView) -> str:
@@ -171,8 +173,9 @@ def render_table(rows: list[RowView], *, status: bool = False) -> str:
         if row.total:
             attrs += f' data-total="{row.total:g}"'
         muted = status and row.state == "idle"
-        if row.error:
-            full, shown = row.error, f'<span class="mj-error">{_e(row.error[:LAST_LINE_CHARS])}</span>'
+        if row.error:  # an interrupt and a debugger's note are not errors of the rank's code: grey, not red
+            kind = "mj-error" if row.state in ("error", "dead") else "mj-muted"
+            full, shown = row.error, f'<span class="{kind}">{_e(row.error[:LAST_LINE_CHARS])}</span>'
         else:
             full, shown = row.last_line, _e(row.last_line[:LAST_LINE_CHARS])
         tip = f"from rank {row.rank}'s last cell: " if muted and full else ""

@@ -222,7 +222,10 @@ def test_an_interrupted_rank_shows_interrupted_not_error() -> None:
     assert [(r.state, r.error) for r in rows] == [("interrupted", "KeyboardInterrupt"), ("error", "ValueError: bad")]
     assert header_text(summary, times=False) == "ranks 0,1: error on rank 1 · interrupted on rank 0"
     assert summary.failed == (1,)  # counted among the failures: only the rank that raised
-    assert 'data-state="interrupted"' in render_table(rows)
+    table = render_table(rows)
+    stopped_row = table.split('data-rank="0"')[1].split("</tr>")[0]
+    assert 'data-state="interrupted"' in table and "mj-error" not in stopped_row  # grey, not red
+    assert "color:rgba(0,0,0,.87)" in stopped_row  # dark text on the orange badge (helper-62: white was 2.2:1)
     stopped = render_failure(0, "interrupted", "KeyboardInterrupt", "Traceback ...\nKeyboardInterrupt")
     assert 'class="mj-note"' in stopped and "mj-error" not in stopped
 
