@@ -200,7 +200,7 @@ def cell_view(mesh: Any, ranks: list[int] | None = None, *, mode: str = "auto", 
 
 def _retire_cell_views(monitor: MeshMonitor, view: Any) -> None:
     """Keep the live widgets of the last ``LIVE_CELL_VIEWS`` cells that made one; older finished cells show their
-    final state as static HTML instead (``CellDashboardView.retire``): each live widget holds 9 widget models (a
+    final state as static HTML instead (``CellDashboardView.retire``): each live widget holds 6 widget models (a
     comm each, in the kernel and in the browser), which a session of hundreds of cells would otherwise keep."""
     kept = [v for v in monitor.cell_views if not v.retired and (v.widget_made is not None or not v.final)]
     made = [v for v in kept if v.widget_made is not None]

@@ -313,7 +313,7 @@ def test_a_pdb_prompt_lands_below_the_view(kernel):
 
 
 def test_only_the_last_cells_keep_a_live_widget(kernel):
-    """A long session keeps the widget models (9 comms a cell) of its last LIVE_CELL_VIEWS cells only: an older
+    """A long session keeps the widget models (6 comms a cell) of its last LIVE_CELL_VIEWS cells only: an older
     cell's display becomes its final state as static HTML, in place, and its widgets are closed."""
     execute(kernel, "import monarch_jupyter.widgets as _w\n_live, _w.LIVE_CELL_VIEWS = _w.LIVE_CELL_VIEWS, 2")
     seen: list[dict] = []
