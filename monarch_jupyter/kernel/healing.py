@@ -239,7 +239,7 @@ class Healer:
                 state.healing -= set(ranks)
                 state.cond.notify_all()
         self.healed += len(ranks)
-        note = healed_note(ranks, why_dead, self.last_seconds, sent, rejoined, not alone, blocked)
+        note = healed_note(ranks, why_dead, self.last_seconds, sent, rejoined, not alone, blocked, group is not None)
         with state.lock:
             state.healed_note = note
         self._say(note, ranks)

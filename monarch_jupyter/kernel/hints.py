@@ -107,19 +107,20 @@ def stuck_message(stuck: list[int], grace: float, where: str) -> str:
 
 
 def healed_note(ranks: list[int], why: str, seconds: float, sent: str, rejoined: list[str], grouped: bool,
-                blocked: list[int] | None = None) -> str:
+                blocked: list[int] | None = None, sub_mesh: bool = False) -> str:
     """The one line the notebook gets when ``ranks`` died (``why``) and were restarted (on_rank_death="restart")
     within ``seconds``; ``sent``: what they got back; ``rejoined``: the cells they rejoined; ``grouped``: they are
     in the process group already (else once those cells end); ``blocked``: ranks that stay dead, so no group was
-    made."""
+    made; ``sub_mesh``: the group is their sub-mesh's (a split mesh), not the whole mesh's."""
     them = plural(ranks, "they", "it")
     if blocked:
         group = (f"{plural(ranks, 'are', 'is')} in no process group, as {ranks_text(blocked)} "
                  f"{plural(blocked, 'stay', 'stays')} dead (collectives fail until  %mesh restart --rank "
                  f"{format_ranks(blocked)}  makes a group of every rank)")
     else:
-        group = ("joined a fresh process group with the others" if grouped
-                 else f"{plural(ranks, 'join', 'joins')} a fresh process group with the others when "
+        others = "the others of its sub-mesh" if sub_mesh else "the others"
+        group = (f"joined a fresh process group with {others}" if grouped
+                 else f"{plural(ranks, 'join', 'joins')} a fresh process group with {others} when "
                       f"{'those cells end' if len(rejoined) > 1 else 'that cell ends'}")
     text = (f"{ranks_text(ranks)} died ({why}) and {plural(ranks, 'were', 'was')} restarted (on_rank_death=restart) "
             f"in {seconds:.1f} s: {them} {group}" + (f"; got back {sent}" if sent else ""))

@@ -128,6 +128,7 @@ class Waiter:
         healing: list[int] = []
         timeout = timeout if timeout is not None else (state.options.timeout or None)
         deadline = None if timeout is None else time.monotonic() + timeout
+        before = state.healed_note  # a note from an earlier healing is not this one's
         try:
             while True:
                 with state.lock:
@@ -136,7 +137,7 @@ class Waiter:
                     if healing and noted:
                         state.cond.wait(0.05)
                 if not healing:
-                    if noted and state.healed_note:  # where the user looks now, besides the cell that saw the death
+                    if noted and state.healed_note and state.healed_note is not before:  # where the user looks now
                         sys.stderr.write(f"note: {state.healed_note}\n")
                     return
                 if deadline is not None and time.monotonic() > deadline:

@@ -245,6 +245,40 @@ def test_a_cell_waits_for_a_restart_no_longer_than_its_timeout() -> None:
         assert m.run("rank") == {0: 0, 1: 1}
 
 
+def test_a_cell_that_waited_for_a_healing_that_failed_repeats_no_earlier_note(capfd: pytest.CaptureFixture) -> None:
+    """The cell that waited for a healing repeats its note; when that healing gave up, it repeated the note of an
+    earlier one ("rank 1 ... was restarted", helper-61), although the rank stayed dead."""
+    flag = f"/tmp/monarch-heal-stale-{os.getpid()}"
+    with Mesh(2, on_rank_death="restart", restart_limit=2, start_timeout=WAIT) as m:
+        m.run(f"import os, signal\nif rank == 1 and os.path.exists({flag!r}):\n"
+              "    os.kill(os.getpid(), signal.SIGKILL)", replay=True)
+        first = kill(m, 1)
+        wait_for("rank 1 to be restarted", lambda: m.status()[1]["state"] == "idle"
+                 and m.status()[1]["pid"] != first[1] and not m.state.healing)
+        assert m.state.healed_note
+        open(flag, "w").close()
+        try:
+            kill(m, 1)  # its replacement dies in its replay: a third death, given up
+            with pytest.raises(MeshError, match="not run"):
+                m.run("rank", timeout=WAIT)
+        finally:
+            os.unlink(flag)
+    err = capfd.readouterr().err
+    assert "rank 1 died 3 times within 60 s (restart_limit 2)" in err, err
+    assert "note: rank 1 died (signal SIGKILL) and was restarted" not in err, err
+
+
+def test_a_replacement_on_a_split_mesh_says_it_joined_its_sub_meshs_group(capfd: pytest.CaptureFixture) -> None:
+    with Mesh(4, on_rank_death="restart", start_timeout=WAIT, oversubscribe=True) as m:
+        a, b = m.split(2)
+        old = kill(m, 3)
+        assert b.run("t = torch.ones(1); dist.all_reduce(t); t.item()", timeout=WAIT) == {0: 2.0, 1: 2.0}
+        assert m.status()[3]["pid"] != old[3]
+        assert a.run("rank") == {0: 0, 1: 1}
+    err = capfd.readouterr().err
+    assert "joined a fresh process group with the others of its sub-mesh" in err, err
+
+
 def _frames(frame: object) -> list:
     out = []
     while frame is not None:
