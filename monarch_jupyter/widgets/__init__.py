@@ -31,7 +31,7 @@ __all__ = ["status_view", "cell_view", "choose_mode", "monitor_for", "MeshMonito
 
 MODES = ("auto", "widget", "text", "off")
 LIVE_STATUS_VIEWS = 3  # `%mesh status` dashboards of one mesh that keep updating
-LIVE_CELL_VIEWS = 20  # finished cells of one mesh whose live widget stays (rank tabs); older ones turn static
+LIVE_CELL_VIEWS = 20  # finished cells of this kernel whose live widget stays (rank tabs); older ones turn static
 
 
 def frontend_watches() -> bool:
@@ -194,20 +194,24 @@ def cell_view(mesh: Any, ranks: list[int] | None = None, *, mode: str = "auto", 
                              lines_kept=LINES_KEPT if lines_kept is None else lines_kept)
     view.show()
     view.start()
-    _retire_cell_views(monitor, view)
+    _retire_cell_views(view)
     return view
 
 
-def _retire_cell_views(monitor: MeshMonitor, view: Any) -> None:
-    """Keep the live widgets of the last ``LIVE_CELL_VIEWS`` cells that made one; older finished cells show their
-    final state as static HTML instead (``CellDashboardView.retire``): each live widget holds 6 widget models (a
-    comm each, in the kernel and in the browser), which a session of hundreds of cells would otherwise keep."""
-    kept = [v for v in monitor.cell_views if not v.retired and (v.widget_made is not None or not v.final)]
+_CELL_VIEWS: list[Any] = []  # cell views of this kernel that may hold a live widget, of every mesh (oldest first)
+
+
+def _retire_cell_views(view: Any) -> None:
+    """Keep the live widgets of the last ``LIVE_CELL_VIEWS`` cells of this kernel that made one, whatever mesh ran
+    them (a stopped mesh's too); older finished cells show their final state as static HTML instead
+    (``CellDashboardView.retire``): each live widget holds 6 widget models (a comm each, in the kernel and in the
+    browser), which a session of hundreds of cells would otherwise keep. Called from the thread that runs cells."""
+    kept = [v for v in _CELL_VIEWS if not v.retired and (v.widget_made is not None or not v.final)]
     made = [v for v in kept if v.widget_made is not None]
     for old in made[: max(0, len(made) - LIVE_CELL_VIEWS)]:
         if old.retire():
             kept.remove(old)
-    monitor.cell_views = [*kept, view]
+    _CELL_VIEWS[:] = [*kept, view]
 
 
 def status_view(mesh: Any, *, mode: str = "auto", fold_threshold: int = 16, note: str = "") -> Any:

@@ -146,7 +146,6 @@ class MeshMonitor:
         self.world_size = mesh.nproc
         self._ranks: dict[int, _Rank] = {}
         self.status_views: list[Any] = []  # live `%mesh status` views of this mesh (see widgets.status_view)
-        self.cell_views: list[Any] = []  # cell views that may hold a live widget (see widgets.cell_view)
         self._reset(mesh.status())
         self._handlers = {
             "started": self._on_started,

@@ -344,3 +344,37 @@ def test_only_the_last_cells_keep_a_live_widget(kernel):
     assert models[0] in closed
     # The last two cells (LIVE_CELL_VIEWS) keep theirs.
     assert all(WIDGET in updates[i][-1] for i in (2, 3)) and not {models[2], models[3]} & closed
+
+
+def test_the_cells_of_a_stopped_mesh_are_retired_too():
+    """The bound is the kernel's, not a mesh's: cells of a mesh that was stopped kept their widgets for the
+    session (helper-61). Its own kernel: it stops its mesh."""
+    from jupyter_client.manager import start_new_kernel
+
+    km, kc = start_new_kernel(kernel_name="python3", startup_timeout=60)
+    seen: list[dict] = []
+    try:
+        execute(kc, "%load_ext monarch\n%mesh start -n 2\nimport monarch_jupyter.widgets as _w\n_w.LIVE_CELL_VIEWS = 1")
+        first = execute(kc, "%%mesh\nimport time\nprint('old', rank)\ntime.sleep(0.6)")
+        shown = [m for m in first if m["msg_type"] == "display_data"]
+        assert shown, kinds(first)
+        display_id = shown[0]["content"]["transient"]["display_id"]
+        execute(kc, "%mesh stop\n%mesh start -n 2")
+        for i in range(2):
+            msg_id = kc.execute(f"%%mesh\nimport time\nprint('new {i}', rank)\ntime.sleep(0.6)", allow_stdin=True)
+            deadline = time.monotonic() + 60
+            while True:  # every message, also those under the first cell's parent (its retirement)
+                msg = kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+                seen.append(msg)
+                if (msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "status"
+                        and msg["content"]["execution_state"] == "idle"):
+                    break
+        static = [m["content"]["data"] for m in seen if m["msg_type"] == "update_display_data"
+                  and m["content"]["transient"]["display_id"] == display_id]
+        assert static and WIDGET not in static[-1] and "old 0" in static[-1]["text/html"], static
+    finally:
+        try:
+            execute(kc, "%mesh stop", timeout=30)
+        finally:
+            kc.stop_channels()
+            km.shutdown_kernel(now=False)
