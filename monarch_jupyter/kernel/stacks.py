@@ -197,12 +197,14 @@ class StackRequests:
         with state.lock:
             replies: dict[int, P.Stacks] = {}
             self._requests[request_id] = replies
-            asked = [r for r in chosen if state.ranks[r].state is not RankState.DEAD]
+            asked = {r: state.ranks[r] for r in chosen if state.ranks[r].state is not RankState.DEAD}
             for r in asked:
                 self.dispatcher.post(r, P.StacksRequest(request_id))
             deadline = time.monotonic() + timeout
-            try:
-                while len(replies) < len(asked) and time.monotonic() < deadline:
+            try:  # a rank that dies (or is replaced) meanwhile never answers: no wait for it
+                while time.monotonic() < deadline and any(
+                        r not in replies and state.ranks[r] is info and info.state is not RankState.DEAD
+                        for r, info in asked.items()):
                     state.cond.wait(0.05)
             finally:
                 self._requests.pop(request_id, None)

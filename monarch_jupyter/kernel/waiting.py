@@ -25,7 +25,15 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from ..errors import MeshError, MeshInterrupt, MeshTimeoutError, MonarchError, RemoteError, mesh_interrupt
+from ..errors import (
+    MeshError,
+    MeshInterrupt,
+    MeshTimeoutError,
+    MonarchError,
+    RankDiedError,
+    RemoteError,
+    mesh_interrupt,
+)
 from ..ranks import RankMap, format_ranks, plural, ranks_text
 from .cells import CellHandle, CellTable
 from .config import check_timeout
@@ -384,6 +392,8 @@ class Waiter:
                          f"still runs there, and {plural(queued, 'they skip', 'it skips')} this one")
         self.interrupt_cell(rec)
         with state.lock:
+            # A rank that died meanwhile (often why the others waited) is a failure, named first, not a late rank.
+            late = [r for r in late if not isinstance(rec.errors.get(r), RankDiedError)]
             errors: dict[int, MonarchError] = {}
             for r in rec.ranks:
                 e = rec.errors.get(r)

@@ -481,6 +481,22 @@ def test_timeout_reports_grouped_stacks_and_releases_the_ranks_that_wait(healthy
     assert_recovered(mesh, kept=[0, 1, 2])
 
 
+def test_a_rank_that_dies_as_the_cell_times_out_is_named_as_the_failure(healthy: Mesh) -> None:
+    """The timeout asks every rank where it is; a rank that died meanwhile never answers. The cell waited the whole
+    5 s for it and said "did not finish ... on ranks 0-3" without the death (helper-61: a kill within ms of the
+    timeout). Here rank 1 holds the GIL (its I/O thread cannot answer) until a shell kills it, after the timeout."""
+    mesh = healthy
+    code = ("import os, subprocess, time\nif rank == 1:\n"
+            "    subprocess.Popen(['sh', '-c', f'sleep 2; kill -9 {os.getpid()}'])\n"
+            "    sum(range(10**12))  # C code holding the GIL: the rank answers nothing until it is killed\n"
+            "else:\n    time.sleep(60)\n")
+    with pytest.raises(MeshTimeoutError) as info:
+        mesh.run(code, timeout=1.0)
+    e = info.value
+    assert isinstance(e.errors[1], RankDiedError) and e.failed == [1] and 1 not in e.late, (e.failed, e.late)
+    assert "first failure: [rank1] died (signal SIGKILL)" in str(e), str(e)
+
+
 def test_stacks_and_interrupt_while_an_async_cell_runs(healthy: Mesh) -> None:
     mesh = healthy
     handle = mesh.run("import time\nfor i in range(600):\n    time.sleep(1)\n", block=False)
