@@ -9,9 +9,11 @@ stdin off): one display at the cell's end. Either way the final ``text/plain`` h
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import re
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -30,8 +32,9 @@ PLAIN = "mesh cell on ranks 0,1"
 WIDGET = "application/vnd.jupyter.widget-view+json"
 
 
-@pytest.fixture(scope="module")
-def kernel():
+@contextlib.contextmanager
+def own_kernel() -> Iterator:
+    """A fresh kernel's client; its mesh is stopped and the kernel shut down at the end."""
     from jupyter_client.manager import start_new_kernel
 
     km, kc = start_new_kernel(kernel_name="python3", startup_timeout=60)
@@ -43,6 +46,25 @@ def kernel():
         finally:
             kc.stop_channels()
             km.shutdown_kernel(now=False)
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    with own_kernel() as kc:
+        yield kc
+
+
+def execute_seeing_all(kc, code: str, seen: list[dict], timeout: float = 60.0) -> str:
+    """Run ``code``; append every IOPub message to ``seen`` until it is idle, also those sent under an earlier
+    cell's parent (a retired view's update); returns the request's msg_id."""
+    msg_id = kc.execute(code, allow_stdin=True)
+    deadline = time.monotonic() + timeout
+    while True:
+        msg = kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+        seen.append(msg)
+        if (msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "status"
+                and msg["content"]["execution_state"] == "idle"):
+            return msg_id
 
 
 def execute(kc, code: str, timeout: float = 60.0, allow_stdin: bool = True, errors: bool = True) -> list[dict]:
@@ -102,10 +124,7 @@ def test_a_cell_that_outlives_defer_gets_the_live_widget_even_when_the_ticker_is
     at DEFER gets the live widget (its rank tabs), made at its end if the ticker has not made it by then. The ticker
     is held asleep here (its own kernel: it stays asleep), so the cell ends first; were it to tick anyway, the
     widget would be there all the same."""
-    from jupyter_client.manager import start_new_kernel
-
-    km, kc = start_new_kernel(kernel_name="python3", startup_timeout=60)
-    try:
+    with own_kernel() as kc:
         execute(kc, "%load_ext monarch")
         execute(kc, "%mesh start -n 2")
         execute(kc, "import time\nimport monarch_jupyter.widgets.view as _view\n_view.TICK = 3600.0\ntime.sleep(1.0)")
@@ -118,12 +137,6 @@ def test_a_cell_that_outlives_defer_gets_the_live_widget_even_when_the_ticker_is
                   "comm_msg") and "titles" in m["content"]["data"].get("state", {})]
         assert ("all ranks", "rank 0", "rank 1") in titles, titles  # the tab strip, a tab per rank
         assert sorted(last_view(msgs)["text/plain"].splitlines()[1:]) == ["[rank0]: ran 0", "[rank1]: ran 1"]
-    finally:
-        try:
-            execute(kc, "%mesh stop", timeout=30)
-        finally:
-            kc.stop_channels()
-            km.shutdown_kernel(now=False)
 
 
 def test_output_shows_once_in_the_view_and_flat_in_its_text_plain(kernel):
@@ -320,15 +333,7 @@ def test_only_the_last_cells_keep_a_live_widget(kernel):
     try:
         firsts = []
         for i in range(4):  # each runs past DEFER: a live widget
-            msg_id = kernel.execute(f"%%mesh\nimport time\nprint('cell {i}', rank)\ntime.sleep(0.6)",
-                                    allow_stdin=True)
-            deadline = time.monotonic() + 60
-            while True:  # every message, also those sent under an earlier cell's parent (the retired view's)
-                msg = kernel.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
-                seen.append(msg)
-                if (msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "status"
-                        and msg["content"]["execution_state"] == "idle"):
-                    break
+            msg_id = execute_seeing_all(kernel, f"%%mesh\nimport time\nprint('cell {i}', rank)\ntime.sleep(0.6)", seen)
             firsts.append([m for m in seen if m["msg_type"] == "display_data"
                            and m["parent_header"].get("msg_id") == msg_id][0]["content"])
     finally:
@@ -349,11 +354,8 @@ def test_only_the_last_cells_keep_a_live_widget(kernel):
 def test_the_cells_of_a_stopped_mesh_are_retired_too():
     """The bound is the kernel's, not a mesh's: cells of a mesh that was stopped kept their widgets for the
     session (helper-61). Its own kernel: it stops its mesh."""
-    from jupyter_client.manager import start_new_kernel
-
-    km, kc = start_new_kernel(kernel_name="python3", startup_timeout=60)
     seen: list[dict] = []
-    try:
+    with own_kernel() as kc:
         execute(kc, "%load_ext monarch\n%mesh start -n 2\nimport monarch_jupyter.widgets as _w\n_w.LIVE_CELL_VIEWS = 1")
         first = execute(kc, "%%mesh\nimport time\nprint('old', rank)\ntime.sleep(0.6)")
         shown = [m for m in first if m["msg_type"] == "display_data"]
@@ -361,20 +363,7 @@ def test_the_cells_of_a_stopped_mesh_are_retired_too():
         display_id = shown[0]["content"]["transient"]["display_id"]
         execute(kc, "%mesh stop\n%mesh start -n 2")
         for i in range(2):
-            msg_id = kc.execute(f"%%mesh\nimport time\nprint('new {i}', rank)\ntime.sleep(0.6)", allow_stdin=True)
-            deadline = time.monotonic() + 60
-            while True:  # every message, also those under the first cell's parent (its retirement)
-                msg = kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
-                seen.append(msg)
-                if (msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "status"
-                        and msg["content"]["execution_state"] == "idle"):
-                    break
-        static = [m["content"]["data"] for m in seen if m["msg_type"] == "update_display_data"
-                  and m["content"]["transient"]["display_id"] == display_id]
-        assert static and WIDGET not in static[-1] and "old 0" in static[-1]["text/html"], static
-    finally:
-        try:
-            execute(kc, "%mesh stop", timeout=30)
-        finally:
-            kc.stop_channels()
-            km.shutdown_kernel(now=False)
+            execute_seeing_all(kc, f"%%mesh\nimport time\nprint('new {i}', rank)\ntime.sleep(0.6)", seen)
+    static = [m["content"]["data"] for m in seen if m["msg_type"] == "update_display_data"
+              and m["content"]["transient"]["display_id"] == display_id]
+    assert static and WIDGET not in static[-1] and "old 0" in static[-1]["text/html"], static
