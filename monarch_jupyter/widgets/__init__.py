@@ -208,7 +208,7 @@ def _retire_cell_views(view: Any) -> None:
     browser), which a session of hundreds of cells would otherwise keep. Called from the thread that runs cells."""
     kept = [v for v in _CELL_VIEWS if not v.retired and (v.widget_made is not None or not v.final)]
     made = [v for v in kept if v.widget_made is not None]
-    for old in made[: max(0, len(made) - LIVE_CELL_VIEWS)]:
+    for old in made[: max(0, len(made) - LIVE_CELL_VIEWS + 1)]:  # room for ``view``'s own (21 were kept: helper-63)
         if old.retire():
             kept.remove(old)
     _CELL_VIEWS[:] = [*kept, view]
