@@ -86,8 +86,12 @@ def flag(tmp_path: object) -> str:
 @pytest.mark.parametrize("where", ["step", "allreduce"])
 def test_a_rank_sigkilled_at_a_known_step_heals_from_its_peer_and_trains_on(flag: str, where: str) -> None:
     """``allreduce``: the survivor's allreduce fails; torchft's managed future is never completed then, and DDP's
-    reducer waited for it inside backward forever (bench_elastic's 4-rank runs stalled there)."""
-    with Mesh(2, on_rank_death="restart", torchft=True, start_timeout=WAIT) as m:
+    reducer waited for it inside backward forever (bench_elastic's 4-rank runs stalled there).
+
+    min_replicas 2: after the death rank 0 waits in the next quorum for the replacement, which then heals from its
+    live state. With torchft's default of 1 rank 0 trained on alone, and under load (scripts/stress.sh) it finished
+    all 60 steps before the replacement came, which then started from step 0 with no peer to heal from."""
+    with Mesh(2, on_rank_death="restart", torchft=True, torchft_min_replicas=2, start_timeout=WAIT) as m:
         lighthouse = m.parts.lighthouse.proc
         assert lighthouse is not None and lighthouse.poll() is None
         env = m.run("import os\n{k: os.environ.get(k) for k in ('TORCHFT_LIGHTHOUSE', 'REPLICA_GROUP_ID', "
